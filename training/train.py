@@ -308,6 +308,25 @@ def build_datasets(data_args: DataArguments, train_args: TrainingArguments, toke
 # --------------------------------------------------------------------------------------------------------------------
 # Trainer
 # --------------------------------------------------------------------------------------------------------------------
+def stream_inputs(inputs: dict) -> dict:
+    """A streamed batch ready for the cached forward: right padding (a document's last segment) keeps its ``-100``
+    labels but loses its ``attention_mask``.
+
+    A continued (cached) forward cannot honour padding, and need not here: the model is causal, so right padding
+    never changes the real tokens' outputs, and the row's next segment starts a new document, whose ``doc_start``
+    resets the row's cache (``BSTCache.reset_rows``) before the padded state is ever read. Padding anywhere but at
+    the right end is an error."""
+    mask = inputs.get("attention_mask")
+    if mask is None or bool(mask.all()):
+        return inputs
+    if bool((mask[:, 1:] > mask[:, :-1]).any()):
+        raise ValueError("streamed segments may only be padded on the right (a document's last segment)")
+    labels = inputs.get("labels")
+    if labels is not None and bool((labels[mask == 0] != -100).any()):
+        raise ValueError("padding positions of a streamed segment must have label -100")
+    return {k: v for k, v in inputs.items() if k != "attention_mask"}
+
+
 class BSTTrainer(Trainer):
     """``Trainer`` with SSM parameter groups and optional segment streaming (cache carried across batches)."""
 
@@ -345,7 +364,7 @@ class BSTTrainer(Trainer):
         cache = self._stream_cache
         if cache is not None and doc_start is not None:
             cache.reset_rows(doc_start)
-        inputs = dict(inputs, past_key_values=cache, use_cache=True)
+        inputs = dict(stream_inputs(inputs), past_key_values=cache, use_cache=True)
         loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
         new_cache = outputs.past_key_values
         self._stream_cache = new_cache.detach() if hasattr(new_cache, "detach") else new_cache

