@@ -284,9 +284,9 @@ def run_all(corpora, models, seed: int, jobs: int, max_steps: int | None) -> Non
 # --------------------------------------------------------------------------------------------------------------------
 # Report
 # --------------------------------------------------------------------------------------------------------------------
-def load_results() -> dict[tuple[str, str], dict]:
+def load_results(results_dir: Path = RESULTS) -> dict[tuple[str, str], dict]:
     out = {}
-    for path in sorted(RESULTS.glob("*.json")):
+    for path in sorted(Path(results_dir).glob("*.json")):
         r = json.loads(path.read_text())
         out[(r["corpus"], r["model"])] = r
     return out
@@ -326,13 +326,16 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def report(write_docs: bool = True) -> str:
+def report(results_dir: Path = RESULTS, docs: Path | None = ROOT / "docs" / "results.md") -> str:
+    """The Table-1-style table and the length-generalisation table + plot (``docs/results/lm_quality.png``) from the
+    run JSONs; written into the ``lm_quality`` section of ``docs`` (None: only returned)."""
     from benchmarks.docs_section import cpu_name, write_section
 
-    results = load_results()
+    results = load_results(results_dir)
     if not results:
-        raise SystemExit(f"no results under {RESULTS}; run `python -m experiments.lm_quality run` first")
-    png = ROOT / "docs" / "results" / "lm_quality.png"
+        raise SystemExit(f"no results under {results_dir}; run `python -m experiments.lm_quality run` first")
+    docs_dir = (docs or ROOT / "docs" / "results.md").parent
+    png = docs_dir / "results" / "lm_quality.png"
     plot(results, png)
     head = "| Model | Params | " + " | ".join(f"{c} bpb | {c} ppl" for c in CORPORA) + " | s/step |"
     lines = [head, "|" + "---|" * (2 + 2 * len(CORPORA) + 1)]
@@ -351,6 +354,8 @@ def report(write_docs: bool = True) -> str:
                 rel = f" ({100 * (bpb / _at(slide[c], 512, 'bits_per_byte') - 1):+.1f}%)"
             cells += [f"{bpb:.4f}{rel}", f"{ppl:.2f}"]
             speeds.append(r["train"]["seconds_per_step"])
+        if params is None:  # not run on any corpus
+            continue
         step = f"{sum(speeds) / len(speeds):.2f}" if speeds else "–"
         lines.append(f"| {LABELS[model]} | {params / 1e6:.2f}M | " + " | ".join(cells) + f" | {step} |")
     gen = ["| Model | corpus | " + " | ".join(f"L={n}" for n in LENGTHS) + " |", "|---|---|" + "---|" * len(LENGTHS)]
@@ -380,13 +385,13 @@ def report(write_docs: bool = True) -> str:
             "",
             "Length generalisation (test bits per byte at 1/8x, 1x, 4x, 16x the training length):",
             "",
-            f"![length generalisation]({png.relative_to(ROOT / 'docs').as_posix()})",
+            f"![length generalisation]({png.relative_to(docs_dir).as_posix()})",
             "",
             *gen,
         ]
     )
-    if write_docs:
-        write_section("lm_quality", text.split("\n"), ROOT / "docs" / "results.md")
+    if docs is not None:
+        write_section("lm_quality", text.split("\n"), docs)
     print(text)
     return text
 
