@@ -355,7 +355,8 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
         return q2 * self.cross_scale.to(q2.dtype)[:, None]
 
     def _mlp(self, h):
-        return h + self.dropout(self.down_proj(F.relu(self.up_proj(self.post_attention_norm(h)))))
+        # In-place ReLU on the fresh up_proj output (its backward needs only the ReLU output).
+        return h + self.dropout(self.down_proj(F.relu(self.up_proj(self.post_attention_norm(h)), inplace=True)))
 
     # -- forward ---------------------------------------------------------------------------------------------------
     def forward(
@@ -415,9 +416,10 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
             vcat = torch.cat([vprev, vb], 2).view(bsz * nb, 2 * w, heads, hd).transpose(1, 2)
             mask = self._self_mask(w, q.dtype, q.device)  # (1, H, W, 2W)
             drop = cfg.attention_dropout if self.training else 0.0
-            if continued_all:
-                a_self = self._attend(qb, kcat, vcat, mask, drop)
-            else:
+            # One SDPA call over all blocks; unless every row continues a cached block, block 0 (whose previous
+            # block is absent or partly masked) is recomputed below and replaces the first block of the output.
+            a_self = self._attend(qb, kcat, vcat, mask, drop)
+            if not continued_all:
                 q_blocks = qb.view(bsz, nb, heads, w, hd)
                 k_blocks = kcat.view(bsz, nb, heads, 2 * w, hd)
                 v_blocks = vcat.view(bsz, nb, heads, 2 * w, hd)
@@ -436,17 +438,7 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
                     # The first token of a document has no previous token: zero output (meliad safe softmax).
                     keep = (~empty_first).to(a_first.dtype)[:, None, None, None]
                     a_first = torch.cat([a_first[:, :1] * keep, a_first[:, 1:]], 1)
-                if nb > 1:
-                    a_rest = self._attend(
-                        q_blocks[:, 1:].reshape(-1, heads, w, hd),
-                        k_blocks[:, 1:].reshape(-1, heads, 2 * w, hd),
-                        v_blocks[:, 1:].reshape(-1, heads, 2 * w, hd),
-                        mask,
-                        drop,
-                    )
-                    a_self = torch.cat([a_first[:, None], a_rest.view(bsz, nb - 1, w, heads, hd)], 1)
-                else:
-                    a_self = a_first[:, None]
+                a_self = torch.cat([a_first[:, None], a_self.view(bsz, nb, w, heads, hd)[:, 1:]], 1)
         a_self = a_self.reshape(bsz, seq_len, heads * hd)
 
         # 3. Cross-attention to context states (BST) or to the recurrent state (BRecT)

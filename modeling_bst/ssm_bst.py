@@ -54,6 +54,11 @@ def fft_bidirectional_conv(u: torch.Tensor, k_fwd: torch.Tensor, k_bwd: torch.Te
     return torch.fft.irfft(u_f.unsqueeze(1) * k_f.unsqueeze(0), n=2 * length)[..., :length]
 
 
+def fold_skip(k: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+    """``k`` `(C, Ds, L)` with ``skip`` `(C, Ds)` added to its lag-0 tap: ``conv(u, k) + skip * u`` in one convolution."""
+    return torch.cat([k[..., :1] + skip.unsqueeze(-1), k[..., 1:]], -1)
+
+
 def vandermonde_powers(log_a: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
     """``exp(log_a[..., None] * exponents)``: powers of the diagonal state matrix. `(Ds, N2)` -> `(Ds, N2, len)`."""
     arg = log_a.unsqueeze(-1) * exponents.to(log_a.real.dtype)
@@ -180,13 +185,13 @@ class S4DKernel(nn.Module):
             length = z.shape[1]
             dt_a, d_b = self.discretize()
             u = z.transpose(1, 2)  # (B, Ds, L)
-            k = self.kernel(length, dt_a, d_b)
+            # The D skip is the lag-0 tap: folded into the kernel, one pass over the (B, C, Ds, L) output fewer.
+            k = fold_skip(self.kernel(length, dt_a, d_b), self.D.to(z.dtype))
             if self.bidirectional:
                 k_bwd = self.kernel(length, dt_a, d_b, backward=True)
                 y = fft_bidirectional_conv(u, k, k_bwd)
             else:
                 y = fft_causal_conv(u, k)  # (B, C, Ds, L)
-            y = y + self.D.to(z.dtype)[None, :, :, None] * u.unsqueeze(1)
             if state is not None:
                 # Free response to the carried state: 2 Re(C Abar^{t+1} x0).
                 coeff = self.output_matrix()[None] * state[:, None]  # (B, C, Ds, N2)
@@ -220,9 +225,13 @@ class S4DKernel(nn.Module):
             bsz, length, _ = z.shape
             nb = length // block_len
             dt_a, d_b = self.discretize()
-            zb = z.view(bsz, nb, block_len, self.channels).to(dt_a.dtype)  # (B, nb, W, Ds)
             powers = vandermonde_powers(dt_a, torch.arange(block_len - 1, -1, -1, device=z.device))  # (Ds, N2, W)
-            x = torch.einsum("bkwh,hnw->bkhn", zb, powers) * d_b  # (B, nb, Ds, N2) local block states
+            # Local block states sum_w Abar^(W-1-w) z_w as one real batched matmul over channels (a complex einsum
+            # would promote z to complex and copy every channel slice): (Ds, B*nb, W) @ (Ds, W, 2*N2).
+            zt = z.reshape(bsz * nb, block_len, self.channels).permute(2, 0, 1)
+            pw = torch.view_as_real(powers).permute(0, 2, 1, 3).reshape(self.channels, block_len, 2 * self.n_modes)
+            x = torch.view_as_complex(torch.bmm(zt, pw).view(self.channels, bsz * nb, self.n_modes, 2).contiguous())
+            x = x.permute(1, 0, 2).reshape(bsz, nb, self.channels, self.n_modes) * d_b  # (B, nb, Ds, N2)
             if state is not None:
                 x = torch.cat([x[:, :1] + (torch.exp(dt_a * block_len) * state).unsqueeze(1), x[:, 1:]], 1)
             # Hillis-Steele scan: x_b <- x_b + Abar^{dW} x_{b-d} for d = 1, 2, 4, ...
@@ -332,11 +341,12 @@ class UnstructFilter(nn.Module):
             # Lags beyond the filter length have no taps (callers keep real positions below max_len).
             h = self.filters(min(total, self.max_len))
             h = F.pad(h, (0, total - h.shape[-1]))
+            bias = self.bias.to(dtype)
             if self.bidirectional:
-                y = fft_bidirectional_conv(u, h[0], h[1])
+                y = fft_bidirectional_conv(u, fold_skip(h[0], bias), h[1])
             else:
-                y = fft_causal_conv(u, h)  # (B, C, Ds, L')
-            y = y[..., -length:] + self.bias.to(dtype)[None, :, :, None] * u[:, None, :, -length:]
+                y = fft_causal_conv(u, fold_skip(h, bias))  # (B, C, Ds, L')
+            y = y[..., -length:]
             return y.permute(0, 3, 1, 2)
 
     def step(self, history: torch.Tensor, taps: torch.Tensor | None = None, seen: int | None = None) -> torch.Tensor:
