@@ -62,6 +62,13 @@ MODELS = {
     "bst-mf-unstruct": ("bst-tiny-mf-unstruct", ["--model_overrides", '{"max_position_embeddings": 8192}']),
     "gss-hybrid": ("gss-hybrid-tiny", []),
 }
+MAIN = tuple(MODELS)
+# Paper Table 5: SSM state size N of BST:SH:S4 (16 is the main run), and investigations of the SSM's settings.
+for n in (8, 32, 64):
+    MODELS[f"bst-sh-s4-n{n}"] = ("bst-tiny-sh-s4", ["--model_overrides", json.dumps({"ssm_state_size": n})])
+ABLATIONS = {
+    "ssm_state_size": ["bst-sh-s4-n8", "bst-sh-s4", "bst-sh-s4-n32", "bst-sh-s4-n64"],
+}
 LABELS = {
     "slide": "Slide:4L",
     "trsf-xl": "Trsf-XL:256",
@@ -72,6 +79,7 @@ LABELS = {
     "bst-sh-unstruct": "BST:SH:unstruct",
     "bst-mf-unstruct": "BST:MF:unstruct",
     "gss-hybrid": "GSS-Hybrid",
+    **{f"bst-sh-s4-n{n}": f"BST:SH:S4 N={n}" for n in (8, 32, 64)},
 }
 BOOK_SPLITS = {"sherlock-holmes": "test"}  # more-books not listed here are training books
 EVAL_DOCS = 4  # held-out documents per corpus
@@ -340,7 +348,7 @@ def report(results_dir: Path = RESULTS, docs: Path | None = ROOT / "docs" / "res
     head = "| Model | Params | " + " | ".join(f"{c} bpb | {c} ppl" for c in CORPORA) + " | s/step |"
     lines = [head, "|" + "---|" * (2 + 2 * len(CORPORA) + 1)]
     slide = {c: results.get((c, "slide")) for c in CORPORA}
-    for model in MODELS:
+    for model in MAIN:
         cells, params, speeds = [], None, []
         for c in CORPORA:
             r = results.get((c, model))
@@ -360,7 +368,7 @@ def report(results_dir: Path = RESULTS, docs: Path | None = ROOT / "docs" / "res
         lines.append(f"| {LABELS[model]} | {params / 1e6:.2f}M | " + " | ".join(cells) + f" | {step} |")
     gen = ["| Model | corpus | " + " | ".join(f"L={n}" for n in LENGTHS) + " |", "|---|---|" + "---|" * len(LENGTHS)]
     for c in CORPORA:
-        for model in MODELS:
+        for model in MAIN:
             r = results.get((c, model))
             if r is None:
                 continue
@@ -368,6 +376,22 @@ def report(results_dir: Path = RESULTS, docs: Path | None = ROOT / "docs" / "res
             gen.append(
                 f"| {LABELS[model]} | {c} | " + " | ".join("–" if v is None else f"{v:.4f}" for v in vals) + " |"
             )
+    abl = []
+    for study, names in ABLATIONS.items():
+        for c in CORPORA:
+            rows = [(n, results.get((c, n))) for n in names]
+            if sum(r is not None for _, r in rows) < 2:
+                continue
+            if not abl:
+                abl = ["| study | corpus | model | bpb L=512 | bpb L=8192 | s/step |", "|---|---|---|---|---|---|"]
+            for n, r in rows:
+                if r is not None:
+                    b1, b16 = _at(r, 512, "bits_per_byte"), _at(r, 8192, "bits_per_byte")
+                    abl.append(
+                        f"| {study} | {c} | {LABELS[n]} | {b1:.4f} | "
+                        + ("–" if b16 is None else f"{b16:.4f}")
+                        + f" | {r['train']['seconds_per_step']:.2f} |"
+                    )
     any_r = next(iter(results.values()))
     seeds = sorted({r["seed"] for r in results.values()})
     text = "\n".join(
@@ -388,6 +412,12 @@ def report(results_dir: Path = RESULTS, docs: Path | None = ROOT / "docs" / "res
             f"![length generalisation]({png.relative_to(docs_dir).as_posix()})",
             "",
             *gen,
+            *(
+                ["", "Ablations (paper Table 5 at CPU scale; s/step measured with two runs sharing the machine):", ""]
+                + abl
+                if abl
+                else []
+            ),
         ]
     )
     if docs is not None:
@@ -401,7 +431,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("command", choices=["prepare", "run", "report", "all"])
     p.add_argument("--data_root", default=str(ROOT.parent / "shared" / "data"), help="folder with more-books/ etc.")
     p.add_argument("--corpora", nargs="+", default=list(CORPORA), choices=CORPORA)
-    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--models", nargs="+", default=list(MAIN), choices=list(MODELS), help="default: the Table-1 set")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=2, help="runs in parallel (one thread each)")
     p.add_argument("--max_steps", type=int, default=None, help="override the recipe's step count")

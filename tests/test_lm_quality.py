@@ -62,3 +62,13 @@ def test_report_table_relative_to_slide(tmp_path):
     assert "<!-- lm_quality:start -->" in docs.read_text() and "# Results" in docs.read_text()
     gen = next(line for line in text.splitlines() if line.startswith("| BST:SH:S4 | books |"))
     assert gen.split("|")[3:7] == [" 1.8000 ", " 1.8100 ", " 1.8200 ", " 1.8300 "]
+
+
+def test_report_ablation_table(tmp_path):
+    res = tmp_path / "runs"
+    res.mkdir()
+    for model, bpb in (("bst-sh-s4", 1.8), ("bst-sh-s4-n8", 1.9)):
+        (res / f"books-{model}.json").write_text(json.dumps(_fake("books", model, bpb)))
+    text = Q.report(res, None)
+    assert "| ssm_state_size | books | BST:SH:S4 N=8 | 1.9100 | 1.9300 | 0.50 |" in text
+    assert "N=8 | 1.50M" not in text  # ablations stay out of the main table
