@@ -66,8 +66,10 @@ MAIN = tuple(MODELS)
 # Paper Table 5: SSM state size N of BST:SH:S4 (16 is the main run), and investigations of the SSM's settings.
 for n in (8, 32, 64):
     MODELS[f"bst-sh-s4-n{n}"] = ("bst-tiny-sh-s4", ["--model_overrides", json.dumps({"ssm_state_size": n})])
+MODELS["bst-sh-s4-ssmlr"] = ("bst-tiny-sh-s4", ["--ssm_lr", "5e-3"])  # SSM at the model's learning rate
 ABLATIONS = {
     "ssm_state_size": ["bst-sh-s4-n8", "bst-sh-s4", "bst-sh-s4-n32", "bst-sh-s4-n64"],
+    "ssm_lr": ["bst-sh-s4", "bst-sh-s4-ssmlr"],
 }
 LABELS = {
     "slide": "Slide:4L",
@@ -80,6 +82,7 @@ LABELS = {
     "bst-mf-unstruct": "BST:MF:unstruct",
     "gss-hybrid": "GSS-Hybrid",
     **{f"bst-sh-s4-n{n}": f"BST:SH:S4 N={n}" for n in (8, 32, 64)},
+    "bst-sh-s4-ssmlr": "BST:SH:S4 ssm_lr=5e-3",
 }
 BOOK_SPLITS = {"sherlock-holmes": "test"}  # more-books not listed here are training books
 EVAL_DOCS = 4  # held-out documents per corpus
