@@ -347,7 +347,8 @@ def report(results_dir: Path = RESULTS, docs: Path | None = ROOT / "docs" / "res
         raise SystemExit(f"no results under {results_dir}; run `python -m experiments.lm_quality run` first")
     docs_dir = (docs or ROOT / "docs" / "results.md").parent
     png = docs_dir / "results" / "lm_quality.png"
-    plot(results, png)
+    if docs is not None:  # only-returned reports leave the committed plot alone
+        plot(results, png)
     head = "| Model | Params | " + " | ".join(f"{c} bpb | {c} ppl" for c in CORPORA) + " | s/step |"
     lines = [head, "|" + "---|" * (2 + 2 * len(CORPORA) + 1)]
     slide = {c: results.get((c, "slide")) for c in CORPORA}
