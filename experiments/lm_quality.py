@@ -84,6 +84,7 @@ LABELS = {
     **{f"bst-sh-s4-n{n}": f"BST:SH:S4 N={n}" for n in (8, 32, 64)},
     "bst-sh-s4-ssmlr": "BST:SH:S4 ssm_lr=5e-3",
 }
+SPLITS = ("train", "validation", "test")
 BOOK_SPLITS = {"sherlock-holmes": "test"}  # more-books not listed here are training books
 EVAL_DOCS = 4  # held-out documents per corpus
 EVAL_TOKENS = 32768  # scored tokens per document (the same span at every length)
@@ -92,17 +93,6 @@ EVAL_TOKENS = 32768  # scored tokens per document (the same span at every length
 # --------------------------------------------------------------------------------------------------------------------
 # Corpora
 # --------------------------------------------------------------------------------------------------------------------
-def _write(rows_by_split: dict[str, list[dict]], out: Path) -> dict[str, int]:
-    out.mkdir(parents=True, exist_ok=True)
-    for split, rows in rows_by_split.items():
-        tmp = out / f".{split}.jsonl.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        os.replace(tmp, out / f"{split}.jsonl")
-    return {s: len(r) for s, r in rows_by_split.items()}
-
-
 def _cap_train(rows: list[dict], max_bytes: int) -> list[dict]:
     kept, total = [], 0
     for row in rows:
@@ -114,14 +104,22 @@ def _cap_train(rows: list[dict], max_bytes: int) -> list[dict]:
     return kept
 
 
+def _hash_splits(rows: list[dict], max_train_mb: float) -> dict[str, list[dict]]:
+    """Split by a hash of the title (5% validation, 10% test); training documents capped at ``max_train_mb``."""
+    from training import corpora as C
+
+    splits = {s: [] for s in SPLITS}
+    for row in rows:
+        splits[C.split_of(row["title"], validation=0.05, test=0.1)].append(row)
+    splits["train"] = _cap_train(splits["train"], int(max_train_mb * 2**20))
+    return splits
+
+
 def book_corpus(data_root: Path | None) -> dict[str, list[dict]]:
     from training import corpora as C
     from training import data as D
 
-    splits = {"train": [], "validation": [], "test": []}
-    for stem, title, _year, _id, split in D.EMBEDDED_BOOKS:
-        with lzma.open(D.EMBEDDED_DIR / f"{stem}.txt.xz", "rt", encoding="utf-8") as f:
-            splits[split].append({"title": title, "text": f.read()})
+    splits = {s: [{"title": r["short_book_title"], "text": r["text"]} for r in D.embedded_books(s)] for s in SPLITS}
     more = data_root / "more-books" if data_root else None
     if more is not None and more.is_dir():
         for path in sorted(more.glob("*.txt.xz")):
@@ -159,11 +157,7 @@ def latex_corpus(data_root: Path | None, max_train_mb: float) -> dict[str, list[
 
         with tempfile.TemporaryDirectory() as tmp:
             rows = [{"title": r["meta"], "text": r["text"]} for r in C.latex_rows(C.texlive_roots(Path(tmp)))]
-    splits = {"train": [], "validation": [], "test": []}
-    for row in rows:
-        splits[C.split_of(row["title"], validation=0.05, test=0.1)].append(row)
-    splits["train"] = _cap_train(splits["train"], int(max_train_mb * 2**20))
-    return splits
+    return _hash_splits(rows, max_train_mb)
 
 
 def code_corpus(max_train_mb: float) -> dict[str, list[dict]]:
@@ -174,15 +168,12 @@ def code_corpus(max_train_mb: float) -> dict[str, list[dict]]:
         {"title": r["repo_name"], "text": r["text"]}
         for r in C.code_rows([(stdlib, "cpython/", "cpython/stdlib-misc")], max_doc_bytes=2**20)
     ]
-    splits = {"train": [], "validation": [], "test": []}
-    for row in rows:
-        splits[C.split_of(row["title"], validation=0.05, test=0.1)].append(row)
-    splits["train"] = _cap_train(splits["train"], int(max_train_mb * 2**20))
-    return splits
+    return _hash_splits(rows, max_train_mb)
 
 
 def prepare(data_root: str | None, max_train_mb: float = 12.0, vocab_size: int = 4096) -> dict:
     """Write ``runs/lm_quality/data/<corpus>/{train,validation,test}.jsonl`` and one BPE per corpus."""
+    from training import corpora as C
     from training import data as D
 
     root = Path(data_root) if data_root and Path(data_root).is_dir() else None
@@ -198,7 +189,7 @@ def prepare(data_root: str | None, max_train_mb: float = 12.0, vocab_size: int =
             splits = latex_corpus(root, max_train_mb)
         else:
             splits = code_corpus(max_train_mb)
-        counts = _write(splits, out)
+        counts = C.write_splits(({**r, "split": s} for s, rows in splits.items() for r in rows), out, key="title")
         tok = D.train_bpe_tokenizer((r["text"] for r in splits["train"]), vocab_size=vocab_size)
         tok.save_pretrained(str(WORK / "tokenizers" / corpus))
         mb = {s: round(sum(len(r["text"].encode()) for r in rows) / 2**20, 2) for s, rows in splits.items()}

@@ -230,7 +230,7 @@ class S4DKernel(nn.Module):
             # would promote z to complex and copy every channel slice): (Ds, B*nb, W) @ (Ds, W, 2*N2).
             zt = z.reshape(bsz * nb, block_len, self.channels).permute(2, 0, 1)
             pw = torch.view_as_real(powers).permute(0, 2, 1, 3).reshape(self.channels, block_len, 2 * self.n_modes)
-            x = torch.view_as_complex(torch.bmm(zt, pw).view(self.channels, bsz * nb, self.n_modes, 2).contiguous())
+            x = torch.view_as_complex(torch.bmm(zt, pw).view(self.channels, bsz * nb, self.n_modes, 2))
             x = x.permute(1, 0, 2).reshape(bsz, nb, self.channels, self.n_modes) * d_b  # (B, nb, Ds, N2)
             if state is not None:
                 x = torch.cat([x[:, :1] + (torch.exp(dt_a * block_len) * state).unsqueeze(1), x[:, 1:]], 1)
