@@ -57,7 +57,8 @@ out = sys.argv[1]
 s = json.load(open(f"{out}/train_summary.json"))
 e = json.load(open(f"{out}/eval.json"))
 losses = s["losses"]
-print(f"train: {len(losses)} logged losses, first {losses[0]:.3f} -> last {losses[-1]:.3f}; "
+trend = f"first {losses[0]:.3f} -> last {losses[-1]:.3f}" if losses else "none logged (fewer steps than logging_steps)"
+print(f"train: {len(losses)} logged losses, {trend}; "
       f"eval_loss {s['metrics'].get('eval_loss', float('nan')):.3f}; {s['wall_seconds']:.0f} s")
 for r in e["models"][0]["results"]:
     if "ppl_token" in r:
