@@ -57,9 +57,11 @@ class BSTLayerCache:
     doc_start: torch.Tensor | None = None
     # Not batched: unstruct filter taps memoised for decoding (parameters do not change while generating).
     ssm_taps: torch.Tensor | None = None
+    # Not batched: per-step constants (S4 step matrices, T5 bias per distance) keyed on the parameters' versions.
+    step_memo: dict | None = None
 
     def tensors(self):
-        unbatched = ("ssm_taps",)
+        unbatched = ("ssm_taps", "step_memo")
         return [
             (f.name, getattr(self, f.name))
             for f in fields(self)
@@ -177,7 +179,8 @@ class BSTCache:
             _, index, name = key.split(".", 2)
             if name not in names or not 0 <= int(index) < cache.num_layers:
                 raise ValueError(f"Unexpected tensor {key!r} in a saved BSTCache.")
-            setattr(cache.layers[int(index)], name, tensor)
+            # Fresh memory: decoding writes the ring buffers in place (loaded storage may be shared or read-only).
+            setattr(cache.layers[int(index)], name, tensor.clone())
         for layer in cache.layers:
             layer.doc_start = cache.doc_start
         return cache

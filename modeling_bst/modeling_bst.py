@@ -37,7 +37,7 @@ from transformers.utils import can_return_tuple
 
 from .cache_bst import BSTCache, BSTLayerCache, cache_signature
 from .configuration_bst import BSTConfig
-from .ssm_bst import S4DKernel, UnstructFilter
+from .ssm_bst import S4DKernel, UnstructFilter, memoised
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
@@ -105,6 +105,23 @@ class BSTRMSNorm(nn.Module):
         x32 = upcast(x)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * upcast(self.weight)).to(dtype)
+
+
+def _write_rows(buffer: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``buffer[rows, slots] = values``: in place when no gradient flows (decoding), else out of place (autograd)."""
+    if torch.is_grad_enabled() and (buffer.requires_grad or values.requires_grad):
+        return buffer.index_put((rows, slots), values)
+    return buffer.index_put_((rows, slots), values)
+
+
+def ssm_step_constants(ssm: S4DKernel, layer_cache: BSTLayerCache):
+    """[`S4DKernel.step_constants`], memoised in ``layer_cache`` while the SSM parameters are unchanged (decoding)."""
+    params = list(ssm.parameters())
+    if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+        return ssm.step_constants()  # training through the recurrent form: keep the graph to the parameters
+    if layer_cache.step_memo is None:
+        layer_cache.step_memo = {}
+    return memoised(layer_cache.step_memo, "ssm", (), params, ssm.step_constants)
 
 
 def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -651,12 +668,14 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
 
         # 1. Write this token's key/value into the ring, then attend over the W previous (or most recent) tokens
         slot = p.remainder(self.ring)
-        layer_cache.k = layer_cache.k.index_put((rows, slot), k[:, 0])
-        layer_cache.v = layer_cache.v.index_put((rows, slot), v[:, 0])
-        layer_cache.kpos = layer_cache.kpos.index_put((rows, slot), p)
+        layer_cache.k = _write_rows(layer_cache.k, rows, slot, k[:, 0])
+        layer_cache.v = _write_rows(layer_cache.v, rows, slot, v[:, 0])
+        layer_cache.kpos = _write_rows(layer_cache.kpos, rows, slot, p)
         rel = layer_cache.kpos - p[:, None]  # (B, R)
         valid = (layer_cache.kpos >= 0) & self._window_valid(rel)
-        bias = self._bias(rel).permute(0, 2, 1).to(q.dtype) * self.self_scale.to(q.dtype)[None, :, None]
+        # The ring holds distances 0 .. R-1 only: gather the scaled T5 bias from a per-distance table.
+        table = self._step_bias_table(layer_cache, q.dtype)  # (H, R), column j = distance j
+        bias = table[:, (-rel).clamp(0, self.ring - 1)].permute(1, 0, 2)  # (B, H, R)
         mask = torch.where(valid[:, None], bias, masked_fill_value(q.dtype))[:, :, None, :]  # (B, H, 1, R)
         a_self = self._attend(
             q.transpose(1, 2), layer_cache.k.transpose(1, 2), layer_cache.v.transpose(1, 2), mask, 0.0
@@ -700,6 +719,20 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
         attn = self.o_proj(torch.cat(outputs, -1))
         return self._mlp(hidden_states + attn)
 
+    def _step_bias_table(self, layer_cache, dtype):
+        """Scaled T5 bias per distance 0 .. R-1, `(H, R)`; memoised in the cache while the parameters are unchanged."""
+        params = (self.relative_bias.weight, self.self_scale)
+
+        def compute():
+            distances = -torch.arange(self.ring, device=self.self_scale.device)
+            return (self._bias(distances).to(dtype) * self.self_scale.to(dtype)).t().contiguous()
+
+        if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+            return compute()
+        if layer_cache.step_memo is None:
+            layer_cache.step_memo = {}
+        return memoised(layer_cache.step_memo, "bias", (dtype,), params, compute)
+
     def _context_step(self, xn, layer_cache, p):
         cfg, ctx = self.config, self.context
         bsz = xn.shape[0]
@@ -710,7 +743,7 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
         mf = ctx.mode == "mf"
         if cfg.ssm_kind == "s4":
             state = torch.view_as_complex(layer_cache.ssm_state)
-            y, state = ctx.ssm.step(z, state)  # (B, C, Ds)
+            y, state = ctx.ssm.step(z, state, ssm_step_constants(ctx.ssm, layer_cache))  # (B, C, Ds)
             layer_cache.ssm_state = torch.view_as_real(state).contiguous()
         else:
             if int(rp.max()) >= cfg.max_position_embeddings:
@@ -747,9 +780,9 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
             return layer_cache.ctx_k, layer_cache.ctx_v, None, None
         ck, cv = ctx.lift_and_project(y)  # (B, 1, H, d)
         slot = p.remainder(w)
-        layer_cache.ctx_k = layer_cache.ctx_k.index_put((rows, slot), ck[:, 0].to(layer_cache.ctx_k.dtype))
-        layer_cache.ctx_v = layer_cache.ctx_v.index_put((rows, slot), cv[:, 0].to(layer_cache.ctx_v.dtype))
-        layer_cache.ctx_pos = layer_cache.ctx_pos.index_put((rows, slot), p)
+        layer_cache.ctx_k = _write_rows(layer_cache.ctx_k, rows, slot, ck[:, 0].to(layer_cache.ctx_k.dtype))
+        layer_cache.ctx_v = _write_rows(layer_cache.ctx_v, rows, slot, cv[:, 0].to(layer_cache.ctx_v.dtype))
+        layer_cache.ctx_pos = _write_rows(layer_cache.ctx_pos, rows, slot, p)
         cpos = layer_cache.ctx_pos
         block_start = (p - rp.remainder(w))[:, None]
         upper = (cpos <= p[:, None]) if cfg.cross_mask == "inclusive" else (cpos < p[:, None])
@@ -788,7 +821,9 @@ class BSTGSSLayer(GradientCheckpointingLayer):
         if layer_cache is not None and positions is not None and hidden_states.shape[1] == 1:
             # Recurrent form
             state = torch.view_as_complex(layer_cache.ssm_state)
-            y, state = self.ssm.step(u[:, 0], state)  # (B, C=1, Ds): the single output channel is the time axis
+            y, state = self.ssm.step(
+                u[:, 0], state, ssm_step_constants(self.ssm, layer_cache)
+            )  # (B, C=1, Ds): the single output channel is the time axis
             layer_cache.ssm_state = torch.view_as_real(state).contiguous()
         else:
             # Full sequence form

@@ -25,6 +25,28 @@ def compute_dtype(param: torch.Tensor) -> torch.dtype:
     return torch.float64 if param.dtype == torch.float64 else torch.float32
 
 
+def causal_spectrum(k: torch.Tensor) -> torch.Tensor:
+    """Spectrum of a causal kernel ``k`` `(C, Ds, L)` for [`fft_conv`]: its rFFT of size 2L, `(C, Ds, L+1)`."""
+    return torch.fft.rfft(k, n=2 * k.shape[-1])
+
+
+def bidirectional_spectrum(k_fwd: torch.Tensor, k_bwd: torch.Tensor) -> torch.Tensor:
+    """Spectrum of the two-sided kernel (``k_fwd`` on lags 0..L-1, ``k_bwd`` on lags -1..-L) for [`fft_conv`]."""
+    length = k_fwd.shape[-1]
+    k = F.pad(k_fwd, (0, length)) + F.pad(k_bwd.flip(-1), (length, 0))  # (C, Ds, 2L): negative lags wrap around
+    return torch.fft.rfft(k, n=2 * length)
+
+
+def fft_conv(u: torch.Tensor, k_f: torch.Tensor) -> torch.Tensor:
+    """Convolution of ``u`` `(B, Ds, L)` with a kernel given by its size-2L spectrum ``k_f`` `(C, Ds, L+1)`.
+
+    Returns `(B, C, Ds, L)`.
+    """
+    length = u.shape[-1]
+    u_f = torch.fft.rfft(u, n=2 * length)  # (B, Ds, L+1)
+    return torch.fft.irfft(u_f.unsqueeze(1) * k_f.unsqueeze(0), n=2 * length)[..., :length]
+
+
 def fft_causal_conv(u: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Causal convolution ``y[..., t] = sum_{j<=t} k[..., j] u[..., t-j]`` via FFT of size n = 2L.
 
@@ -35,11 +57,7 @@ def fft_causal_conv(u: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     Returns:
         `torch.Tensor` of shape `(B, C, Ds, L)`.
     """
-    length = u.shape[-1]
-    n = 2 * length
-    u_f = torch.fft.rfft(u, n=n)  # (B, Ds, n/2+1)
-    k_f = torch.fft.rfft(k, n=n)  # (C, Ds, n/2+1)
-    return torch.fft.irfft(u_f.unsqueeze(1) * k_f.unsqueeze(0), n=n)[..., :length]
+    return fft_conv(u, causal_spectrum(k))
 
 
 def fft_bidirectional_conv(u: torch.Tensor, k_fwd: torch.Tensor, k_bwd: torch.Tensor) -> torch.Tensor:
@@ -47,11 +65,46 @@ def fft_bidirectional_conv(u: torch.Tensor, k_fwd: torch.Tensor, k_bwd: torch.Te
 
     Shapes as in [`fft_causal_conv`]; ``k_bwd`` has the same shape as ``k_fwd``.
     """
-    length = u.shape[-1]
-    k = F.pad(k_fwd, (0, length)) + F.pad(k_bwd.flip(-1), (length, 0))  # (C, Ds, 2L)
-    u_f = torch.fft.rfft(u, n=2 * length)
-    k_f = torch.fft.rfft(k, n=2 * length)
-    return torch.fft.irfft(u_f.unsqueeze(1) * k_f.unsqueeze(0), n=2 * length)[..., :length]
+    return fft_conv(u, bidirectional_spectrum(k_fwd, k_bwd))
+
+
+def memoised(store: dict, slot: str, key: tuple, params, compute, max_bytes: int | None = None):
+    """``compute()``, reused from ``store[slot]`` while ``key`` and the tensors ``params`` are unchanged.
+
+    The memo keeps a copy of ``params`` and is used only when they are still equal (``torch.equal``): any change
+    (optimiser step, ``load_state_dict``, ``p.data`` edits, ``.to()``) recomputes, so reuse is exact. Values over
+    ``max_bytes`` are not kept. Callers use it only where no gradient has to flow to ``params``.
+    """
+    params = list(params)
+    memo = store.get(slot)
+    if (
+        memo is not None
+        and memo["key"] == key
+        and len(memo["params"]) == len(params)
+        and all(
+            a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
+            for a, b in zip(memo["params"], params)
+        )
+    ):
+        return memo["value"]
+    value = compute()
+    size = sum(t.numel() * t.element_size() for t in (value if isinstance(value, tuple) else (value,)))
+    if max_bytes is None or size <= max_bytes:
+        store[slot] = {"key": key, "params": [p.detach().clone() for p in params], "value": value}
+    return value
+
+
+# Largest kernel spectrum kept between evaluation forwards (per SSM module).
+SPECTRUM_MEMO_BYTES = 512 * 2**20
+
+
+def memoised_spectrum(module: nn.Module, key: tuple, compute):
+    """A kernel spectrum ``compute()``, reused across evaluation forwards (eval mode, no gradient to the SSM
+    parameters) while those parameters are unchanged: see [`memoised`]."""
+    params = list(module.parameters())
+    if module.training or (torch.is_grad_enabled() and any(p.requires_grad for p in params)):
+        return compute()
+    return memoised(module.__dict__, "_spectrum_memo", key, params, compute, SPECTRUM_MEMO_BYTES)
 
 
 def fold_skip(k: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
@@ -175,6 +228,16 @@ class S4DKernel(nn.Module):
         coeff = self.output_matrix(backward) * d_b  # (C, Ds, N2)
         return 2 * vandermonde(coeff, dt_a, length).real
 
+    def spectrum(self, length: int, dt_a=None, d_b=None) -> torch.Tensor:
+        """FFT (size 2 ``length``) of the full kernel, D skip included, for [`fft_conv`]: `(C, Ds, length + 1)`."""
+        if dt_a is None:
+            dt_a, d_b = self.discretize()
+        # The D skip is the lag-0 tap: folded into the kernel, one pass over the (B, C, Ds, L) output fewer.
+        k = fold_skip(self.kernel(length, dt_a, d_b), self.D.to(dt_a.real.dtype))
+        if self.bidirectional:
+            return bidirectional_spectrum(k, self.kernel(length, dt_a, d_b, backward=True))
+        return causal_spectrum(k)
+
     def forward(self, z: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
         """Full-sequence form. ``z`` `(B, L, Ds)` -> ``y`` `(B, L, C, Ds)` (float32).
 
@@ -183,16 +246,10 @@ class S4DKernel(nn.Module):
         with _no_autocast(z.device.type):
             z = z.to(compute_dtype(self.log_dt))
             length = z.shape[1]
-            dt_a, d_b = self.discretize()
             u = z.transpose(1, 2)  # (B, Ds, L)
-            # The D skip is the lag-0 tap: folded into the kernel, one pass over the (B, C, Ds, L) output fewer.
-            k = fold_skip(self.kernel(length, dt_a, d_b), self.D.to(z.dtype))
-            if self.bidirectional:
-                k_bwd = self.kernel(length, dt_a, d_b, backward=True)
-                y = fft_bidirectional_conv(u, k, k_bwd)
-            else:
-                y = fft_causal_conv(u, k)  # (B, C, Ds, L)
+            y = fft_conv(u, memoised_spectrum(self, (length, z.dtype), lambda: self.spectrum(length)))  # (B, C, Ds, L)
             if state is not None:
+                dt_a, _ = self.discretize()
                 # Free response to the carried state: 2 Re(C Abar^{t+1} x0).
                 coeff = self.output_matrix()[None] * state[:, None]  # (B, C, Ds, N2)
                 y = y + 2 * vandermonde(coeff, dt_a, length, offset=1).real
@@ -245,15 +302,23 @@ class S4DKernel(nn.Module):
             z_end = z[:, block_len - 1 :: block_len]  # (B, nb, Ds)
             return y + self.D.to(z.dtype)[None, None] * z_end.unsqueeze(2)
 
-    def step(self, z_t: torch.Tensor, state: torch.Tensor, dt_a=None, d_b=None):
-        """Recurrent form for one token. ``z_t`` `(B, Ds)`, ``state`` `(B, Ds, N2)` complex -> ``y_t`` `(B, C, Ds)`."""
+    def step_constants(self):
+        """What a recurrent step needs from the parameters: ``(Abar, Bbar, 2 C, D)``, computed once per decode."""
+        with _no_autocast(self.log_dt.device.type):
+            dt_a, d_b = self.discretize()
+            return torch.exp(dt_a), d_b, 2 * self.output_matrix(), self.D.to(compute_dtype(self.log_dt))
+
+    def step(self, z_t: torch.Tensor, state: torch.Tensor, constants=None):
+        """Recurrent form for one token. ``z_t`` `(B, Ds)`, ``state`` `(B, Ds, N2)` complex -> ``y_t`` `(B, C, Ds)`.
+
+        ``constants``: [`step_constants`] if already computed (they only change with the parameters).
+        """
         with _no_autocast(z_t.device.type):
-            if dt_a is None:
-                dt_a, d_b = self.discretize()
+            a_bar, b_bar, c2, skip = constants if constants is not None else self.step_constants()
             z_t = z_t.to(compute_dtype(self.log_dt))
-            state = torch.exp(dt_a) * state + d_b * z_t.unsqueeze(-1)
-            y = 2 * torch.einsum("chn,bhn->bch", self.output_matrix(), state).real
-            return y + self.D.to(z_t.dtype) * z_t.unsqueeze(1), state
+            state = a_bar * state + b_bar * z_t.unsqueeze(-1)
+            y = torch.einsum("chn,bhn->bch", c2, state).real
+            return y + skip * z_t.unsqueeze(1), state
 
 
 class Sin(nn.Module):
@@ -329,6 +394,16 @@ class UnstructFilter(nn.Module):
             h = h.t().reshape(-1, self.out_channels, self.channels, length)
             return h if self.bidirectional else h[0]
 
+    def spectrum(self, total: int) -> torch.Tensor:
+        """FFT (size 2 ``total``) of the filter over ``total`` lags, bias (D skip) included, for [`fft_conv`]."""
+        # Lags beyond the filter length have no taps (callers keep real positions below max_len).
+        h = self.filters(min(total, self.max_len))
+        h = F.pad(h, (0, total - h.shape[-1]))
+        bias = self.bias.to(h.dtype)
+        if self.bidirectional:
+            return bidirectional_spectrum(fold_skip(h[0], bias), h[1])
+        return causal_spectrum(fold_skip(h, bias))
+
     def forward(self, z: torch.Tensor, history: torch.Tensor | None = None) -> torch.Tensor:
         """``z`` `(B, L, Ds)` -> ``y`` `(B, L, C, Ds)`. ``history`` `(B, Ds, Lh)`: earlier inputs (continuation)."""
         with _no_autocast(z.device.type):
@@ -338,14 +413,7 @@ class UnstructFilter(nn.Module):
             if history is not None:
                 u = torch.cat([history.to(dtype), u], dim=-1)
             total = u.shape[-1]
-            # Lags beyond the filter length have no taps (callers keep real positions below max_len).
-            h = self.filters(min(total, self.max_len))
-            h = F.pad(h, (0, total - h.shape[-1]))
-            bias = self.bias.to(dtype)
-            if self.bidirectional:
-                y = fft_bidirectional_conv(u, fold_skip(h[0], bias), h[1])
-            else:
-                y = fft_causal_conv(u, fold_skip(h, bias))  # (B, C, Ds, L')
+            y = fft_conv(u, memoised_spectrum(self, (total, dtype), lambda: self.spectrum(total)))  # (B, C, Ds, L')
             y = y[..., -length:]
             return y.permute(0, 3, 1, 2)
 

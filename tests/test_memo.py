@@ -1,0 +1,80 @@
+"""Speed paths that reuse work between calls must stay exact: kernel spectra memoised across evaluation forwards,
+per-step constants memoised in the decoding cache, ring buffers written in place while decoding."""
+
+import pytest
+import torch
+from conftest import SEQ_LEN, make_model
+
+from modeling_bst.modeling_bst import ssm_step_constants
+from modeling_bst.ssm_bst import S4DKernel, UnstructFilter
+
+
+def ssm_modules(model):
+    return [m for m in model.modules() if isinstance(m, (S4DKernel, UnstructFilter))]
+
+
+@pytest.mark.parametrize("variant", ["sh-s4", "mh-s4", "mf-unstruct", "sh-unstruct"])
+def test_spectrum_memo_is_reused_and_follows_parameter_edits(variant):
+    model = make_model(variant, dtype=torch.float64)
+    ids = torch.randint(0, 97, (2, SEQ_LEN))
+    with torch.no_grad():
+        first = model(ids).logits
+        memos = [m.__dict__.get("_spectrum_memo") for m in ssm_modules(model)]
+        assert all(memo is not None for memo in memos)
+        again = model(ids).logits
+        assert all(m.__dict__["_spectrum_memo"] is memo for m, memo in zip(ssm_modules(model), memos))
+        torch.testing.assert_close(again, first, rtol=0, atol=0)
+        # An edit that bypasses autograd's version counter must still invalidate the memo.
+        for m in ssm_modules(model):
+            param = m.C if isinstance(m, S4DKernel) else m.bias
+            param.data.mul_(1.5)
+        edited = model(ids).logits
+        model.train()  # dropout is 0: train mode computes everything afresh, no memo
+        fresh = model(ids).logits
+    assert not torch.allclose(edited, first)
+    torch.testing.assert_close(edited, fresh, rtol=0, atol=1e-12)
+
+
+def test_spectrum_memo_not_used_when_gradients_flow():
+    model = make_model("sh-s4")
+    ids = torch.randint(0, 97, (1, SEQ_LEN))
+    with torch.no_grad():
+        model(ids)  # fills the memo
+    model(ids, labels=ids).loss.backward()  # eval mode, but gradients enabled
+    kernel = ssm_modules(model)[0]
+    assert kernel.log_dt.grad is not None and kernel.log_dt.grad.abs().sum() > 0
+    assert kernel.C.grad is not None and kernel.C.grad.abs().sum() > 0
+
+
+def test_step_memos_follow_parameter_edits():
+    model = make_model("sh-s4", dtype=torch.float64)
+    ids = torch.randint(0, 97, (1, 9))
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+        cache = model(ids[:, :1], past_key_values=cache, use_cache=True).past_key_values
+        layer, layer_cache = model.model.layers[0], cache.layers[0]
+        assert {"ssm", "bias"} <= set(layer_cache.step_memo)
+        layer.relative_bias.weight.data.add_(0.25)
+        layer.context.ssm.log_dt.data.add_(0.1)
+        table = layer._step_bias_table(layer_cache, torch.float64)
+        constants = ssm_step_constants(layer.context.ssm, layer_cache)
+        # Reference: computed without any memo.
+        distances = -torch.arange(layer.ring)
+        expected = (layer._bias(distances) * layer.self_scale).t()
+        torch.testing.assert_close(table, expected, rtol=0, atol=0)
+        for got, want in zip(constants, layer.context.ssm.step_constants()):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_decode_step_with_gradients_writes_cache_out_of_place():
+    model = make_model("sh-s4")
+    ids = torch.randint(0, 97, (1, 9))
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+    before = cache.layers[0].k.clone()
+    held = cache.layers[0].k
+    out = model(ids[:, :1], past_key_values=cache, use_cache=True)
+    out.logits.sum().backward()
+    assert model.model.layers[0].k_proj.weight.grad is not None
+    assert cache.layers[0].k.requires_grad and cache.layers[0].k is not held
+    torch.testing.assert_close(held, before, rtol=0, atol=0)  # the old buffer was not written under autograd
