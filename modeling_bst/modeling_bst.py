@@ -357,6 +357,31 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
         # 4-D (1, H, W, K): SDPA on CPU takes its fused path only for 4-D masks (3-D falls back to ~4x slower math).
         return bias.unsqueeze(0)
 
+    def _window_attend(self, qb, kcat, vcat, mask, dropout):
+        """Sliding-window attention of every block's W queries over its 2W keys (previous + own block).
+
+        Each query sees only W of the 2W keys: with ``config.attention_query_chunk`` c < W, the queries are split
+        into W/c chunks that attend over the W + c keys their windows can reach (slices, no copies), which skips
+        (W - c) / 2W of the attention work. The keys left out are masked for those queries, so the result is the same.
+        """
+        w = self.block_len
+        chunk = self.config.resolved_attention_query_chunk
+        if chunk >= w:
+            return self._attend(qb, kcat, vcat, mask, dropout)
+        parts = []
+        for start in range(0, w, chunk):
+            keys = slice(start, start + w + chunk)
+            parts.append(
+                self._attend(
+                    qb[:, :, start : start + chunk],
+                    kcat[:, :, keys],
+                    vcat[:, :, keys],
+                    mask[:, :, start : start + chunk, keys],
+                    dropout,
+                )
+            )
+        return torch.cat(parts, 1)
+
     def _project(self, xn):
         q = self._heads(self.q_proj(xn))
         k = self._heads(self.k_proj(xn))
@@ -435,7 +460,7 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
             drop = cfg.attention_dropout if self.training else 0.0
             # One SDPA call over all blocks; unless every row continues a cached block, block 0 (whose previous
             # block is absent or partly masked) is recomputed below and replaces the first block of the output.
-            a_self = self._attend(qb, kcat, vcat, mask, drop)
+            a_self = self._window_attend(qb, kcat, vcat, mask, drop)
             if not continued_all:
                 q_blocks = qb.view(bsz, nb, heads, w, hd)
                 k_blocks = kcat.view(bsz, nb, heads, 2 * w, hd)

@@ -181,9 +181,10 @@ def test_sdpa_equals_eager_attention():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_block_attention_matches_per_token_window_reference():
+@pytest.mark.parametrize("query_chunk", [None, 1, 2])
+def test_block_attention_matches_per_token_window_reference(query_chunk):
     """A one-layer Slide model against attention written per query: exactly the W previous tokens, T5 bias."""
-    config = tiny(num_hidden_layers=1, bst_layer_indices=[])
+    config = tiny(num_hidden_layers=1, bst_layer_indices=[], attention_query_chunk=query_chunk)
     torch.manual_seed(0)
     model = BSTForCausalLM(config).double().eval()
     layer = model.model.layers[0]
@@ -311,6 +312,7 @@ def test_save_load_and_fresh_process_remote_code(tmp_path):
         (dict(ssm_state_size=5), "ssm_state_size"),
         (dict(num_context_states=0), "num_context_states"),
         (dict(vocab_size=0), "vocab_size"),
+        (dict(attention_query_chunk=3), "attention_query_chunk"),
     ],
 )
 def test_invalid_config_names_the_field(overrides, field, tmp_path):

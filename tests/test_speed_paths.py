@@ -1,9 +1,9 @@
-"""Speed paths that reuse work between calls must stay exact: kernel spectra memoised across evaluation forwards,
+"""Speed paths must stay exact: query-chunked window attention, kernel spectra memoised across evaluation forwards,
 per-step constants memoised in the decoding cache, ring buffers written in place while decoding."""
 
 import pytest
 import torch
-from conftest import SEQ_LEN, make_model
+from conftest import SEQ_LEN, VARIANTS, make_model
 
 from modeling_bst.modeling_bst import ssm_step_constants
 from modeling_bst.ssm_bst import S4DKernel, UnstructFilter
@@ -78,3 +78,52 @@ def test_decode_step_with_gradients_writes_cache_out_of_place():
     assert model.model.layers[0].k_proj.weight.grad is not None
     assert cache.layers[0].k.requires_grad and cache.layers[0].k is not held
     torch.testing.assert_close(held, before, rtol=0, atol=0)  # the old buffer was not written under autograd
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS), ids=list(VARIANTS))
+def test_query_chunked_window_attention_is_exact(variant):
+    """Chunks of c queries over the W + c keys they reach == one call per block, forward, gradients and decoding."""
+    block_len = VARIANTS[variant].get("block_len", 4)
+    chunk = 1 if block_len == 4 else 6
+    whole = make_model(variant, dtype=torch.float64, attention_query_chunk=block_len)
+    chunked = make_model(variant, dtype=torch.float64, attention_query_chunk=chunk)
+    chunked.load_state_dict(whole.state_dict())
+    seq_len = max(SEQ_LEN, 2 * block_len + 3)
+    ids = torch.randint(0, 97, (2, seq_len))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # a left-padded row
+    for model in (whole, chunked):
+        model.zero_grad()
+        out = model(ids, attention_mask=mask, labels=ids)
+        out.loss.backward()
+    torch.testing.assert_close(
+        chunked(ids, attention_mask=mask).logits, whole(ids, attention_mask=mask).logits, rtol=0, atol=1e-12
+    )
+    for (name, a), b in zip(whole.named_parameters(), chunked.parameters()):
+        if a.grad is not None:
+            torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=1e-11, msg=name)
+    with torch.no_grad():
+        ref = whole(ids).logits
+        # Prefill, a block-aligned chunk continued in parallel form, then token by token.
+        cut = 2 * block_len
+        cache = chunked(ids[:, :block_len], use_cache=True).past_key_values
+        parts = [chunked(ids[:, :block_len]).logits]
+        out = chunked(ids[:, block_len:cut], past_key_values=cache, use_cache=True)
+        parts.append(out.logits)
+        for t in range(cut, seq_len):
+            out = chunked(ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
+            parts.append(out.logits)
+    torch.testing.assert_close(torch.cat(parts, 1), ref, rtol=0, atol=1e-10)
+
+
+def test_default_query_chunk_follows_the_block_length():
+    from conftest import tiny_config
+
+    assert tiny_config(block_len=512).resolved_attention_query_chunk == 128
+    assert tiny_config(block_len=128).resolved_attention_query_chunk == 64
+    assert tiny_config(block_len=4).resolved_attention_query_chunk == 4
+    assert tiny_config(block_len=4, attention_query_chunk=2).resolved_attention_query_chunk == 2
+    with pytest.raises(ValueError, match="attention_query_chunk"):
+        tiny_config(block_len=4, attention_query_chunk=3)
+    with pytest.raises(ValueError, match="attention_query_chunk"):
+        tiny_config(block_len=4, attention_query_chunk=0)
