@@ -50,6 +50,10 @@ import transformers
 from modeling_bst import BSTConfig, BSTModel
 
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from docs_section import tune_malloc  # noqa: E402
+
+
 ROOT = Path(__file__).resolve().parents[1]
 MARK_START, MARK_END = "<!-- layer_speed:start -->", "<!-- layer_speed:end -->"
 D, W, N, HEADS, HEAD_DIM, MLP = 512, 128, 16, 16, 32, 2048
@@ -66,22 +70,6 @@ def cpu_model() -> str:
     except (OSError, subprocess.CalledProcessError):
         pass
     return platform.processor() or "unknown"
-
-
-def tune_malloc() -> bool:
-    """glibc: no mmap for large blocks and no trimming (= MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1e11).
-
-    Without it every large temporary (MH's (1, 16, 512, 2L) FFT buffers) is mmap'ed and page-faulted afresh: BST:MH
-    at L = 1024 bf16 measured 650-900 ms without vs 300 ms with. Returns whether mallopt was applied.
-    """
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        m_trim_threshold, m_mmap_max = -1, -4
-        return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 100_000_000_000))
-    except (OSError, AttributeError):
-        return False
 
 
 def model_code_version() -> str:

@@ -4,24 +4,25 @@ Setup (issue #6): a ~60M-parameter model (hidden 512, 8 layers, 8 heads of 64, M
 on one sequence of L = 4096 tokens per step (forward + backward + AdamW step), fp32 and bf16 autocast. BST uses
 W = 512 blocks with BST layers at {0, 5, 6} (SH, S4); Llama uses full causal attention through SDPA.
 
-MFU = (model FLOPs per token x tokens/s) / (measured peak matmul FLOP/s of this machine in the same dtype), with
-model FLOPs per token = 6 x (non-embedding params + lm head) + attention (12 x layers x context x width; context =
-2W for block attention, L/2 on average for full causal attention).
+MFU = (useful model FLOPs per token x tokens/s) / (measured peak matmul FLOP/s of this machine), against the peak of
+the run's dtype and against the bf16 peak (the issue's yardstick); see ``flops_per_token``. The FLOP ratio Llama/BST
+is the speed-up BST would show if both models ran at the same FLOP rate.
 
-    python benchmarks/train_throughput.py [--quick] [--threads 1] [--seq-len 4096]
+    python benchmarks/train_throughput.py [--quick] [--threads 1] [--seq-len 4096] [--rounds 3] [--steps 2]
 
-Prints a table and writes docs/benchmarks/train_throughput.json and a section of docs/benchmarks.md.
+Prints a table and writes docs/benchmarks/train_throughput.{json,png} and a section of docs/benchmarks.md.
 """
 
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
 import torch
 import transformers
-from docs_section import cpu_name, write_section
+from docs_section import cpu_name, tune_malloc, write_section
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import modeling_bst  # noqa: F401
@@ -70,30 +71,48 @@ def build(kind: str, seq_len: int):
 
 
 def flops_per_token(model, kind: str, seq_len: int) -> float:
-    # Tied embeddings: the lookup is free but the lm head matmul costs vocab x hidden, so every parameter counts once.
+    """Useful training FLOPs per token (forward + backward = 3 x forward, 2 FLOPs per multiply-add).
+
+    Dense: 6 x parameters (tied embeddings: the lookup is free, the lm head matmul costs vocab x hidden, so every
+    parameter counts once). Attention: 12 x width x (keys each query attends to) per layer: Llama (L+1)/2 on average
+    (causal); BST/Slide exactly W (the W previous tokens) in self-attention, plus (W+1)/2 in the triangular
+    cross-attention of BST layers (SH). Masked work a kernel may still execute is not counted.
+    """
     dense = sum(p.numel() for p in model.parameters())
     config = model.config
-    context = seq_len / 2 if kind == "llama" else 2 * config.block_len
     width = config.num_attention_heads * getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
-    attention = 12 * config.num_hidden_layers * context * width
-    return 6 * dense + attention
+    if kind == "llama":
+        keys = config.num_hidden_layers * (seq_len + 1) / 2
+    else:
+        w = config.block_len
+        keys = config.num_hidden_layers * w + len(config.bst_layer_indices) * (w + 1) / 2
+    return 6 * dense + 12 * width * keys
 
 
-def time_steps(model, seq_len: int, dtype: torch.dtype, steps: int) -> float:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids = torch.randint(0, 32000, (1, seq_len))
-    best = float("inf")
-    for i in range(steps + 1):
+class Contender:
+    """A model with its optimiser; ``step()`` times one training step (forward, backward, AdamW)."""
+
+    def __init__(self, kind: str, seq_len: int, dtype: torch.dtype):
+        torch.manual_seed(0)
+        self.kind, self.dtype = kind, dtype
+        self.model = build(kind, seq_len)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.ids = torch.randint(0, 32000, (1, seq_len))
+        self.times = []
+        self.step(record=False)  # warm-up: optimiser state, allocator, kernel selection
+
+    def step(self, record: bool = True):
         start = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16):
+            loss = self.model(input_ids=self.ids, labels=self.ids).loss
         loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        elapsed = time.perf_counter() - start
-        if i > 0:  # the first step warms up allocator and kernels
-            best = min(best, elapsed)
-    return seq_len / best
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if record:
+            self.times.append(time.perf_counter() - start)
+
+
+NAMES = {"llama": "HF Llama (sdpa)", "bst": "BST:SH:S4", "slide": "Slide"}
 
 
 def write_docs(rows, meta):
@@ -101,34 +120,76 @@ def write_docs(rows, meta):
         "## Training throughput (issue #6)",
         "",
         f"Machine: {meta['cpu']}, {meta['threads']} thread(s); torch {meta['torch']}, transformers "
-        f"{meta['transformers']}. One sequence of L = {meta['seq_len']} tokens per step (forward, backward, AdamW), "
-        "best of the timed steps; ~60M-parameter models (hidden 512, 8 layers, 32k vocabulary).",
-        f"Measured matmul peak: fp32 {meta['peak_fp32'] / 1e9:.0f} GFLOP/s, bf16 {meta['peak_bf16'] / 1e9:.0f} GFLOP/s.",
+        f"{meta['transformers']}; glibc malloc without mmap/trim for every contender ({meta['mallopt']}). One sequence "
+        f"of L = {meta['seq_len']} tokens per step (forward, backward, AdamW); ~60M-parameter models (hidden 512, "
+        "8 layers, 32k vocabulary; BST: W = 512, BST layers {0, 5, 6}, SH, S4, D_s = 128; Llama: 8 heads of 64, "
+        "SwiGLU 2048, full causal SDPA). Contenders alternate round by round; tokens/s from each one's fastest of "
+        f"{meta['rounds']} x {meta['steps']} timed steps. Command: `{meta['command']}`.",
+        f"Measured matmul peak (2048^3, same process): fp32 {meta['peak_fp32'] / 1e9:.0f} GFLOP/s, bf16 "
+        f"{meta['peak_bf16'] / 1e9:.0f} GFLOP/s (AVX512-BF16, no AMX on this CPU).",
         "",
-        "| model | dtype | params | tokens/s | vs Llama | MFU |",
-        "|---|---|---|---|---|---|",
+        "| model | dtype | params | useful GFLOP/token | tokens/s | vs Llama | FLOP ratio Llama/model | MFU (own dtype "
+        "peak) | MFU (bf16 peak) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['model']} | {r['dtype']} | {r['params'] / 1e6:.1f}M | {r['tokens_per_s']:.0f} | "
-            f"{r['vs_llama']:.2f}x | {100 * r['mfu']:.1f}% |"
+            f"| {r['model']} | {r['dtype']} | {r['params'] / 1e6:.1f}M | {r['flops_per_token'] / 1e9:.3f} | "
+            f"{r['tokens_per_s']:.0f} | {r['vs_llama']:.2f}x | {r['flop_ratio']:.2f}x | {100 * r['mfu']:.1f}% | "
+            f"{100 * r['mfu_bf16']:.1f}% |"
         )
-    lines += ["", "Targets (issue #6): BST >= 1.5x Llama tokens/s; MFU >= 35% of the bf16 matmul peak."]
+    lines += [
+        "",
+        "Targets (issue #6): BST >= 1.5x Llama tokens/s (fp32 and bf16); MFU >= 35% of the bf16 matmul peak.",
+    ]
+    for r in rows:
+        if r["model"] == NAMES["bst"]:
+            lines.append(
+                f"- {r['dtype']}: BST = {r['vs_llama']:.2f}x Llama tokens/s "
+                f"({'met' if r['vs_llama'] >= 1.5 else 'NOT met'}); its useful-FLOP ratio is {r['flop_ratio']:.2f}x, "
+                f"the speed-up if both ran at the same FLOP rate; MFU {100 * r['mfu_bf16']:.1f}% of the bf16 peak "
+                f"({'met' if r['mfu_bf16'] >= 0.35 else 'NOT met'})."
+            )
+    lines += ["", "![training throughput](benchmarks/train_throughput.png)"]
     write_section("train_throughput", lines)
+
+
+def plot(rows, path: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    width = 0.8 / len(models)
+    for i, model in enumerate(models):
+        vals = [next((r["tokens_per_s"] for r in rows if r["model"] == model and r["dtype"] == d), 0) for d in dtypes]
+        ax.bar([j + i * width for j in range(len(dtypes))], vals, width, label=model)
+    ax.set_xticks([j + width * (len(models) - 1) / 2 for j in range(len(dtypes))], dtypes)
+    ax.set_ylabel("training tokens/s (L = 4096, batch 1)")
+    ax.set_title("Training throughput, CPU 1 thread")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per contender and round")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds in which the contenders alternate")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--quick", action="store_true", help="L=1024, 2 steps")
+    parser.add_argument("--quick", action="store_true", help="L=1024, 1 round of 1 step")
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
     args = parser.parse_args()
     if args.quick:
-        args.seq_len, args.steps = 1024, 2
+        args.seq_len, args.steps, args.rounds = 1024, 1, 1
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    mallopt = tune_malloc()
     matmul_peak(torch.float32)  # warm-up: the first seconds after start run slower
     meta = dict(
         cpu=cpu_name(),
@@ -136,6 +197,10 @@ def main():
         torch=torch.__version__,
         transformers=transformers.__version__,
         seq_len=args.seq_len,
+        steps=args.steps,
+        rounds=args.rounds,
+        mallopt="applied" if mallopt else "not available",
+        command="python " + " ".join(sys.argv),
         peak_fp32=matmul_peak(torch.float32),
         peak_bf16=matmul_peak(torch.bfloat16),
     )
@@ -143,35 +208,45 @@ def main():
     for dtype_name in args.dtypes:
         dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
         peak = meta["peak_bf16"] if dtype == torch.bfloat16 else meta["peak_fp32"]
-        results = {}
+        contenders = [Contender(kind, args.seq_len, dtype) for kind in ("llama", "bst", "slide")]
         # Alternate contenders and keep each one's best, so a machine-state flip hits all of them.
-        models = {kind: build(kind, args.seq_len) for kind in ("llama", "bst", "slide")}
-        for _ in range(2):
-            for kind, model in models.items():
-                tps = time_steps(model, args.seq_len, dtype, args.steps)
-                results[kind] = max(results.get(kind, 0.0), tps)
-        for kind, model in models.items():
-            fpt = flops_per_token(model, kind, args.seq_len)
+        for r in range(args.rounds):
+            for c in contenders:
+                for _ in range(args.steps):
+                    c.step()
+            print(
+                f"{dtype_name} round {r + 1}/{args.rounds}: "
+                + "  ".join(f"{c.kind} {args.seq_len / min(c.times):.0f} tok/s" for c in contenders),
+                flush=True,
+            )
+        tps = {c.kind: args.seq_len / min(c.times) for c in contenders}
+        fpt = {c.kind: flops_per_token(c.model, c.kind, args.seq_len) for c in contenders}
+        for c in contenders:
             rows.append(
                 dict(
-                    model={"llama": "HF Llama (sdpa)", "bst": "BST:SH:S4", "slide": "Slide"}[kind],
+                    model=NAMES[c.kind],
                     dtype=dtype_name,
-                    params=sum(p.numel() for p in model.parameters()),
-                    tokens_per_s=results[kind],
-                    vs_llama=results[kind] / results["llama"],
-                    mfu=fpt * results[kind] / peak,
+                    params=sum(p.numel() for p in c.model.parameters()),
+                    flops_per_token=fpt[c.kind],
+                    tokens_per_s=tps[c.kind],
+                    step_times_s=c.times,
+                    vs_llama=tps[c.kind] / tps["llama"],
+                    flop_ratio=fpt["llama"] / fpt[c.kind],
+                    mfu=fpt[c.kind] * tps[c.kind] / peak,
+                    mfu_bf16=fpt[c.kind] * tps[c.kind] / meta["peak_bf16"],
                 )
             )
-        del models
-    print(f"{'model':<18} {'dtype':<5} {'params':>8} {'tok/s':>8} {'vs Llama':>8} {'MFU':>6}")
+        del contenders
+    print(f"{'model':<18} {'dtype':<5} {'params':>8} {'tok/s':>8} {'vs Llama':>8} {'FLOP ratio':>10} {'MFU bf16':>8}")
     for r in rows:
         print(
             f"{r['model']:<18} {r['dtype']:<5} {r['params'] / 1e6:>7.1f}M {r['tokens_per_s']:>8.0f} "
-            f"{r['vs_llama']:>7.2f}x {100 * r['mfu']:>5.1f}%"
+            f"{r['vs_llama']:>7.2f}x {r['flop_ratio']:>9.2f}x {100 * r['mfu_bf16']:>7.1f}%"
         )
-    out = ROOT / "docs" / "benchmarks" / "train_throughput.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    out = ROOT / "docs" / "benchmarks"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train_throughput.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    plot(rows, out / "train_throughput.png")
     write_docs(rows, meta)
 
 

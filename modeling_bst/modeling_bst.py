@@ -339,46 +339,42 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
             return (relative_position <= 0) & (relative_position > -w)
         return (relative_position < 0) & (relative_position >= -w)
 
-    def _self_mask(self, num_keys_before: int, dtype, device):
-        """Additive mask `(1, H, W, K)` for one block of queries over ``K`` keys starting ``num_keys_before`` earlier."""
-        w = self.block_len
-        q_pos = torch.arange(w, device=device)[:, None]
-        k_pos = torch.arange(-num_keys_before, w + (w if self.config.bidirectional else 0), device=device)[None]
-        rel = k_pos - q_pos  # (W, K)
+    def _self_mask(self, num_queries: int, key_start: int, key_end: int, dtype, device):
+        """Additive mask `(1, H, Q, K)`: T5 bias and sliding window of queries at positions 0 .. Q-1 over keys at
+        positions ``key_start`` .. ``key_end`` - 1 (relative to the first query)."""
+        q_pos = torch.arange(num_queries, device=device)[:, None]
+        k_pos = torch.arange(key_start, key_end, device=device)[None]
+        rel = k_pos - q_pos  # (Q, K)
         # Bias and mask depend only on the distance: build them for the distinct distances, then gather
         # (4x cheaper in backward than an embedding lookup per (query, key) pair).
-        lowest = -num_keys_before - (w - 1)
-        distances = torch.arange(lowest, int(k_pos.max()) + 1, device=device)  # (n,)
+        lowest = key_start - (num_queries - 1)
+        distances = torch.arange(lowest, key_end, device=device)  # (n,)
         per_distance = self._bias(distances).to(dtype) * self.self_scale.to(dtype)  # (n, H)
         if not self.config.bidirectional:
             valid = self._window_valid(distances)[:, None]
             per_distance = torch.where(valid, per_distance, masked_fill_value(dtype))
-        bias = per_distance.t()[:, rel - lowest]  # (H, W, K)
-        # 4-D (1, H, W, K): SDPA on CPU takes its fused path only for 4-D masks (3-D falls back to ~4x slower math).
+        bias = per_distance.t()[:, rel - lowest]  # (H, Q, K)
+        # 4-D (1, H, Q, K): SDPA on CPU takes its fused path only for 4-D masks (3-D falls back to ~4x slower math).
         return bias.unsqueeze(0)
 
-    def _window_attend(self, qb, kcat, vcat, mask, dropout):
+    def _window_attend(self, qb, kcat, vcat, dropout):
         """Sliding-window attention of every block's W queries over its 2W keys (previous + own block).
 
         Each query sees only W of the 2W keys: with ``config.attention_query_chunk`` c < W, the queries are split
         into W/c chunks that attend over the W + c keys their windows can reach (slices, no copies), which skips
-        (W - c) / 2W of the attention work. The keys left out are masked for those queries, so the result is the same.
+        (W - c) / 2W of the attention work. The keys left out are masked for those queries, so the result is the
+        same. Every chunk has the same relative layout, so one (c, W + c) bias/mask serves all of them.
         """
         w = self.block_len
-        chunk = self.config.resolved_attention_query_chunk
-        if chunk >= w:
+        chunk = min(self.config.resolved_attention_query_chunk, w)
+        mask = self._self_mask(chunk, -w, chunk, qb.dtype, qb.device)  # (1, H, c, W + c)
+        if chunk == w:
             return self._attend(qb, kcat, vcat, mask, dropout)
         parts = []
         for start in range(0, w, chunk):
             keys = slice(start, start + w + chunk)
             parts.append(
-                self._attend(
-                    qb[:, :, start : start + chunk],
-                    kcat[:, :, keys],
-                    vcat[:, :, keys],
-                    mask[:, :, start : start + chunk, keys],
-                    dropout,
-                )
+                self._attend(qb[:, :, start : start + chunk], kcat[:, :, keys], vcat[:, :, keys], mask, dropout)
             )
         return torch.cat(parts, 1)
 
@@ -456,22 +452,23 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
             vprev = torch.cat([prev_v[:, None], vb[:, :-1]], 1)
             kcat = torch.cat([kprev, kb], 2).view(bsz * nb, 2 * w, heads, hd).transpose(1, 2)
             vcat = torch.cat([vprev, vb], 2).view(bsz * nb, 2 * w, heads, hd).transpose(1, 2)
-            mask = self._self_mask(w, q.dtype, q.device)  # (1, H, W, 2W)
             drop = cfg.attention_dropout if self.training else 0.0
             # One SDPA call over all blocks; unless every row continues a cached block, block 0 (whose previous
             # block is absent or partly masked) is recomputed below and replaces the first block of the output.
-            a_self = self._window_attend(qb, kcat, vcat, mask, drop)
+            a_self = self._window_attend(qb, kcat, vcat, drop)
             if not continued_all:
                 q_blocks = qb.view(bsz, nb, heads, w, hd)
                 k_blocks = kcat.view(bsz, nb, heads, 2 * w, hd)
                 v_blocks = vcat.view(bsz, nb, heads, 2 * w, hd)
                 if prev_valid is None:
                     # The first block has no previous block: attend over its own keys only.
+                    own_mask = self._self_mask(w, 0, w, q.dtype, q.device)  # (1, H, W, W)
                     a_first = self._attend(
-                        q_blocks[:, 0], k_blocks[:, 0, :, w:], v_blocks[:, 0, :, w:], mask[..., w:].contiguous(), drop
+                        q_blocks[:, 0], k_blocks[:, 0, :, w:], v_blocks[:, 0, :, w:], own_mask, drop
                     )
                     empty_first = torch.ones(bsz, dtype=torch.bool, device=q.device)
                 else:
+                    mask = self._self_mask(w, -w, w, q.dtype, q.device)  # (1, H, W, 2W)
                     key_ok = torch.cat([prev_valid, torch.ones_like(prev_valid)], 1)  # (B, 2W)
                     first_mask = mask + additive_mask(key_ok, mask.dtype)[:, None, None, :]
                     a_first = self._attend(q_blocks[:, 0], k_blocks[:, 0], v_blocks[:, 0], first_mask, drop)
@@ -489,13 +486,27 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
             ctx_k, ctx_v, ctx_mask, zero_first = cross
             q2 = self._cross_query(xn).view(bsz * nb, w, heads, hd).transpose(1, 2)
             s_c = ctx_k.shape[2]
-            a_cross = self._attend(
-                q2,
-                ctx_k.reshape(bsz * nb, s_c, heads, hd).transpose(1, 2),
-                ctx_v.reshape(bsz * nb, s_c, heads, hd).transpose(1, 2),
-                ctx_mask,
-                cfg.attention_dropout if self.training else 0.0,
-            )  # (B*nb, W, H, d)
+            ck = ctx_k.reshape(bsz * nb, s_c, heads, hd).transpose(1, 2)
+            cv = ctx_v.reshape(bsz * nb, s_c, heads, hd).transpose(1, 2)
+            drop = cfg.attention_dropout if self.training else 0.0
+            chunk = min(cfg.resolved_attention_query_chunk, w)
+            if ctx_mask is not None and chunk < w:
+                # Triangular SH/MH mask: queries of a chunk see only the context states up to the chunk's end.
+                a_cross = torch.cat(
+                    [
+                        self._attend(
+                            q2[:, :, i : i + chunk],
+                            ck[:, :, : i + chunk],
+                            cv[:, :, : i + chunk],
+                            ctx_mask[i : i + chunk, : i + chunk],
+                            drop,
+                        )
+                        for i in range(0, w, chunk)
+                    ],
+                    1,
+                )
+            else:
+                a_cross = self._attend(q2, ck, cv, ctx_mask, drop)  # (B*nb, W, H, d)
             if zero_first:
                 a_cross = torch.cat([torch.zeros_like(a_cross[:, :1]), a_cross[:, 1:]], 1)
             outputs.append(a_cross.reshape(bsz, seq_len, heads * hd))
@@ -542,7 +553,7 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
         key_pos = (torch.arange(nb, device=kb.device)[:, None] * w) + torch.arange(-w, 2 * w, device=kb.device)
         lens = lengths if lengths is not None else torch.full((bsz,), nb * w, device=kb.device)
         valid = (key_pos[None] >= 0) & (key_pos[None] < lens[:, None, None])  # (B, nb, 3W)
-        bias = self._self_mask(w, qb.dtype, qb.device)  # (1, H, W, 3W)
+        bias = self._self_mask(w, -w, 2 * w, qb.dtype, qb.device)  # (1, H, W, 3W)
         mask = bias[None] + additive_mask(valid, qb.dtype)[:, :, None, None]
         out = self._attend(
             qb,
