@@ -125,7 +125,7 @@ def write_docs(rows, meta, contexts):
     kinds = list(dict.fromkeys(r["model"] for r in rows))
     table = {(r["model"], r["context"]): r for r in rows}
     lines = [
-        "## Decode speed vs context (issue #3)",
+        "## Decode speed vs context (issues #3, #6)",
         "",
         f"Machine: {meta['cpu']}, {meta['threads']} thread(s); torch {meta['torch']}, transformers "
         f"{meta['transformers']}. Models: hidden {meta['hidden']}, {meta['layers']} layers (Mamba: twice the layers, "
@@ -151,9 +151,33 @@ def write_docs(rows, meta, contexts):
             ratio = table[(kind, last)]["ms_per_token"] / table[(kind, first)]["ms_per_token"]
             notes.append(f"- {kind}: {last}/{first} per-token time ratio {ratio:.2f}")
     for c in contexts:
-        if ("bst-s4", c) in table and ("llama-dynamic", c) in table:
-            speedup = table[("llama-dynamic", c)]["ms_per_token"] / table[("bst-s4", c)]["ms_per_token"]
-            notes.append(f"- context {c}: BST S4 is {speedup:.2f}x Llama (DynamicCache) tokens/s")
+        if ("bst-s4", c) not in table:
+            continue
+        bst = table[("bst-s4", c)]["ms_per_token"]
+        peers = [
+            f"{table[(k, c)]['ms_per_token'] / bst:.2f}x Llama {label}"
+            for k, label in (("llama-dynamic", "DynamicCache (generate()'s default)"), ("llama-static", "StaticCache"))
+            if (k, c) in table
+        ]
+        if peers:
+            notes.append(f"- context {c}: BST S4 decodes at " + ", ".join(peers) + " tokens/s")
+    if ("bst-s4", first) in table and ("bst-s4", last) in table:
+        flat = table[("bst-s4", last)]["ms_per_token"] / table[("bst-s4", first)]["ms_per_token"]
+        notes.append(
+            f"- target per-token time {last}/{first} <= 1.1: {flat:.2f} ({'met' if flat <= 1.1 else 'NOT met'})"
+        )
+    if ("bst-s4", 16384) in table and ("llama-dynamic", 16384) in table:
+        dyn = table[("llama-dynamic", 16384)]["ms_per_token"] / table[("bst-s4", 16384)]["ms_per_token"]
+        notes.append(
+            f"- target >= 3x HF Llama tokens/s at 16k: {dyn:.2f}x against DynamicCache "
+            f"({'met' if dyn >= 3 else 'NOT met'})"
+            + (
+                f", {table[('llama-static', 16384)]['ms_per_token'] / table[('bst-s4', 16384)]['ms_per_token']:.2f}x "
+                "against a preallocated StaticCache"
+                if ("llama-static", 16384) in table
+                else ""
+            )
+        )
     lines += ["", *notes, "", "![decode time vs context](benchmarks/generation_speed.png)"]
     write_section("generation_speed", lines)
 
