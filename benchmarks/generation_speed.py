@@ -211,6 +211,12 @@ def main():
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--recompute-max", type=int, default=4096, help="largest context for the no-cache baseline")
     parser.add_argument("--mamba-max", type=int, default=4096, help="largest context for Mamba (slow torch prefill)")
+    parser.add_argument(
+        "--llama-max",
+        type=int,
+        default=None,
+        help="largest context for Llama (its full-attention prefill is quadratic)",
+    )
     parser.add_argument("--quick", action="store_true", help="hidden 256, 4 layers, contexts 1k/4k/16k")
     args = parser.parse_args()
     if args.quick:
@@ -238,6 +244,8 @@ def main():
             if kind == "bst-recompute" and context > args.recompute_max:
                 continue
             if kind == "mamba" and context > args.mamba_max:
+                continue
+            if kind.startswith("llama") and args.llama_max is not None and context > args.llama_max:
                 continue
             ms, nbytes = measure(kind, models[kind], context, args.steps if kind != "bst-recompute" else 2)
             rows.append(dict(model=kind, context=context, ms_per_token=ms, cache_bytes=nbytes))
