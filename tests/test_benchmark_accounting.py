@@ -1,0 +1,66 @@
+"""The FLOP accounting behind docs/benchmarks.md: counted numbers must match the arithmetic of the layers."""
+
+import sys
+from pathlib import Path
+
+import torch
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import layer_speed  # noqa: E402
+import train_throughput  # noqa: E402
+
+from modeling_bst import BSTConfig, BSTModel  # noqa: E402
+
+
+def one_layer(seq_len, **overrides):
+    fields = dict(
+        vocab_size=16,
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        head_dim=16,
+        intermediate_size=128,
+        block_len=16,
+        max_position_embeddings=seq_len,
+        dropout=0.0,
+        attention_dropout=0.0,
+        bst_layer_indices=[],
+        attention_query_chunk=16,
+    )
+    fields.update(overrides)
+    torch.manual_seed(0)
+    return BSTModel(BSTConfig(**fields)).eval().layers[0]
+
+
+def test_executed_gflop_of_a_slide_layer_matches_its_arithmetic():
+    seq_len, d, hd, f, w = 64, 64, 64, 128, 16
+    layer = one_layer(seq_len)
+    x = torch.randn(1, seq_len, d)
+    macs = seq_len * (4 * d * hd + 2 * d * f)  # q, k, v, o and the MLP
+    macs += seq_len * 2 * 2 * w * hd  # every block's W queries over 2W keys (QK and AV)
+    macs += w * 2 * w * hd  # block 0 recomputed over its own W keys
+    assert abs(layer_speed.executed_gflop(layer, x) - 2 * macs / 1e9) < 1e-12
+
+
+def test_query_chunks_execute_less_attention():
+    seq_len = 64
+    x = torch.randn(1, seq_len, 64)
+    whole = layer_speed.executed_gflop(one_layer(seq_len), x)
+    chunked = layer_speed.executed_gflop(one_layer(seq_len, attention_query_chunk=4), x)
+    # Chunks of 4 queries over W + 4 = 20 keys instead of 32: 12 fewer keys per query, QK and AV, heads x d = 64.
+    saved = 2 * seq_len * 2 * 12 * 64 / 1e9
+    assert abs((whole - chunked) - saved) < 1e-12
+
+
+def test_training_flops_per_token():
+    bst = train_throughput.build("bst", 4096)
+    llama = train_throughput.build("llama", 4096)
+    params = sum(p.numel() for p in bst.parameters())
+    attention = 12 * 512 * (8 * 512 + 3 * 513 / 2)  # 8 layers over W keys, 3 BST layers' triangular cross-attention
+    assert train_throughput.flops_per_token(bst, "bst", 4096) == 6 * params + attention
+    # Llama attends to (L + 1) / 2 keys on average: its attention dominates at 4k, so it costs more per token.
+    assert train_throughput.flops_per_token(llama, "llama", 4096) > 1.3 * train_throughput.flops_per_token(
+        bst, "bst", 4096
+    )
