@@ -55,13 +55,12 @@ class BSTLayerCache:
     rec_v: torch.Tensor | None = None
     # Position at which each row's current document started (BSTCache.reset_rows); blocks count from it.
     doc_start: torch.Tensor | None = None
-    # Not batched: unstruct filter taps memoised for decoding (parameters do not change while generating).
-    ssm_taps: torch.Tensor | None = None
-    # Not batched: per-step constants (S4 step matrices, T5 bias per distance) keyed on the parameters' versions.
+    # Not batched: per-step constants (S4 step matrices, T5 bias per distance, unstruct filter taps), each reused
+    # while the parameters it was computed from are unchanged (``ssm_bst.memoised``).
     step_memo: dict | None = None
 
     def tensors(self):
-        unbatched = ("ssm_taps", "step_memo")
+        unbatched = ("step_memo",)
         return [
             (f.name, getattr(self, f.name))
             for f in fields(self)

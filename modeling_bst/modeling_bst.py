@@ -769,6 +769,22 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
             layer_cache.step_memo = {}
         return memoised(layer_cache.step_memo, "bias", (dtype,), params, compute)
 
+    def _unstruct_step_taps(self, layer_cache):
+        """The unstruct filter's taps laid out for stepping ([`UnstructFilter.reverse_taps`]), computed once per
+        cache and reused while the filter's parameters are unchanged."""
+        ssm = self.context.ssm
+        length = self.config.max_position_embeddings
+
+        def compute():
+            return ssm.reverse_taps(ssm.filters(length))
+
+        params = list(ssm.parameters())
+        if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+            return compute()
+        if layer_cache.step_memo is None:
+            layer_cache.step_memo = {}
+        return memoised(layer_cache.step_memo, "unstruct_taps", (length,), params, lambda: compute().detach())
+
     def _context_step(self, xn, layer_cache, p):
         cfg, ctx = self.config, self.context
         bsz = xn.shape[0]
@@ -793,10 +809,7 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
             layer_cache.ssm_state = hist
             y = None
             if not mf or bool(((rp + 1).remainder(w) == 0).any()):
-                if layer_cache.ssm_taps is None:
-                    # The filter does not change while decoding: compute its taps once per cache.
-                    layer_cache.ssm_taps = ctx.ssm.filters(hist.shape[-1]).detach()
-                y = ctx.ssm.step(hist, layer_cache.ssm_taps, int(rp.max()) + 1)  # (B, C, Ds): one dot product
+                y = ctx.ssm.step(hist, seen=int(rp.max()) + 1, reversed_taps=self._unstruct_step_taps(layer_cache))
         if mf:
             # A new block starts: its context is built from the previous block's last SSM outputs.
             block_start = rp.remainder(w) == 0

@@ -417,17 +417,33 @@ class UnstructFilter(nn.Module):
             y = y[..., -length:]
             return y.permute(0, 3, 1, 2)
 
-    def step(self, history: torch.Tensor, taps: torch.Tensor | None = None, seen: int | None = None) -> torch.Tensor:
+    @staticmethod
+    def reverse_taps(taps: torch.Tensor) -> torch.Tensor:
+        """Taps `(C, Ds, Lh)` laid out for [`step`]: `(Ds, Lh, C)`, lag ``Lh - 1 - j`` at index ``j`` (oldest first,
+        like the history), contiguous, so that a step is one batched matrix product over a suffix of it."""
+        return taps.flip(-1).permute(1, 2, 0).contiguous()
+
+    def step(
+        self,
+        history: torch.Tensor,
+        taps: torch.Tensor | None = None,
+        seen: int | None = None,
+        reversed_taps: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Output at the newest input of ``history`` `(B, Ds, Lh)` (newest last): `(B, C, Ds)`.
 
         One dot product with the history: ``y_t = sum_j h_j z_{t-j} + bias z_t``. ``seen`` (the most inputs any row
         has) limits it to the last ``seen`` entries, which hold everything non-zero: the cost is O(t), not O(Lh).
+        ``taps`` (`(C, Ds, Lh)`, [`filters`]) or ``reversed_taps`` ([`reverse_taps`] of them, what a decoding cache
+        keeps) skip recomputing the filter.
         """
         with _no_autocast(history.device.type):
             length = history.shape[-1]
-            if taps is None:
-                taps = self.filters(length)
-            n = length if seen is None else max(1, min(seen, length))
             dtype = compute_dtype(self.pos_emb)
-            y = torch.einsum("bhl,chl->bch", history[..., -n:].to(dtype), taps[..., :n].to(dtype).flip(-1))
+            if reversed_taps is None:
+                reversed_taps = self.reverse_taps(taps if taps is not None else self.filters(length))
+            n = length if seen is None else max(1, min(seen, length))
+            # (Ds, B, n) @ (Ds, n, C): the newest n inputs against lags n-1 .. 0.
+            y = torch.matmul(history[..., -n:].to(dtype).transpose(0, 1), reversed_taps[:, -n:].to(dtype))
+            y = y.permute(1, 2, 0)  # (B, C, Ds)
             return y + self.bias.to(dtype) * history[:, None, :, -1].to(dtype)

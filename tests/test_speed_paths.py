@@ -127,3 +127,17 @@ def test_default_query_chunk_follows_the_block_length():
         tiny_config(block_len=4, attention_query_chunk=3)
     with pytest.raises(ValueError, match="attention_query_chunk"):
         tiny_config(block_len=4, attention_query_chunk=0)
+
+
+def test_unstruct_step_taps_follow_parameter_edits():
+    model = make_model("sh-unstruct", dtype=torch.float64)
+    ids = torch.randint(0, 97, (1, 9))
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+        cache = model(ids[:, :1], past_key_values=cache, use_cache=True).past_key_values
+        layer, layer_cache = model.model.layers[0], cache.layers[0]
+        assert "unstruct_taps" in layer_cache.step_memo
+        ssm = layer.context.ssm
+        ssm.out.weight.data.mul_(-2.0)
+        expected = ssm.reverse_taps(ssm.filters(model.config.max_position_embeddings))
+        torch.testing.assert_close(layer._unstruct_step_taps(layer_cache), expected, rtol=0, atol=0)
