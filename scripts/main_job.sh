@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # README command 1 on a fresh machine: set up .venv, train the tiny BST (configs/train/tiny.yaml) on the embedded
 # books, evaluate it at two lengths, generate a sample, save/export the model, and print where everything went.
-# Extra arguments go to the trainer, e.g.  bash scripts/main_job.sh --max_steps 50
+# Extra arguments go to the trainer, e.g.  bash scripts/main_job.sh --max_steps 50 [--output_dir outputs/x]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
@@ -13,10 +13,19 @@ python -c "import torch; assert torch.__version__.startswith('2.13.0')" 2>/dev/n
 python -c "import modeling_bst, training, accelerate, datasets, tokenizers, matplotlib" 2>/dev/null || pip install -q -e ".[train]"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
+# --output_dir (if given) moves every step's outputs; the other arguments go to the trainer.
 OUT=outputs/tiny
+ARGS=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --output_dir) OUT="$2"; shift 2 ;;
+        --output_dir=*) OUT="${1#*=}"; shift ;;
+        *) ARGS+=("$1"); shift ;;
+    esac
+done
 start=$(date +%s)
 echo "== 1/4 train configs/train/tiny.yaml -> $OUT"
-python -m training.train --config configs/train/tiny.yaml --output_dir "$OUT" "$@"
+python -m training.train --config configs/train/tiny.yaml --output_dir "$OUT" ${ARGS[@]+"${ARGS[@]}"}
 echo "== 2/4 evaluate on the held-out book (Northanger Abbey, first 32k tokens) at L = 512 and 4096"
 python -m training.evaluate --model "$OUT/final" --lengths 512 4096 --dataset embedded --split validation \
     --max_tokens_per_doc 32768 --output "$OUT/eval.json" --plot "$OUT/eval.png"
