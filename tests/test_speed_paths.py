@@ -46,13 +46,19 @@ def test_spectrum_memo_not_used_when_gradients_flow():
     assert kernel.C.grad is not None and kernel.C.grad.abs().sum() > 0
 
 
-def test_step_memos_follow_parameter_edits():
-    model = make_model("sh-s4", dtype=torch.float64)
+def decoded_one_token(variant):
+    """A float64 model of ``variant`` after a prefill and one decoding step: (model, layer 0, its cache)."""
+    model = make_model(variant, dtype=torch.float64)
     ids = torch.randint(0, 97, (1, 9))
     with torch.no_grad():
         cache = model(ids, use_cache=True).past_key_values
         cache = model(ids[:, :1], past_key_values=cache, use_cache=True).past_key_values
-        layer, layer_cache = model.model.layers[0], cache.layers[0]
+    return model, model.model.layers[0], cache.layers[0]
+
+
+def test_step_memos_follow_parameter_edits():
+    model, layer, layer_cache = decoded_one_token("sh-s4")
+    with torch.no_grad():
         assert {"ssm", "bias"} <= set(layer_cache.step_memo)
         layer.relative_bias.weight.data.add_(0.25)
         layer.context.ssm.log_dt.data.add_(0.1)
@@ -130,12 +136,8 @@ def test_default_query_chunk_follows_the_block_length():
 
 
 def test_unstruct_step_taps_follow_parameter_edits():
-    model = make_model("sh-unstruct", dtype=torch.float64)
-    ids = torch.randint(0, 97, (1, 9))
+    model, layer, layer_cache = decoded_one_token("sh-unstruct")
     with torch.no_grad():
-        cache = model(ids, use_cache=True).past_key_values
-        cache = model(ids[:, :1], past_key_values=cache, use_cache=True).past_key_values
-        layer, layer_cache = model.model.layers[0], cache.layers[0]
         assert "unstruct_taps" in layer_cache.step_memo
         ssm = layer.context.ssm
         ssm.out.weight.data.mul_(-2.0)
