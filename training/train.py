@@ -479,5 +479,15 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
+def _shutdown_distributed():
+    """Destroy the process group (if any) before the interpreter exits: left to exit, gloo's threads can race the
+    teardown and abort a finished run with "terminate called without an active exception"."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        _shutdown_distributed()
