@@ -114,14 +114,20 @@ def _write_rows(buffer: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, v
     return buffer.index_put_((rows, slots), values)
 
 
-def ssm_step_constants(ssm: S4DKernel, layer_cache: BSTLayerCache):
-    """[`S4DKernel.step_constants`], memoised in ``layer_cache`` while the SSM parameters are unchanged (decoding)."""
-    params = list(ssm.parameters())
+def decode_memo(layer_cache: BSTLayerCache, slot: str, key: tuple, params, compute):
+    """``compute()`` kept in ``layer_cache.step_memo[slot]`` and reused while ``key`` and the tensors ``params`` are
+    unchanged (decoding); recomputed every time when gradients flow to ``params`` (the graph must reach them)."""
+    params = list(params)
     if torch.is_grad_enabled() and any(p.requires_grad for p in params):
-        return ssm.step_constants()  # training through the recurrent form: keep the graph to the parameters
+        return compute()
     if layer_cache.step_memo is None:
         layer_cache.step_memo = {}
-    return memoised(layer_cache.step_memo, "ssm", (), params, ssm.step_constants)
+    return memoised(layer_cache.step_memo, slot, key, params, compute)
+
+
+def ssm_step_constants(ssm: S4DKernel, layer_cache: BSTLayerCache):
+    """[`S4DKernel.step_constants`], memoised in ``layer_cache`` while the SSM parameters are unchanged (decoding)."""
+    return decode_memo(layer_cache, "ssm", (), ssm.parameters(), ssm.step_constants)
 
 
 def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -757,33 +763,22 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
 
     def _step_bias_table(self, layer_cache, dtype):
         """Scaled T5 bias per distance 0 .. R-1, `(H, R)`; memoised in the cache while the parameters are unchanged."""
-        params = (self.relative_bias.weight, self.self_scale)
 
         def compute():
             distances = -torch.arange(self.ring, device=self.self_scale.device)
             return (self._bias(distances).to(dtype) * self.self_scale.to(dtype)).t().contiguous()
 
-        if torch.is_grad_enabled() and any(p.requires_grad for p in params):
-            return compute()
-        if layer_cache.step_memo is None:
-            layer_cache.step_memo = {}
-        return memoised(layer_cache.step_memo, "bias", (dtype,), params, compute)
+        params = (self.relative_bias.weight, self.self_scale)
+        return decode_memo(layer_cache, "bias", (dtype,), params, compute)
 
     def _unstruct_step_taps(self, layer_cache):
         """The unstruct filter's taps laid out for stepping ([`UnstructFilter.reverse_taps`]), computed once per
         cache and reused while the filter's parameters are unchanged."""
         ssm = self.context.ssm
         length = self.config.max_position_embeddings
-
-        def compute():
-            return ssm.reverse_taps(ssm.filters(length))
-
-        params = list(ssm.parameters())
-        if torch.is_grad_enabled() and any(p.requires_grad for p in params):
-            return compute()
-        if layer_cache.step_memo is None:
-            layer_cache.step_memo = {}
-        return memoised(layer_cache.step_memo, "unstruct_taps", (length,), params, lambda: compute().detach())
+        return decode_memo(
+            layer_cache, "unstruct_taps", (length,), ssm.parameters(), lambda: ssm.reverse_taps(ssm.filters(length))
+        )
 
     def _context_step(self, xn, layer_cache, p):
         cfg, ctx = self.config, self.context
