@@ -228,10 +228,9 @@ class S4DKernel(nn.Module):
         coeff = self.output_matrix(backward) * d_b  # (C, Ds, N2)
         return 2 * vandermonde(coeff, dt_a, length).real
 
-    def spectrum(self, length: int, dt_a=None, d_b=None) -> torch.Tensor:
+    def spectrum(self, length: int) -> torch.Tensor:
         """FFT (size 2 ``length``) of the full kernel, D skip included, for [`fft_conv`]: `(C, Ds, length + 1)`."""
-        if dt_a is None:
-            dt_a, d_b = self.discretize()
+        dt_a, d_b = self.discretize()
         # The D skip is the lag-0 tap: folded into the kernel, one pass over the (B, C, Ds, L) output fewer.
         k = fold_skip(self.kernel(length, dt_a, d_b), self.D.to(dt_a.real.dtype))
         if self.bidirectional:
