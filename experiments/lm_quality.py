@@ -46,7 +46,12 @@ WORK = ROOT / "runs" / "lm_quality"  # gitignored: corpora, tokenizers, checkpoi
 RESULTS = ROOT / "docs" / "results" / "lm_quality"
 RECIPE = ROOT / "configs" / "train" / "quality-cpu.yaml"
 CORPORA = ("books", "latex", "code")
-KIND = {"books": "pg19", "latex": "arxiv", "code": "github"}  # training.data dataset kinds (local files here)
+KIND = {
+    "books": "pg19",
+    "allbooks": "pg19",
+    "latex": "arxiv",
+    "code": "github",
+}  # training.data dataset kinds (local files here)
 LENGTHS = (64, 512, 2048, 8192)  # 1/8x, 1x, 4x, 16x the training length 512
 
 # name -> (preset, extra train.py arguments). Unstruct filters are built for 16x the training length so that they
@@ -115,7 +120,9 @@ def _hash_splits(rows: list[dict], max_train_mb: float) -> dict[str, list[dict]]
     return splits
 
 
-def book_corpus(data_root: Path | None) -> dict[str, list[dict]]:
+def book_corpus(data_root: Path | None, every_book: bool = False) -> dict[str, list[dict]]:
+    """The book corpus; ``every_book`` also keeps the Treasury of David (the long-run corpus ``allbooks``: every
+    public-domain book in ``--data_root``)."""
     from training import corpora as C
     from training import data as D
 
@@ -124,7 +131,7 @@ def book_corpus(data_root: Path | None) -> dict[str, list[dict]]:
     if more is not None and more.is_dir():
         for path in sorted(more.glob("*.txt.xz")):
             stem = path.name[: -len(".txt.xz")]
-            if stem == "treasury-of-david":  # Psalms commentary, not a book in the PG19 sense
+            if stem == "treasury-of-david" and not every_book:  # Psalms commentary, not a PG19-style book
                 continue
             with lzma.open(path, "rt", encoding="utf-8") as f:
                 splits[BOOK_SPLITS.get(stem, "train")].append({"title": stem, "text": f.read()})
@@ -171,20 +178,20 @@ def code_corpus(max_train_mb: float) -> dict[str, list[dict]]:
     return _hash_splits(rows, max_train_mb)
 
 
-def prepare(data_root: str | None, max_train_mb: float = 12.0, vocab_size: int = 4096) -> dict:
+def prepare(data_root: str | None, max_train_mb: float = 12.0, vocab_size: int = 4096, corpora=CORPORA) -> dict:
     """Write ``runs/lm_quality/data/<corpus>/{train,validation,test}.jsonl`` and one BPE per corpus."""
     from training import corpora as C
     from training import data as D
 
     root = Path(data_root) if data_root and Path(data_root).is_dir() else None
     summary = {}
-    for corpus in CORPORA:
+    for corpus in corpora:
         out = WORK / "data" / corpus
         if (out / "test.jsonl").exists() and (WORK / "tokenizers" / corpus / "tokenizer.json").exists():
             continue
         t0 = time.time()
-        if corpus == "books":
-            splits = book_corpus(root)
+        if corpus in ("books", "allbooks"):
+            splits = book_corpus(root, every_book=corpus == "allbooks")
         elif corpus == "latex":
             splits = latex_corpus(root, max_train_mb)
         else:
@@ -196,7 +203,9 @@ def prepare(data_root: str | None, max_train_mb: float = 12.0, vocab_size: int =
         summary[corpus] = {"documents": counts, "megabytes": mb}
         print(f"{corpus}: {counts} documents, {mb} MB ({time.time() - t0:.0f} s)", flush=True)
     if summary:
-        (WORK / "data" / "summary.json").write_text(json.dumps(summary, indent=1))
+        path = WORK / "data" / "summary.json"
+        old = json.loads(path.read_text()) if path.exists() else {}
+        path.write_text(json.dumps({**old, **summary}, indent=1))
     return summary
 
 
@@ -423,16 +432,30 @@ def report(results_dir: Path = RESULTS, docs: Path | None = ROOT / "docs" / "res
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=["prepare", "run", "report", "all"])
+    p.add_argument("command", choices=["prepare", "run", "report", "all", "long", "long-report"])
     p.add_argument("--data_root", default=str(ROOT.parent / "shared" / "data"), help="folder with more-books/ etc.")
-    p.add_argument("--corpora", nargs="+", default=list(CORPORA), choices=CORPORA)
+    p.add_argument(
+        "--corpora", nargs="+", default=None, choices=[*CORPORA, "allbooks"], help="default: " + " ".join(CORPORA)
+    )
     p.add_argument("--models", nargs="+", default=list(MAIN), choices=list(MODELS), help="default: the Table-1 set")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=2, help="runs in parallel (one thread each)")
     p.add_argument("--max_steps", type=int, default=None, help="override the recipe's step count")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0], help="long: seeds to run")
+    p.add_argument("--bf16", action="store_true", help="long: bf16 autocast (default: fp32)")
     args = p.parse_args(argv)
+    if args.command in ("long", "long-report"):
+        from experiments import lm_long
+
+        if args.command == "long":
+            prepare(args.data_root, corpora=[lm_long.CORPUS])
+            models = args.models if "--models" in (argv if argv is not None else sys.argv) else lm_long.LONG_MODELS
+            lm_long.run_all(models, args.seeds, args.jobs, args.max_steps or lm_long.STEPS, args.bf16)
+        lm_long.report()
+        return
+    args.corpora = args.corpora or list(CORPORA)
     if args.command in ("prepare", "all"):
-        prepare(args.data_root)
+        prepare(args.data_root, corpora=args.corpora)
     if args.command in ("run", "all"):
         run_all(args.corpora, args.models, args.seed, args.jobs, args.max_steps)
     if args.command in ("report", "all"):
