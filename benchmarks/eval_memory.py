@@ -144,7 +144,9 @@ def write_docs(rows: list[dict], budget_gib: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     p.add_argument("--preset", default="bst-sh-s4")
     p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 65536])
     p.add_argument("--chunk", type=int, default=4096)

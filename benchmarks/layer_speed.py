@@ -453,7 +453,9 @@ def write_markdown(meta, results, names, path: Path):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--quick", action="store_true", help="L up to 4k, 3 rounds")
     parser.add_argument("--long", action="store_true", help="also L = 32k and 64k")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "both"], default="both")

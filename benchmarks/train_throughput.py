@@ -177,7 +177,7 @@ def plot(rows, path: Path):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per contender and round")
     parser.add_argument("--rounds", type=int, default=3, help="rounds in which the contenders alternate")

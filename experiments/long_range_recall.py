@@ -71,7 +71,7 @@ def train_and_eval(bst: bool, length: int = 48, block_len: int = 8, steps: int =
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--lengths", type=int, nargs="+", default=[24, 48, 96, 192])
     parser.add_argument("--block-len", type=int, default=8)
     parser.add_argument("--steps", type=int, default=300)

@@ -19,12 +19,15 @@ def test_every_model_parses_with_the_shared_recipe(name, tmp_path):
     preset, extra = Q.MODELS[name]
     argv = ["--config", str(Q.RECIPE), "--model_config", preset, "--output_dir", str(tmp_path), *extra]
     model_args, data_args, train_args = T.parse_args(argv)
-    assert model_args.model_config == preset and data_args.seq_len == 512
+    T.check_run(data_args, T.build_config(model_args))  # e.g. Transformer-XL: segments of its window
+    assert model_args.model_config == preset
     assert data_args.stream_segments == ("--stream_segments" in extra)
-    assert train_args.max_steps > 0 and train_args.per_device_train_batch_size == 4
+    # The same tokens a step for every model: 4 x 512 (Transformer-XL: 8 x 256, its window).
+    assert train_args.max_steps > 0 and train_args.per_device_train_batch_size * data_args.seq_len == 4 * 512
+    assert data_args.seq_len == (256 if name == "trsf-xl" else 512)
     if "unstruct" in name:  # filters must exist at 16x the training length to be evaluated there
         assert json.loads(model_args.model_overrides)["max_position_embeddings"] >= max(Q.LENGTHS)
-    assert max(Q.LENGTHS) == 16 * data_args.seq_len and min(Q.LENGTHS) * 8 == data_args.seq_len
+    assert max(Q.LENGTHS) == 16 * 512 and min(Q.LENGTHS) * 8 == 512
 
 
 def test_cap_train_keeps_whole_documents_up_to_the_budget():

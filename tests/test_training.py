@@ -108,8 +108,12 @@ def test_paper_recipes_follow_the_paper():
         assert any(kind in Path(p).stem for p in paper), f"no recipe for {kind}"
     for path in paper:
         model_args, data_args, train_args = T.parse_args(["--config", path])
-        assert data_args.seq_len == 4096
-        assert train_args.per_device_train_batch_size * train_args.gradient_accumulation_steps == 32
+        config = T.build_config(model_args)
+        T.check_run(data_args, config)
+        # L = 4096, global batch 32; Transformer-XL: segments of its window (2048), the same tokens per step.
+        rows = train_args.per_device_train_batch_size * train_args.gradient_accumulation_steps
+        assert data_args.seq_len * rows == 4096 * 32
+        assert data_args.seq_len == (config.block_len if "trsf-xl" in path else 4096)
         assert str(train_args.optim.value).startswith("adam")
         assert model_args.tokenizer == "mistral-v1-32k"
         kind = next(k for k in ("pg19", "arxiv", "github") if k in Path(path).stem)

@@ -214,7 +214,9 @@ def default_code_roots() -> list[tuple[Path, str, str]]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     p.add_argument("--out", required=True)
     p.add_argument("--books", action="store_true")
     p.add_argument("--latex", action="store_true")

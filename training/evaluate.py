@@ -175,7 +175,9 @@ def load_model(path: str, device: str = "cpu", dtype: str = "float32"):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     p.add_argument("--model", nargs="+", required=True, help="saved model folder(s) with their tokenizer")
     p.add_argument("--lengths", nargs="+", type=int, default=[512, 4096, 16384, 65536])
     p.add_argument("--output", required=True, help="JSON file")

@@ -194,7 +194,7 @@ def push(out_dir: Path, repo_id: str, private: bool = False):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--model", required=True, help="folder written by training.train (save_pretrained)")
     parser.add_argument("--out", required=True, help="Hub repository folder to write")
     parser.add_argument("--push", metavar="ORG/NAME", help="upload the folder to this Hub repository")

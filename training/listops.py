@@ -334,7 +334,9 @@ def split_stats(examples: Sequence[dict]) -> dict:
 # CLI
 # --------------------------------------------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training.listops", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m training.listops", description=__doc__.split("\n\n")[0], allow_abbrev=False
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate train/val/test splits")
     gen.add_argument("--out", required=True, help="output directory")

@@ -19,11 +19,15 @@ is exact.
 
 from __future__ import annotations
 
+import copy
+import difflib
+import inspect
 import json
 import logging
 import os
 import sys
 import time
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -155,7 +159,8 @@ def _resolve_auto(values: dict) -> dict:
 def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, TrainingArguments]:
     """Parse ``--config FILE`` plus overrides into the three argument dataclasses (command line wins)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments))
+    # No abbreviations: a near-miss flag (--learning_rat) is an error, not a prefix of another flag.
+    parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments), allow_abbrev=False)
     parser.add_argument("--config", default=None, help="recipe YAML (configs/train/*.yaml)")
     known = {a.dest for a in parser._actions}
     pre, _ = parser.parse_known_args(argv)  # only to find --config
@@ -229,19 +234,115 @@ def build_tokenizer(model_args: ModelArguments, data_args: DataArguments, train_
     return D.load_tokenizer(str(tok_dir))
 
 
+# Config bookkeeping entries that are not model settings and cannot be overridden.
+_NOT_OVERRIDABLE = frozenset({"model_type", "transformers_version", "_name_or_path", "architectures", "auto_map"})
+
+
+def parse_model_overrides(text: str | None) -> dict:
+    """``--model_overrides`` (a JSON object) as a dict; a clear ``ValueError`` for anything else."""
+    if not text:
+        return {}
+    try:
+        overrides = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--model_overrides must be a JSON object of config fields, got {text!r} ({e})") from None
+    if not isinstance(overrides, dict):
+        raise ValueError(f"--model_overrides must be a JSON object of config fields, got {text!r}")
+    return overrides
+
+
+def apply_model_overrides(config, overrides: dict, source: str = "--model_overrides"):
+    """``config`` with ``overrides`` set, after the config's own validation (``BSTConfig.validate_bst``).
+
+    Raises ``ValueError`` naming the field for an unknown field (with the closest known name), a value of the wrong
+    type, or a value the config rejects (``block_len: 0``, ``context_mode: "xx"``, ...), so that a bad override
+    fails before anything is built."""
+    signature = inspect.signature(type(config).__init__).parameters
+    fields = (set(signature) | set(config.to_dict())) - _NOT_OVERRIDABLE - {"self", "kwargs"}
+    fixed = sorted(set(overrides) & _NOT_OVERRIDABLE)
+    if fixed:
+        raise ValueError(f"{source}: {', '.join(map(repr, fixed))} cannot be overridden")
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, fields, n=1)
+            hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise ValueError(f"{source}: unknown {type(config).__name__} field(s) {', '.join(hints)}")
+    config = copy.deepcopy(config)
+    for name, value in overrides.items():
+        accepted = _accepted_types(signature.get(name), getattr(config, name, None))
+        if accepted and not (isinstance(value, accepted) and (bool in accepted or not isinstance(value, bool))):
+            names = " or ".join("null" if t is type(None) else t.__name__ for t in accepted)
+            raise ValueError(f"{source}: {type(config).__name__}.{name} must be {names}, got {value!r}")
+        setattr(config, name, value)
+    try:
+        if hasattr(config, "validate_bst"):
+            config.validate_bst()
+        config.validate()
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{source}: {e}") from None
+    return config
+
+
+def _accepted_types(param, current) -> tuple:
+    """The types a config field accepts: from its ``__init__`` annotation, else from its current value; ``()`` when
+    unknown. An ``int`` is accepted where a ``float`` is."""
+    if param is not None and param.annotation is not inspect.Parameter.empty:
+        hints = typing.get_args(param.annotation) or (param.annotation,)
+    elif current is not None:
+        hints = (type(current),)
+    else:
+        return ()
+    accepted = tuple(typing.get_origin(t) or t for t in hints)
+    accepted = tuple(t for t in accepted if isinstance(t, type))
+    return accepted + (int,) if float in accepted else accepted
+
+
+def build_config(model_args: ModelArguments, tokenizer=None):
+    """The model's config: the preset's (or the pretrained folder's) with ``model_overrides`` applied and validated.
+    With a tokenizer, a new model also takes its vocabulary size and special token ids (unless overridden)."""
+    import modeling_bst  # noqa: F401  (registers model_type "bst")
+
+    overrides = parse_model_overrides(model_args.model_overrides)
+    if model_args.model_name_or_path:
+        config = AutoConfig.from_pretrained(model_args.model_name_or_path)
+    elif model_args.model_config:
+        config = AutoConfig.from_pretrained(resolve_preset(model_args.model_config))
+        if tokenizer is not None:
+            overrides.setdefault("vocab_size", len(tokenizer))
+            for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+                overrides.setdefault(key, getattr(tokenizer, key))
+    else:
+        raise ValueError("set model_config (a preset) or model_name_or_path")
+    return apply_model_overrides(config, overrides)
+
+
+def check_run(data_args: DataArguments, config) -> None:
+    """Cross-checks of data and model settings that would otherwise train the wrong thing silently.
+
+    Transformer-XL (a model of block attention layers only: no BST, recurrent or GSS layers) with segment streaming
+    trains on segments of its window, reading the previous segment through the detached cache: a longer segment
+    would put several windows in one segment, with gradients flowing between them (issue #13)."""
+    is_xl = not (
+        getattr(config, "bst_layer_indices", None)
+        or getattr(config, "recurrent_layer_indices", None)
+        or getattr(config, "gss_layer_indices", None)
+    )
+    if data_args.stream_segments and is_xl and data_args.seq_len != config.block_len:
+        raise ValueError(
+            f"stream_segments with a Transformer-XL model (no BST, recurrent or GSS layers): seq_len "
+            f"({data_args.seq_len}) must equal the model's block_len ({config.block_len}), so that each segment is "
+            f"one window and the previous one is read from the detached cache; pass --seq_len {config.block_len} "
+            f"(and scale the batch to keep the tokens per step)."
+        )
+
+
 def build_model(model_args: ModelArguments, tokenizer):
     """A new model from a preset (vocabulary and special ids taken from the tokenizer) or a pretrained one."""
-    overrides = json.loads(model_args.model_overrides) if model_args.model_overrides else {}
+    config = build_config(model_args, tokenizer)
     if model_args.model_name_or_path:
-        return AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **overrides)
-    if not model_args.model_config:
-        raise ValueError("set model_config (a preset) or model_name_or_path")
-    config = AutoConfig.from_pretrained(resolve_preset(model_args.model_config))
-    overrides.setdefault("vocab_size", len(tokenizer))
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        overrides.setdefault(key, getattr(tokenizer, key))
-    for k, v in overrides.items():
-        setattr(config, k, v)
+        return AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, config=config)
     if len(tokenizer) > config.vocab_size:
         raise ValueError(f"tokenizer has {len(tokenizer)} tokens but vocab_size is {config.vocab_size}")
     return AutoModelForCausalLM.from_config(config)
@@ -410,6 +511,8 @@ def main(argv: list[str] | None = None) -> dict:
     import modeling_bst  # noqa: F401  (registers model_type "bst")
 
     model_args, data_args, train_args = parse_args(argv)
+    # Model settings are checked before anything is built (tokenizer, data, model).
+    check_run(data_args, build_config(model_args))
     logging.basicConfig(
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         level=logging.INFO if train_args.process_index == 0 else logging.WARNING,

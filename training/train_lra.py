@@ -260,7 +260,9 @@ def build_model(model_cfg: dict, max_length: int, seed: int) -> BSTForSequenceCl
 # Main
 # --------------------------------------------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None = None):
-    p = argparse.ArgumentParser(prog="python -m training.train_lra", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m training.train_lra", description=__doc__.split("\n\n")[0], allow_abbrev=False
+    )
     p.add_argument("--task", default="listops", choices=["listops"])
     src = p.add_mutually_exclusive_group()
     src.add_argument("--data", help="directory with train/val/test splits (.jsonl, .tsv or LRA basic_*.tsv)")
