@@ -63,6 +63,8 @@ HUB_DEFAULTS = {
     "github": {"path": "codeparrot/github-code", "revision": "refs/convert/parquet"},
 }
 DATASET_KINDS = ("embedded", "pg19", "arxiv", "github")
+# The training.corpora flag and output folder of each kind's offline stand-in.
+OFFLINE_CORPORA = {"pg19": ("--books", "books"), "arxiv": ("--latex", "arxiv"), "github": ("--code", "github")}
 
 FILE_HEADER = "<|file|>"
 SKIP_DIRS = frozenset({".git", "__pycache__", "node_modules", ".hg", ".svn", ".tox", ".venv", ".mypy_cache"})
@@ -202,7 +204,8 @@ def load_documents(
     folder) wins; else the Hub id ``path`` (or the kind's default in ``HUB_DEFAULTS``) is loaded with ``datasets``,
     streaming if asked. Schemas are the Hub's: PG19 rows keep ``short_book_title``/``publication_date``/``url``;
     arXiv rows are proof-pile-style ``{"text", "meta"}``; GitHub file rows are grouped into one document per
-    repository in directory order. Offline (``HF_DATASETS_OFFLINE=1``) Hub ids fail at once with ``ConnectionError``.
+    repository in directory order. A Hub id that cannot be reached (offline mode with nothing cached, or no network)
+    fails at once with :class:`DatasetUnavailableError` (a ``ConnectionError``) naming the offline alternatives.
     Returns a ``datasets.Dataset`` (or ``IterableDataset`` when ``streaming``).
     """
     from datasets import load_dataset
@@ -227,8 +230,60 @@ def load_documents(
     hub_split = split
     if "data_files" in spec:
         hub_split = "train"  # a data_files pattern already selects the split; datasets names it "train"
-    ds = load_dataset(spec.pop("path"), name, split=hub_split, streaming=streaming, **spec)
+    hub_id = spec.pop("path")
+    described = hub_id if "data_files" not in spec else f"{hub_id} files {spec['data_files']}"
+    _check_hub_reachable(dataset, described, path)
+    try:
+        ds = load_dataset(hub_id, name, split=hub_split, streaming=streaming, **spec)
+    except ConnectionError:  # offline mode and not in the datasets cache (datasets raises ConnectionError)
+        reason = "offline mode is on (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE) and the datasets cache does not hold it"
+        raise DatasetUnavailableError(_unavailable_message(dataset, described, path, reason)) from None
     return normalise_rows(ds, dataset, text_column)
+
+
+class DatasetUnavailableError(ConnectionError):
+    """A Hub dataset that cannot be reached (offline mode, no network); the message lists the offline
+    alternatives."""
+
+
+def _unavailable_message(dataset: str, described: str, path: str | None, reason: str) -> str:
+    flag, folder = OFFLINE_CORPORA[dataset]
+    missing = f" (--dataset_path {path!r} is not a local file or folder)" if path is not None else ""
+    return (
+        f"dataset {dataset!r} is on the Hugging Face Hub ({described}){missing} and cannot be reached: {reason}. "
+        f"Offline alternatives: local files, --dataset_path DIR (a folder with train/ and validation/ sub-folders or "
+        f"train.jsonl/validation.jsonl files: parquet, json(l), txt or tex; or one file); a stand-in corpus built "
+        f"without the Hub, `python -m training.corpora --out corpora/ {flag}`, then --dataset_path corpora/{folder}; "
+        f"or --dataset embedded (the books shipped in training/data)."
+    )
+
+
+def _check_hub_reachable(dataset: str, described: str, path: str | None, timeout: float = 5.0) -> None:
+    """Fail at once, with the offline alternatives, when the Hub cannot be reached: ``datasets`` would otherwise
+    retry five times with back-off (about 30 s) and end in a long traceback.
+
+    Offline mode (``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE``) is left to ``datasets``, which may find the dataset in
+    its cache; otherwise one TCP connection to the Hub endpoint (``HF_ENDPOINT``, or the HTTPS proxy when one is set)
+    must open within ``timeout`` seconds."""
+    import socket
+    import urllib.parse
+    import urllib.request
+
+    import datasets.config
+    from huggingface_hub import constants
+
+    if datasets.config.HF_HUB_OFFLINE or constants.HF_HUB_OFFLINE:
+        return
+    url = urllib.parse.urlsplit(constants.ENDPOINT)
+    proxy = urllib.request.getproxies().get(url.scheme)
+    if proxy and not urllib.request.proxy_bypass(url.hostname or ""):
+        url = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout).close()
+    except OSError as e:
+        reason = f"no connection to {url.hostname}:{port} ({e.strerror or e})"
+        raise DatasetUnavailableError(_unavailable_message(dataset, described, path, reason)) from None
 
 
 # --------------------------------------------------------------------------------------------------------------------

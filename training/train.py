@@ -592,5 +592,7 @@ def _shutdown_distributed():
 if __name__ == "__main__":
     try:
         main()
+    except D.DatasetUnavailableError as e:  # a one-paragraph message with the offline alternatives, no traceback
+        raise SystemExit(f"training.train: {e}") from None
     finally:
         _shutdown_distributed()
