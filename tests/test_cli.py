@@ -108,3 +108,40 @@ def test_transformer_xl_streaming_needs_segments_of_its_window():
         ["--config", TINY, "--model_config", "brect-tiny", "--stream_segments", "true"]
     )
     T.check_run(data_args, T.build_config(model_args))
+
+
+def test_resuming_a_finished_run_trains_nothing_and_does_not_warn(tmp_path):
+    """``--resume_from_checkpoint true`` when the last checkpoint is at max_steps: no extra step, no warning about
+    the tied ``lm_head.weight`` (never saved, so never in a checkpoint), the same final weights (issue #14 item 7)."""
+    import logging
+
+    import test_training
+    import torch
+    from safetensors.torch import load_file
+
+    corpus = tmp_path / "corpus"
+    (corpus / "train").mkdir(parents=True)
+    (corpus / "validation").mkdir()
+    books = test_training.D.embedded_books()
+    for i in range(3):
+        (corpus / "train" / f"doc{i}.txt").write_text(books[i]["text"][20_000:26_000])
+    (corpus / "validation" / "val.txt").write_text(books[6]["text"][30_000:33_000])
+    out = tmp_path / "run"
+    argv = test_training.tiny_argv(corpus, out, "--max_steps", "3", "--save_strategy", "steps", "--save_steps", "3")
+    first = T.main(argv)
+    assert len(first["losses"]) == 3
+    before = load_file(str(out / "final" / "model.safetensors"))
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    trainer_logger = logging.getLogger("transformers.trainer")
+    trainer_logger.addHandler(handler)
+    try:
+        again = T.main([*argv, "--tokenizer", str(out / "tokenizer"), "--resume_from_checkpoint", "true"])
+    finally:
+        trainer_logger.removeHandler(handler)
+    assert again["losses"] == first["losses"]  # the history of the checkpoint, no 4th step
+    assert not [r for r in records if "missing keys" in r.getMessage()]
+    after = load_file(str(out / "final" / "model.safetensors"))
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)

@@ -438,6 +438,87 @@ class BSTTrainer(Trainer):
         self.stream_segments = stream_segments
         self._stream_cache = None
 
+    # -- sharded training ---------------------------------------------------------------------------------------
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        self._enable_fsdp_on_cpu()
+
+    def _enable_fsdp_on_cpu(self):
+        """FSDP2 (``fully_shard``) on a CPU process group (gloo).
+
+        accelerate turns FSDP on only for accelerator process groups: on CPU a requested FSDP plugin
+        (``accelerate launch`` with an FSDP config, or ``--fsdp``/``--fsdp_config``) is silently dropped and the run
+        is plain DDP. ``fully_shard`` itself works on CPU with gloo, so the requested plugin is installed here; the
+        model and optimizer then go through accelerate's FSDP2 preparation as on GPUs (parameter groups, and so the
+        SSM learning rate, are kept: their parameters are swapped for the sharded ones). FSDP1 is refused on CPU."""
+        from accelerate.state import PartialState
+        from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+        state = self.accelerator.state
+        from_launcher = os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("true", "1")
+        requested = self.args.fsdp_plugin_args is not None or from_launcher
+        if not requested or state.distributed_type != DistributedType.MULTI_CPU:
+            return
+        plugin = FullyShardedDataParallelPlugin(**(self.args.fsdp_plugin_args or {}))
+        if plugin.fsdp_version != 2:
+            raise ValueError(
+                f"FSDP on CPU needs fsdp_version 2 (fully_shard), got {plugin.fsdp_version}: set fsdp_version: 2 in "
+                "the accelerate config (configs/accelerate/fsdp_cpu.yaml) or in --fsdp_config"
+            )
+        state.fsdp_plugin = plugin
+        state.distributed_type = DistributedType.FSDP
+        # As AcceleratorState does for accelerator process groups: every later AcceleratorState() copies it from here.
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        self.is_fsdp_enabled = True
+
+    def sharding_report(self) -> dict:
+        """Parameter and optimizer-state elements held by this process (local shards under FSDP), with each
+        optimizer group's initial learning rate; gathered from every process (call it on all of them)."""
+        from torch.distributed.tensor import DTensor
+
+        def local(t):
+            return (t.to_local() if isinstance(t, DTensor) else t).numel()
+
+        model = self.model_wrapped if self.model_wrapped is not None else self.model
+        for module in model.modules():
+            if hasattr(module, "reshard"):  # FSDP2 keeps the root's parameters gathered after an evaluation forward
+                module.reshard()
+        report = {
+            "parameters": sum(local(p) for p in {id(p): p for p in model.parameters()}.values()),
+            "optimizer_state": 0,
+            "groups": {},
+        }
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                report["groups"][group.get("name", str(len(report["groups"])))] = {
+                    "lr": group.get("initial_lr", group["lr"]),
+                    "parameters": sum(local(p) for p in group["params"]),
+                }
+            for st in self.optimizer.state.values():
+                report["optimizer_state"] += sum(local(v) for v in st.values() if torch.is_tensor(v) and v.ndim)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            reports = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(reports, report)
+            return {"ranks": reports}
+        return {"ranks": [report]}
+
+    # -- resuming ---------------------------------------------------------------------------------------------
+    def _run_epoch(self, *args, **kwargs):
+        # A run resumed from a checkpoint already at max_steps: the loop would take one step before its stop check.
+        if 0 < self.state.max_steps <= self.state.global_step:
+            self.control.should_training_stop = True
+            return
+        return super()._run_epoch(*args, **kwargs)
+
+    def _issue_warnings_after_load(self, load_result):
+        # Tied weights (lm_head.weight is the input embedding) are never saved, so no checkpoint holds them: not a
+        # missing key. They are re-tied.
+        tied = set(getattr(self.model, "all_tied_weights_keys", None) or {})
+        missing = [k for k in load_result.missing_keys if k not in tied]
+        if len(missing) != len(load_result.missing_keys):
+            self.model.tie_weights()
+        super()._issue_warnings_after_load(type(load_result)(missing, load_result.unexpected_keys))
+
     # -- optimiser: own lr / no weight decay for SSM parameters --------------------------------------------------
     def create_optimizer(self, model=None):
         if self.optimizer is None:
@@ -560,7 +641,17 @@ def main(argv: list[str] | None = None) -> dict:
     final_dir = os.path.join(train_args.output_dir, "final")
     # Trainer writes use_cache=False into the config while training; a saved model must cache at inference.
     trainer.model.config.use_cache = True
-    trainer.save_model(final_dir)
+    sharding = trainer.sharding_report()
+    if trainer.is_fsdp_enabled:
+        # Checkpoints stay sharded; the final model is gathered (on every process) into one plain, loadable folder.
+        state_dict = trainer.accelerator.get_state_dict(trainer.model)
+        if trainer.args.should_save:
+            plain = AutoModelForCausalLM.from_config(trainer.model.config)
+            plain.load_state_dict(state_dict)
+            plain.save_pretrained(final_dir)
+            tokenizer.save_pretrained(final_dir)
+    else:
+        trainer.save_model(final_dir)
     summary = {
         "output_dir": train_args.output_dir,
         "final_model": final_dir,
@@ -568,6 +659,8 @@ def main(argv: list[str] | None = None) -> dict:
         "train_segments": len(train_ds) if hasattr(train_ds, "__len__") else None,
         "seq_len": data_args.seq_len,
         "world_size": train_args.world_size,
+        "fsdp": trainer.is_fsdp_enabled,
+        "sharding": sharding,
         "train_batch_size": train_args.per_device_train_batch_size * train_args.world_size,
         "wall_seconds": time.time() - t0,
         "metrics": metrics,
