@@ -15,7 +15,9 @@ bounded by C.
 Reported per length, over the whole split: ``ppl_token = exp(sum NLL / scored tokens)``,
 ``bits_per_byte = sum NLL / (ln 2 * UTF-8 bytes of the scored texts)`` (comparable across tokenizers) and
 ``ppl_word = exp(sum NLL / whitespace-separated words)`` (PG19's word-level perplexity). ``evaluate``'s Hub
-perplexity metric is not used: it truncates each text to the model's maximum length and needs the Hub.
+perplexity metric is not used: it truncates each text to the model's maximum length and needs the Hub. The same
+numbers, from the same code ([`evaluate_model`]), come as an ``evaluate`` metric module:
+``evaluate.load("metrics/bits_per_byte")`` (see metrics/bits_per_byte/).
 """
 
 from __future__ import annotations
@@ -165,12 +167,15 @@ def plot(report: dict, path: str | os.PathLike) -> str:
     return str(path)
 
 
-def load_model(path: str, device: str = "cpu", dtype: str = "float32"):
+def load_model(path: str, device: str = "cpu", dtype: str = "float32", trust_remote_code: bool = False):
+    """A causal LM (BST registered; other custom code with ``trust_remote_code``) and its tokenizer, in eval mode."""
     from transformers import AutoModelForCausalLM
 
     import modeling_bst  # noqa: F401  (registers model_type "bst")
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code
+    )
     return model.to(device).eval(), D.load_tokenizer(path)
 
 
