@@ -346,6 +346,17 @@ def git_commit() -> str | None:
         return None
 
 
+def uncommitted(paths=("modeling_bst", "experiments/mqar.py")) -> list[str]:
+    """Files under ``paths`` that differ from the recorded commit (the run used the working tree)."""
+    try:
+        out = subprocess.run(
+            ["git", "status", "--porcelain", "--", *paths], cwd=ROOT, capture_output=True, text=True, check=True
+        )
+        return [line[3:] for line in out.stdout.splitlines()]
+    except (OSError, subprocess.CalledProcessError):
+        return []
+
+
 def grid(lengths, pairs, length_for_pairs, pairs_at_lengths) -> list[tuple[int, int]]:
     """(length, pairs) cells: every length at ``pairs_at_lengths`` pairs, every pair count at ``length_for_pairs``."""
     cells = [(n, pairs_at_lengths) for n in lengths] + [(length_for_pairs, p) for p in pairs]
@@ -538,7 +549,12 @@ def main(argv: list[str] | None = None) -> None:
                 layers=args.layers, block_len=args.block_len, gap=args.gap, num_keys=args.num_keys,
                 num_values=args.num_values, seed=seed, log_every=args.log_every, device=args.device,
             )  # fmt: skip
-            record.update(command=command, git_commit=commit, wall_seconds=round(time.time() - t0, 1))
+            record.update(
+                command=command,
+                git_commit=commit,
+                uncommitted_changes=uncommitted(),
+                wall_seconds=round(time.time() - t0, 1),
+            )
             out_dir.mkdir(parents=True, exist_ok=True)
             path = out_dir / f"{run_name(model, length, pairs, seed, args.steps, args.batch_size)}.json"
             tmp = path.with_suffix(".tmp")
