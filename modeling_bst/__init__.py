@@ -2,7 +2,8 @@
 
 Importing this package registers ``model_type="bst"`` with ``AutoConfig``, ``AutoModel``, ``AutoModelForCausalLM``
 and ``AutoModelForSequenceClassification``, and makes every ``save_pretrained`` write the modeling code and an
-``auto_map`` so that checkpoints load with ``trust_remote_code=True`` where this package is not installed.
+``auto_map`` listing all four (``configuration_bst.AUTO_MAP``), so that a checkpoint loads with any of these Auto
+classes and ``trust_remote_code=True`` where this package is not installed.
 """
 
 from transformers import (

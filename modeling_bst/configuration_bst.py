@@ -16,6 +16,17 @@ SSM_KINDS = ("s4", "unstruct")
 SSM_INITS = ("lin", "inv")
 CROSS_MASKS = ("inclusive", "strict")
 
+# Every Auto class the package offers, as written into a saved ``config.json``: a folder written by
+# ``save_pretrained`` (which copies these files next to the weights) then loads with any of them and
+# ``trust_remote_code=True`` where ``modeling_bst`` is not installed. ``save_pretrained`` alone would list only the
+# saved model's own class. Keep in sync with the ``register`` calls in ``__init__.py``.
+AUTO_MAP = {
+    "AutoConfig": "configuration_bst.BSTConfig",
+    "AutoModel": "modeling_bst.BSTModel",
+    "AutoModelForCausalLM": "modeling_bst.BSTForCausalLM",
+    "AutoModelForSequenceClassification": "modeling_bst.BSTForSequenceClassification",
+}
+
 
 class BSTConfig(PreTrainedConfig):
     r"""Configuration for [`BSTModel`], [`BSTForCausalLM`] and [`BSTForSequenceClassification`].
@@ -180,6 +191,8 @@ class BSTConfig(PreTrainedConfig):
             tie_word_embeddings=tie_word_embeddings,
             **kwargs,
         )
+        # Entries already present (a loaded config.json; on the Hub "org/name--module.Class") are kept.
+        self.auto_map = {**AUTO_MAP, **(getattr(self, "auto_map", None) or {})}
         self.validate_bst()
 
     # Derived values. Properties, so they never go stale and are not written into config.json.
@@ -323,4 +336,4 @@ class BSTConfig(PreTrainedConfig):
             raise ValueError("BSTConfig.max_position_embeddings sets the unstruct filter length and must be >= 1.")
 
 
-__all__ = ["BSTConfig"]
+__all__ = ["AUTO_MAP", "BSTConfig"]

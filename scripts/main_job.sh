@@ -53,7 +53,7 @@ print(text)
 PY
 echo "== 4/4 save / export"
 if [ -f training/export.py ]; then
-    python -m training.export --model "$OUT/final" --out "$OUT/hub" --eval-json "$OUT/eval.json" --dataset-name books
+    python -m training.export --model "$OUT/final" --out "$OUT/hub" --eval_json "$OUT/eval.json" --dataset embedded
     EXPORT="$OUT/hub (Hub-ready folder)"
 else
     EXPORT="$OUT/final (save_pretrained folder; training/export.py not present)"
@@ -76,7 +76,8 @@ PY
 cat <<MSG
 
 Done in $(( $(date +%s) - start )) s. Everything is under $OUT/:
-  model + tokenizer : $OUT/final   (AutoModelForCausalLM / AutoTokenizer.from_pretrained("$OUT/final"))
+  model + tokenizer : $OUT/final   (AutoModelForCausalLM / AutoTokenizer.from_pretrained("$OUT/final") after
+                      "import modeling_bst", or with trust_remote_code=True)
   checkpoints       : $OUT/checkpoint-*   (resume: --resume_from_checkpoint true)
   training log      : $OUT/log_history.json, $OUT/train_summary.json
   evaluation        : $OUT/eval.json, plot $OUT/eval.png

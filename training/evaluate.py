@@ -144,24 +144,55 @@ def _batched(seq, n):
         yield tuple(seq[i : i + n])
 
 
-def plot(report: dict, path: str | os.PathLike) -> str:
-    """PNG of token perplexity vs evaluation length (log2 axis), one line per model."""
+def plot_figure(report: dict):
+    """Figure of token perplexity vs evaluation length (log2 axis), one line per model. The y axis starts at 0 and
+    every point carries its value, so that a 0.1% difference looks like one (a tight auto-scaled axis would draw it as
+    a cliff)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
+    top = 0.0
+    points = {}  # length -> [(perplexity, colour)]
     for m in report["models"]:
         rows = [r for r in m["results"] if "ppl_token" in r]
-        ax.plot([r["length"] for r in rows], [r["ppl_token"] for r in rows], marker="o", label=m["name"])
+        xs, ys = [r["length"] for r in rows], [r["ppl_token"] for r in rows]
+        (line,) = ax.plot(xs, ys, marker="o", label=m["name"])
+        for x, y in zip(xs, ys):
+            points.setdefault(x, []).append((y, line.get_color()))
+        top = max([top, *ys])
+    for x, column in points.items():
+        # At each length the lowest value is labelled below its point, the others above, stacked upwards.
+        for rank, (y, colour) in enumerate(sorted(column)):
+            below = rank == 0 and len(column) > 1
+            ax.annotate(
+                f"{y:.4g}",
+                (x, y),
+                textcoords="offset points",
+                xytext=(0, -8 if below else 6 + 11 * max(0, rank - 1)),
+                ha="center",
+                va="top" if below else "bottom",
+                fontsize=8,
+                color=colour,
+            )
     ax.set_xscale("log", base=2)
+    ax.set_ylim(0, top * (1.12 + 0.06 * len(report["models"])) if top > 0 else 1)
     ax.set_xlabel("evaluation length (tokens)")
-    ax.set_ylabel("token perplexity")
+    ax.set_ylabel("token perplexity (axis from 0)")
     ax.set_title(f"{report['dataset']['dataset']} / {report['dataset']['split']}")
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    ax.legend(loc="lower right")
     fig.tight_layout()
+    return fig
+
+
+def plot(report: dict, path: str | os.PathLike) -> str:
+    """PNG of ``plot_figure(report)``; returns the path."""
+    import matplotlib.pyplot as plt
+
+    fig = plot_figure(report)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return str(path)

@@ -1,13 +1,20 @@
 """Export a trained BST model as a complete Hugging Face Hub repository folder (and optionally push it).
 
     python -m training.export --model outputs/tiny/final --out outputs/tiny/hub \\
-        [--eval-json outputs/tiny/eval.json] [--dataset-name books] [--push org/bst-tiny [--private]]
+        [--eval_json outputs/tiny/eval.json] [--dataset embedded] [--code_url https://github.com/ORG/REPO] \\
+        [--push org/bst-tiny [--private]]
 
-The folder holds ``model.safetensors``, ``config.json`` (with ``auto_map`` and ``use_cache: true``),
-``generation_config.json``, the tokenizer files, the four modeling files (so that
-``AutoModelForCausalLM.from_pretrained(folder_or_repo, trust_remote_code=True)`` works where ``modeling_bst`` is not
-installed), and a ``README.md`` model card rendered from ``hub_cards/model_card.md`` (YAML metadata with
-``library_name``, ``pipeline_tag``, tags, datasets, licence and a ``model-index`` of the evaluated perplexities).
+The folder holds ``model.safetensors``, ``config.json`` (with an ``auto_map`` of every head and ``use_cache: true``),
+``generation_config.json``, the tokenizer files, the four modeling files (so that ``AutoModel``,
+``AutoModelForCausalLM`` and ``AutoModelForSequenceClassification`` load the folder with ``trust_remote_code=True``
+where ``modeling_bst`` is not installed), and a ``README.md`` model card rendered from ``hub_cards/model_card.md``.
+
+The card states only what the run recorded: the training sequence length comes from the run's
+``train_summary.json`` (next to ``final/``, or ``--train_summary``), the optimizer steps from ``log_history.json``,
+an unedited sample from ``sample.txt`` if present, the evaluation from ``--eval_json``. ``datasets:`` metadata lists
+real Hub dataset ids only (``--dataset pg19`` -> ``emozilla/pg19``, or a Hub id); local corpora (the embedded books,
+``--dataset_path`` folders) are described in the text and left out of the metadata. ``--code_url`` adds a link to
+the code's repository (no default: the modeling code is in the exported folder itself).
 
 ``--push`` uploads the folder with ``huggingface_hub.HfApi`` (``create_repo`` + ``upload_folder``); it needs a token
 (``huggingface-cli login`` or ``HF_TOKEN``) and network access.
@@ -16,18 +23,26 @@ installed), and a ``README.md`` model card rendered from ``hub_cards/model_card.
 import argparse
 import hashlib
 import json
+import os
+import re
 import string
+import warnings
 from pathlib import Path
+from urllib.parse import urlparse
 
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import modeling_bst
+from training.data import EMBEDDED_BOOKS, HUB_DEFAULTS, canonical_split
 
 
 CODE_FILES = ("configuration_bst.py", "modeling_bst.py", "ssm_bst.py", "cache_bst.py")
 CARD_TEMPLATE = Path(__file__).resolve().parents[1] / "hub_cards" / "model_card.md"
 PAPER = "https://arxiv.org/abs/2306.09539"
+HUB_DATASET_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# Corpora of English text (the card's `language:`); code (github) and unknown corpora get no language tag.
+ENGLISH_KINDS = ("embedded", "pg19", "arxiv")
 
 
 def sha256(path: Path) -> str:
@@ -47,7 +62,7 @@ def variant_name(config) -> str:
 
 
 def evaluation_rows(eval_json: Path | None):
-    """``[(length, ppl, bits_per_byte)]`` from a ``training.evaluate`` report (first model)."""
+    """``[(length, ppl, bits_per_byte)]`` from a ``training.evaluate`` report (first model), and its dataset entry."""
     if eval_json is None:
         return [], None
     report = json.loads(Path(eval_json).read_text())
@@ -56,7 +71,104 @@ def evaluation_rows(eval_json: Path | None):
     return rows, report.get("dataset", {})
 
 
-def front_matter(config, repo_id: str, rows, dataset_name: str, license_name: str) -> dict:
+# --------------------------------------------------------------------------------------------------------------------
+# What the run recorded
+# --------------------------------------------------------------------------------------------------------------------
+def hub_id_of_kind(kind: str) -> str | None:
+    """The Hub dataset id ``training.data`` loads for a dataset kind (``pg19`` -> ``emozilla/pg19``), else None."""
+    spec = HUB_DEFAULTS.get(kind)
+    if spec is None:
+        return None
+    if HUB_DATASET_ID.match(spec["path"]):
+        return spec["path"]
+    match = re.match(r"hf://datasets/([^/]+/[^/]+)/", str(spec.get("data_files", "")))
+    return match.group(1) if match else None
+
+
+def describe_dataset(
+    dataset: str | None, dataset_path: str | None = None, split: str = "train"
+) -> tuple[str | None, list[str]]:
+    """``(description for the card, Hub dataset ids for the datasets: metadata)`` of a corpus (``split`` of it).
+
+    ``dataset`` is a ``training.data`` kind (embedded, pg19, arxiv, github) or a Hub dataset id; ``dataset_path`` is
+    what ``--dataset_path`` was in training (a local file/folder, or a Hub id replacing the kind's default). Local
+    corpora have no Hub id: they are described and left out of the metadata."""
+    if dataset_path:
+        if os.path.exists(dataset_path) or not HUB_DATASET_ID.match(dataset_path):
+            loader = f" (read with the `{dataset}` loader)" if dataset and dataset != "embedded" else ""
+            return f"a local corpus, `{Path(dataset_path).name}`{loader}; not published with this model", []
+        return f"[`{dataset_path}`](https://huggingface.co/datasets/{dataset_path})", [dataset_path]
+    if not dataset:
+        return None, []
+    if dataset == "embedded":
+        split = canonical_split(split)
+        books = ", ".join(f"*{title}* ({year})" for _, title, year, _, part in EMBEDDED_BOOKS if part == split)
+        return (
+            f"the {split} split of the public-domain novels shipped with `modeling_bst` (`training/data/`, Project "
+            f"Gutenberg texts): {books or 'none'}; a local corpus, not a Hub dataset",
+            [],
+        )
+    hub_id = hub_id_of_kind(dataset)
+    if hub_id is not None:
+        url = f"https://huggingface.co/datasets/{hub_id}"
+        return f"[`{hub_id}`]({url}) (the `{dataset}` loader of `training.data`)", [hub_id]
+    if HUB_DATASET_ID.match(dataset) and not os.path.exists(dataset):
+        return f"[`{dataset}`](https://huggingface.co/datasets/{dataset})", [dataset]
+    return f"a local corpus, `{Path(dataset).name}`; not published with this model", []
+
+
+def read_run(model_dir: str, train_summary: str | None = None, sample: str | None = None) -> dict:
+    """What the training run left next to the model: ``train_summary.json`` (in the model folder or its parent,
+    i.e. ``output_dir`` of ``training.train``), ``log_history.json`` and ``sample.txt`` beside it."""
+    folder = Path(model_dir)
+    if train_summary is not None:
+        candidates = [Path(train_summary)]
+        if not candidates[0].is_file():
+            raise FileNotFoundError(f"--train_summary {train_summary}: no such file")
+    else:
+        candidates = [folder / "train_summary.json", folder.parent / "train_summary.json"]
+    run: dict = {}
+    summary_path = next((p for p in candidates if p.is_file()), None)
+    run_dir = summary_path.parent if summary_path is not None else folder.parent
+    if summary_path is not None:
+        summary = json.loads(summary_path.read_text())
+        run["summary_file"] = summary_path.name
+        for key in ("seq_len", "world_size", "train_batch_size", "dataset", "dataset_path"):
+            if summary.get(key) is not None:
+                run[key] = summary[key]
+    history = run_dir / "log_history.json"
+    if history.is_file():
+        steps = [h["step"] for h in json.loads(history.read_text()) if isinstance(h, dict) and "step" in h]
+        if steps:
+            run["steps"] = max(steps)
+    sample_path = Path(sample) if sample is not None else run_dir / "sample.txt"
+    if sample is not None and not sample_path.is_file():
+        raise FileNotFoundError(f"--sample {sample}: no such file")
+    if sample_path.is_file():
+        run["sample"] = sample_path.read_text().strip()
+        run["sample_file"] = sample_path.name
+    return run
+
+
+def check_code_url(code_url: str | None) -> str | None:
+    """A full http(s) URL of the code's repository (a path after the host: not a bare hostname), or None."""
+    if code_url is None:
+        return None
+    parsed = urlparse(code_url)
+    if parsed.scheme not in ("http", "https") or "." not in parsed.netloc or parsed.path.strip("/") == "":
+        raise ValueError(
+            f"code_url must be the full URL of the code repository, e.g. https://github.com/<org>/<repo>; "
+            f"got {code_url!r}"
+        )
+    return code_url
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The card
+# --------------------------------------------------------------------------------------------------------------------
+def front_matter(
+    config, repo_id: str, rows, hub_datasets: list[str], license_name: str, eval_dataset=None, english=False
+):
     meta = {
         "library_name": "transformers",
         "pipeline_tag": "text-generation",
@@ -70,9 +182,11 @@ def front_matter(config, repo_id: str, rows, dataset_name: str, license_name: st
             "long-context",
             "custom_code",
         ],
-        "datasets": [dataset_name],
-        "language": ["en"],
     }
+    if hub_datasets:
+        meta["datasets"] = list(hub_datasets)
+    if english:
+        meta["language"] = ["en"]
     if rows:
         metrics = []
         for length, ppl, bpb in rows:
@@ -82,13 +196,21 @@ def front_matter(config, repo_id: str, rows, dataset_name: str, license_name: st
             metrics.append(
                 {"type": "bits_per_byte", "name": f"Bits per byte at {length} tokens", "value": round(bpb, 4)}
             )
+        eval_dataset = eval_dataset or {}
+        kind, path, split = eval_dataset.get("dataset"), eval_dataset.get("path"), eval_dataset.get("split")
+        _, eval_ids = describe_dataset(kind, path, split or "validation")
+        dataset_entry = {"type": eval_ids[0] if eval_ids else (kind or "unknown"), "name": kind or "unknown"}
+        if eval_ids:
+            dataset_entry["name"] = eval_ids[0]
+        if split:
+            dataset_entry["split"] = split
         meta["model-index"] = [
             {
                 "name": repo_id,
                 "results": [
                     {
                         "task": {"type": "text-generation", "name": "Language modelling"},
-                        "dataset": {"type": dataset_name, "name": dataset_name},
+                        "dataset": dataset_entry,
                         "metrics": metrics,
                     }
                 ],
@@ -97,10 +219,62 @@ def front_matter(config, repo_id: str, rows, dataset_name: str, license_name: st
     return meta
 
 
-def render_card(model, repo_id: str, rows, dataset_name: str, license_name: str, out: Path) -> str:
+def limitations(config) -> list[str]:
+    """What the model cannot do, for the card (each item checked by tests/test_export.py or tests/test_generate.py)."""
+    items = [
+        "- A small research model trained on a small corpus: its text is not reliable and may not be coherent or "
+        "grammatical (judge from the sample, if the run recorded one). It was not trained to follow instructions and "
+        "not evaluated for safety or bias.",
+    ]
+    if config.ssm_kind == "unstruct" and config.bst_layer_indices:
+        items.append(
+            f"- `unstruct` (Hyena-style) filters exist only up to `max_position_embeddings` = "
+            f"{config.max_position_embeddings} tokens: longer inputs (and generation past that length) raise an error."
+        )
+    else:
+        items.append(
+            "- Runs (and generates) at any length, but the quality beyond the training length is only what a "
+            "length-generalisation evaluation (above, if any) shows."
+        )
+    items += [
+        "- Generation: assisted/speculative decoding (`assistant_model=`, `prompt_lookup_num_tokens=`) raises a "
+        "`ValueError` (the model is stateful: its SSM state cannot be rolled back). `cache_implementation=` "
+        "(static, offloaded, quantized caches) is ignored: the model always uses its own bounded `BSTCache`. The "
+        "decoding strategies Transformers moved to Hub `custom_generate` repositories (contrastive search, DoLa, "
+        "group/constrained beam search) are not tested with this model. Greedy, sampling and beam search work.",
+        "- Left and right padding are supported in one forward or a `generate` call; padding inside a continued "
+        "(cached) chunk is not (it raises an error).",
+        "- `AutoModelForSequenceClassification` loads this checkpoint with a new, untrained classification head.",
+    ]
+    return items
+
+
+def render_card(
+    model,
+    repo_id: str,
+    rows,
+    dataset_text: str | None,
+    license_name: str,
+    out: Path,
+    *,
+    hub_datasets: list[str] = (),
+    run: dict | None = None,
+    eval_dataset: dict | None = None,
+    code_url: str | None = None,
+    english: bool = False,
+) -> str:
     config = model.config
+    run = run or {}
     n_params = sum(p.numel() for p in model.parameters())
     kinds = [config.layer_kind(i) for i in range(config.num_hidden_layers)]
+    seq_len = run.get("seq_len")
+    summary_file = run.get("summary_file", "train_summary.json")
+    trained_at = f"{seq_len} tokens per sequence (from the run's `{summary_file}`)" if seq_len else "not recorded"
+    if config.ssm_kind == "unstruct" and config.bst_layer_indices:
+        limit = f"{config.max_position_embeddings} tokens (unstruct filter length)"
+    else:
+        limit = "none (S4 kernels are computed for the input length; config `max_position_embeddings` = "
+        limit += f"{config.max_position_embeddings})"
     architecture = "\n".join(
         [
             "| field | value |",
@@ -109,7 +283,9 @@ def render_card(model, repo_id: str, rows, dataset_name: str, license_name: str,
             f"| layers | {config.num_hidden_layers} ({', '.join(f'{i}: {k}' for i, k in enumerate(kinds))}) |",
             f"| width D / heads / head dim / MLP | {config.hidden_size} / {config.num_attention_heads} / "
             f"{config.head_dim} / {config.intermediate_size} (ReLU) |",
-            f"| block length W / training length L | {config.block_len} / {config.max_position_embeddings} |",
+            f"| block length W | {config.block_len} |",
+            f"| training sequence length L | {trained_at} |",
+            f"| maximum input length | {limit} |",
             f"| context states | {config.context_mode.upper()}"
             + (f", S = {config.num_context_states}" if config.context_mode == "mf" else "")
             + " |",
@@ -119,36 +295,64 @@ def render_card(model, repo_id: str, rows, dataset_name: str, license_name: str,
         ]
     )
     if rows:
-        evaluation = "\n".join(
+        evaluation = ""
+        if eval_dataset:
+            split = eval_dataset.get("split") or "validation"
+            text, _ = describe_dataset(eval_dataset.get("dataset"), eval_dataset.get("path"), split)
+            scope = [] if f"{split} split" in (text or "") else [f"split `{split}`"]
+            if eval_dataset.get("documents") is not None:
+                scope.append(f"{eval_dataset['documents']} document(s)")
+            if eval_dataset.get("max_tokens_per_doc"):
+                scope.append(f"the first {eval_dataset['max_tokens_per_doc']} tokens of each")
+            scope = f" ({', '.join(scope)})" if scope else ""
+            evaluation = f"On {text or 'an unrecorded dataset'}{scope}, with `training.evaluate`:\n\n"
+        evaluation += "\n".join(
             ["| evaluation length | token perplexity | bits per byte |", "|---|---|---|"]
             + [f"| {length} | {ppl:.3f} | {bpb:.4f} |" for length, ppl, bpb in rows]
         )
     else:
-        evaluation = "Not evaluated (run `python -m training.evaluate` and export with `--eval-json`)."
-    limitations = [
-        "- Small research model: expect fluent-looking but unreliable text.",
-        "- `unstruct` (Hyena-style) filters exist only up to `max_position_embeddings` tokens; longer inputs raise an"
-        " error. S4 models run (and generate) at any length, but quality beyond the training length is not"
-        " guaranteed."
-        if config.ssm_kind == "unstruct"
-        else "- S4 kernels are computed for the actual input length: the model runs at any length, but quality beyond"
-        " the training length is only what the length-generalisation evaluation shows.",
-        "- Left padding and right padding are supported; padding inside a continued (cached) chunk is not.",
-    ]
+        evaluation = "Not evaluated (run `python -m training.evaluate` and export with `--eval_json`)."
+    training = [f"- Data: {dataset_text}." if dataset_text else "- Data: not recorded."]
+    facts = []
+    if seq_len:
+        facts.append(f"sequences of {seq_len} tokens")
+    if run.get("train_batch_size"):
+        facts.append(
+            f"{run['train_batch_size']} sequences per micro-batch over {run.get('world_size', 1)} process(es)"
+        )
+    if run.get("steps"):
+        facts.append(f"{run['steps']} optimizer steps")
+    if facts:
+        training.append(f"- Trained with `python -m training.train`: {', '.join(facts)}.")
+    training.append(f"- Paper: {PAPER}.")
+    if run.get("sample"):
+        text = run["sample"]
+        fence = "`" * max(3, max((len(m) for m in re.findall(r"`+", text)), default=0) + 1)
+        sample = (
+            f"## Sample\n\nUnedited, from `{run.get('sample_file', 'sample.txt')}` of the run (generated by this model):"
+            f"\n\n{fence}text\n{text}\n{fence}\n\n"
+        )
+    else:
+        sample = ""
+    if code_url:
+        code_link = f"[`modeling_bst`]({code_url}) {modeling_bst.__version__}"
+    else:
+        code_link = f"`modeling_bst` {modeling_bst.__version__}"
     code_rows = "\n".join(f"| `{name}` | `{sha256(out / name)}` |" for name in CODE_FILES)
-    meta = front_matter(config, repo_id, rows, dataset_name, license_name)
+    meta = front_matter(config, repo_id, rows, list(hub_datasets), license_name, eval_dataset, english)
     values = dict(
-        front_matter=yaml.safe_dump(meta, sort_keys=False).strip(),
+        front_matter=yaml.safe_dump(meta, sort_keys=False, allow_unicode=True).strip(),
         title=repo_id.split("/")[-1],
         variant=variant_name(config),
         n_params=f"{n_params / 1e6:.1f}M",
         architecture=architecture,
         block_len=config.block_len,
-        training_data=f"Trained on `{dataset_name}` with `python -m training.train` (see the training recipe saved "
-        "with the run). Paper: " + PAPER + ".",
+        training_data="\n".join(training),
         evaluation=evaluation,
-        limitations="\n".join(limitations),
+        sample=sample,
+        limitations="\n".join(limitations(config)),
         repo_id=repo_id,
+        code_link=code_link,
         package_version=modeling_bst.__version__,
         code_files=code_rows,
     )
@@ -160,10 +364,22 @@ def export(
     out_dir: str,
     repo_id: str | None = None,
     eval_json: str | None = None,
-    dataset_name: str = "books",
+    dataset_name: str | None = None,
     license_name: str = "apache-2.0",
+    *,
+    dataset: str | None = None,
+    dataset_path: str | None = None,
+    code_url: str | None = None,
+    train_summary: str | None = None,
+    sample: str | None = None,
 ) -> Path:
-    """Write the Hub folder; returns its path."""
+    """Write the Hub folder; returns its path.
+
+    ``dataset`` / ``dataset_path``: the training corpus as given to ``training.train`` (default: what the run's
+    ``train_summary.json`` recorded, if anything); ``dataset_name``: a free-text description that replaces the
+    derived one (it never becomes ``datasets:`` metadata)."""
+    code_url = check_code_url(code_url)
+    run = read_run(model_dir, train_summary, sample)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
@@ -178,8 +394,25 @@ def export(
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     repo_id = repo_id or f"bst/{Path(model_dir).resolve().parent.name}"
-    rows, _ = evaluation_rows(Path(eval_json) if eval_json else None)
-    card = render_card(model, repo_id, rows, dataset_name, license_name, out)
+    rows, eval_dataset = evaluation_rows(Path(eval_json) if eval_json else None)
+    dataset = dataset or run.get("dataset")
+    dataset_path = dataset_path or run.get("dataset_path")
+    dataset_text, hub_datasets = describe_dataset(dataset, dataset_path)
+    if dataset_name:
+        dataset_text = dataset_name
+    card = render_card(
+        model,
+        repo_id,
+        rows,
+        dataset_text,
+        license_name,
+        out,
+        hub_datasets=hub_datasets,
+        run=run,
+        eval_dataset=eval_dataset,
+        code_url=code_url,
+        english=dataset in ENGLISH_KINDS and not dataset_path,
+    )
     (out / "README.md").write_text(card)
     return out
 
@@ -193,17 +426,68 @@ def push(out_dir: Path, repo_id: str, private: bool = False):
     return api.upload_folder(folder_path=str(out_dir), repo_id=repo_id, commit_message="Upload BST model")
 
 
+class _OldSpelling(argparse.Action):
+    """Stores the value; the old dashed spelling (``--eval-json``) still works, with a deprecation warning."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string and "-" in option_string[2:]:
+            new = "--" + option_string[2:].replace("-", "_")
+            warnings.warn(
+                f"training.export: {option_string} is deprecated and will be removed; use {new} (underscores, like "
+                "the other CLIs).",
+                FutureWarning,
+                stacklevel=1,
+            )
+        setattr(namespace, self.dest, values)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--model", required=True, help="folder written by training.train (save_pretrained)")
     parser.add_argument("--out", required=True, help="Hub repository folder to write")
     parser.add_argument("--push", metavar="ORG/NAME", help="upload the folder to this Hub repository")
     parser.add_argument("--private", action="store_true")
-    parser.add_argument("--eval-json", help="report of training.evaluate, for the model card's model-index")
-    parser.add_argument("--dataset-name", default="books")
+    parser.add_argument(
+        "--eval_json",
+        "--eval-json",
+        action=_OldSpelling,
+        help="report of training.evaluate, for the model card's evaluation and model-index (--eval-json: deprecated)",
+    )
+    parser.add_argument(
+        "--dataset",
+        help="training corpus: a training.data kind (embedded, pg19, arxiv, github) or a Hub dataset id; "
+        "default: what the run's train_summary.json recorded",
+    )
+    parser.add_argument("--dataset_path", help="--dataset_path of the training run (a local corpus or a Hub id)")
+    parser.add_argument(
+        "--dataset_name",
+        "--dataset-name",
+        action=_OldSpelling,
+        help="free-text description of the training data for the card (never written as datasets: metadata)",
+    )
+    parser.add_argument(
+        "--code_url",
+        help="full URL of the code's repository for the card (default: no link; the code is in the folder)",
+    )
+    parser.add_argument(
+        "--train_summary", help="train_summary.json of the run (default: next to --model or its parent)"
+    )
+    parser.add_argument("--sample", help="text file with a generated sample (default: sample.txt of the run, if any)")
     parser.add_argument("--license", default="apache-2.0")
     args = parser.parse_args(argv)
-    out = export(args.model, args.out, args.push, args.eval_json, args.dataset_name, args.license)
+    out = export(
+        args.model,
+        args.out,
+        args.push,
+        args.eval_json,
+        args.dataset_name,
+        args.license,
+        dataset=args.dataset,
+        dataset_path=args.dataset_path,
+        code_url=args.code_url,
+        train_summary=args.train_summary,
+        sample=args.sample,
+    )
     print(f"Hub folder: {out}")
     if args.push:
         push(out, args.push, args.private)
