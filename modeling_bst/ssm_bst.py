@@ -40,11 +40,61 @@ def bidirectional_spectrum(k_fwd: torch.Tensor, k_bwd: torch.Tensor) -> torch.Te
 def fft_conv(u: torch.Tensor, k_f: torch.Tensor) -> torch.Tensor:
     """Convolution of ``u`` `(B, Ds, L)` with a kernel given by its size-2L spectrum ``k_f`` `(C, Ds, L+1)`.
 
-    Returns `(B, C, Ds, L)`.
+    Returns `(B, C, Ds, L)`. Under ``torch.compile`` / ``torch.export`` it is one opaque custom op
+    ([`_fft_conv_op`], same numbers): the complex FFT tensors stay out of inductor (it has no code generation for
+    complex dtypes) and out of the graph, which stays whole (``fullgraph=True`` works).
     """
+    if torch.compiler.is_compiling():
+        return _fft_conv_op(u, k_f)
     length = u.shape[-1]
     u_f = torch.fft.rfft(u, n=2 * length)  # (B, Ds, L+1)
     return torch.fft.irfft(u_f.unsqueeze(1) * k_f.unsqueeze(0), n=2 * length)[..., :length]
+
+
+# The FFT convolution as a custom op with a fake (shape-only) implementation, so that a compiled graph keeps it as
+# one call (no graph break; fullgraph and torch.export work) and runs the eager FFTs above inside it. Its backward
+# is a second op. The namespace follows the module name: a copy loaded as remote code registers its own ops.
+_OPS = "".join(c if c.isalnum() else "_" for c in __name__)
+
+
+@torch.library.custom_op(f"{_OPS}::fft_conv", mutates_args=())
+def _fft_conv_op(u: torch.Tensor, k_f: torch.Tensor) -> torch.Tensor:
+    length = u.shape[-1]
+    u_f = torch.fft.rfft(u, n=2 * length)
+    return torch.fft.irfft(u_f.unsqueeze(1) * k_f.unsqueeze(0), n=2 * length)[..., :length].contiguous()
+
+
+@_fft_conv_op.register_fake
+def _(u, k_f):
+    return u.new_empty(u.shape[0], k_f.shape[0], *u.shape[1:])
+
+
+@torch.library.custom_op(f"{_OPS}::fft_conv_backward", mutates_args=())
+def _fft_conv_backward(grad: torch.Tensor, u: torch.Tensor, k_f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of [`fft_conv`] with respect to ``u`` and ``k_f``, the same as eager autograd gives."""
+    n = 2 * u.shape[-1]
+    g_f = torch.fft.rfft(grad, n=n)  # (B, C, Ds, L+1)
+    grad_u = torch.fft.irfft((g_f * k_f.conj()).sum(1), n=n)[..., : u.shape[-1]]  # correlation with the kernel
+    # irfft's adjoint (as torch defines it): rfft / n with the bins whose mirror image was dropped counted twice.
+    g_f[..., 1 : n // 2] *= 2
+    grad_k = (g_f * torch.fft.rfft(u, n=n).conj().unsqueeze(1)).sum(0) / n
+    return grad_u.contiguous(), grad_k.contiguous()
+
+
+@_fft_conv_backward.register_fake
+def _(grad, u, k_f):
+    return u.new_empty(u.shape), k_f.new_empty(k_f.shape)  # contiguous, as the real outputs
+
+
+def _fft_conv_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _fft_conv_vjp(ctx, grad):
+    return _fft_conv_backward(grad, *ctx.saved_tensors)
+
+
+_fft_conv_op.register_autograd(_fft_conv_vjp, setup_context=_fft_conv_setup)
 
 
 def fft_causal_conv(u: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
