@@ -11,7 +11,11 @@ A [`BSTCache`] holds, per layer, only state whose size does not depend on how ma
   MF `(B, S, H, d_h)`; ``mf_last`` `(B, S, Ds)`: the latest MF SSM output (the next block's context);
 * ``rec_state`` `(B, S, D)` and its keys/values ``rec_k``, ``rec_v`` `(B, S, H, d_h)` for BRecT layers.
 
-``positions`` `(B,)` counts the real tokens each row has seen (rows of a left-padded batch differ).
+``positions`` `(B,)` counts the real tokens each row has seen (rows of a padded batch differ); ``seen_tokens`` (a
+Python int) counts every position processed, padding included: what ``generate`` slices already-processed inputs by.
+``common_position`` (Python int or None) is every row's real-token count when all rows agree (no padding), and
+``docs_on_grid`` says whether every row's document started on the block grid; both let ``BSTModel.forward`` choose
+its path without reading tensors back to the host.
 """
 
 from dataclasses import dataclass, fields
@@ -92,6 +96,9 @@ class BSTCache:
         self.layers = [BSTLayerCache() for _ in range(config.num_hidden_layers)]
         self.positions: torch.Tensor | None = None
         self.doc_start: torch.Tensor | None = None
+        self.seen_tokens = 0
+        self.common_position: int | None = None
+        self.docs_on_grid = True
 
     def __len__(self):
         return self.num_layers
@@ -101,8 +108,8 @@ class BSTCache:
         return self.positions is None
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Tokens seen by the longest row (what ``generate`` uses to slice already-processed inputs)."""
-        return 0 if self.positions is None else int(self.positions.max())
+        """Positions processed so far, padding included (what ``generate`` slices already-processed inputs by)."""
+        return self.seen_tokens
 
     def get_mask_sizes(self, *args, **kwargs):
         raise NotImplementedError("BSTCache builds its own block masks.")
@@ -146,6 +153,9 @@ class BSTCache:
                 keep = (~rows).reshape((-1,) + (1,) * (layer.ssm_state.dim() - 1)).to(layer.ssm_state.dtype)
                 layer.ssm_state = layer.ssm_state * keep
         self.doc_start = torch.where(rows, self.positions, self.doc_start)
+        if self.common_position is None or self.common_position % self.block_len:
+            # A row may now start a document off the block grid (checked without reading ``rows`` back).
+            self.docs_on_grid = False
         return self
 
     def detach(self) -> "BSTCache":
@@ -159,6 +169,7 @@ class BSTCache:
         if self.positions is not None:
             out["positions"] = self.positions
             out["doc_start"] = self.doc_start
+            out["seen_tokens"] = torch.tensor(self.seen_tokens, dtype=torch.long)
         for i, layer in enumerate(self.layers):
             for name, tensor in layer.tensors():
                 if name != "doc_start":  # shared by all layers: stored once above
@@ -175,6 +186,9 @@ class BSTCache:
             if key in ("positions", "doc_start"):
                 setattr(cache, key, tensor)
                 continue
+            if key == "seen_tokens":
+                cache.seen_tokens = int(tensor)
+                continue
             _, index, name = key.split(".", 2)
             if name not in names or not 0 <= int(index) < cache.num_layers:
                 raise ValueError(f"Unexpected tensor {key!r} in a saved BSTCache.")
@@ -182,6 +196,12 @@ class BSTCache:
             setattr(cache.layers[int(index)], name, tensor.clone())
         for layer in cache.layers:
             layer.doc_start = cache.doc_start
+        if cache.positions is not None:
+            if "seen_tokens" not in tensors:  # saved before seen_tokens existed: the longest row
+                cache.seen_tokens = int(cache.positions.max())
+            if bool((cache.positions == cache.positions[0]).all()):
+                cache.common_position = int(cache.positions[0])
+            cache.docs_on_grid = bool((cache.doc_start.remainder(cache.block_len) == 0).all())
         return cache
 
     def nbytes(self) -> int:

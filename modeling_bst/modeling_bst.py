@@ -19,7 +19,6 @@ Departures from the paper / meliad, each a config field (see docs/paper-mapping.
 """
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -28,16 +27,19 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
-    BaseModelOutputWithPast,
-    CausalLMOutputWithPast,
+    BaseModelOutputWithPastAndCrossAttentions,
+    CausalLMOutputWithCrossAttentions,
     SequenceClassifierOutput,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.utils import can_return_tuple
+from transformers.utils import can_return_tuple, logging
 
 from .cache_bst import BSTCache, BSTLayerCache, cache_signature
 from .configuration_bst import BSTConfig
 from .ssm_bst import S4DKernel, UnstructFilter, memoised
+
+
+logger = logging.get_logger(__name__)
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
@@ -321,11 +323,51 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
     def _heads(self, x):
         return x.unflatten(-1, (self.config.num_attention_heads, self.config.head_dim))
 
-    def _attend(self, q, k, v, mask, dropout):
-        """``q`` `(N, H, Lq, d)`, ``k``/``v`` `(N, H, Lk, d)`, additive ``mask`` broadcastable -> `(N, Lq, H, d)`."""
+    def _attend(self, q, k, v, mask, dropout, return_weights: bool = False):
+        """``q`` `(N, H, Lq, d)`, ``k``/``v`` `(N, H, Lk, d)`, additive ``mask`` broadcastable -> `(N, Lq, H, d)`
+        (and the weights `(N, H, Lq, Lk)` with ``return_weights``: eager attention only)."""
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
-        out, _ = interface(self, q, k, v, mask, dropout=dropout, scaling=1.0, is_causal=False)
-        return out
+        out, weights = interface(self, q, k, v, mask, dropout=dropout, scaling=1.0, is_causal=False)
+        return (out, weights) if return_weights else out
+
+    def _dense_self_attention(self, q, k, v, num_positions, lengths, previous, dropout):
+        """Self-attention of the first ``num_positions`` queries over all keys at once, returning its weights.
+
+        The form used with ``output_attentions`` (eager): the same window, bias and masks as the block form, written
+        as one `(T, K)` matrix per head, so that the returned weights are the ones the output is computed from.
+        ``q``/``k``/``v`` `(B, T_pad, H, d)`; ``previous``: the cached previous block ``(k, v, valid)`` or None.
+        Returns the output `(B, T_pad, H, d)` (zero beyond ``num_positions``) and the weights `(B, H, T, K)`.
+        """
+        cfg = self.config
+        w, n = self.block_len, num_positions
+        bsz, padded_len = q.shape[:2]
+        device = q.device
+        q, k, v = q[:, :n], k[:, :n], v[:, :n]
+        q_pos = torch.arange(n, device=device)
+        k_pos = q_pos
+        key_ok = None
+        if previous is not None:
+            prev_k, prev_v, prev_valid = previous
+            k, v = torch.cat([prev_k, k], 1), torch.cat([prev_v, v], 1)
+            k_pos = torch.arange(-w, n, device=device)
+            key_ok = torch.cat([prev_valid, torch.ones(bsz, n, dtype=torch.bool, device=device)], 1)  # (B, K)
+        rel = k_pos[None] - q_pos[:, None]  # (T, K)
+        if cfg.bidirectional:
+            valid = (torch.div(k_pos, w, rounding_mode="floor")[None] - (q_pos // w)[:, None]).abs() <= 1
+            if lengths is not None:
+                key_ok = k_pos[None] < lengths[:, None]
+        else:
+            valid = self._window_valid(rel)
+        ok = valid[None] if key_ok is None else valid[None] & key_ok[:, None, :]  # (B or 1, T, K)
+        bias = (self._bias(rel).to(q.dtype) * self.self_scale.to(q.dtype)).permute(2, 0, 1)  # (H, T, K)
+        logits = torch.matmul(q.transpose(1, 2), k.transpose(1, 2).transpose(-1, -2)) + bias  # (B, H, T, K)
+        logits = logits.masked_fill(~ok[:, None], masked_fill_value(logits.dtype))
+        weights = torch.softmax(upcast(logits), dim=-1).to(q.dtype)
+        # A query without any key (a document's first token) gets zero weights (meliad's safe softmax).
+        weights = weights * ok.any(-1)[:, None, :, None].to(weights.dtype)
+        weights = F.dropout(weights, p=dropout, training=self.training)
+        out = torch.matmul(weights, v.transpose(1, 2)).transpose(1, 2)  # (B, T, H, d)
+        return F.pad(out, (0, 0, 0, 0, 0, padded_len - n)), weights
 
     def _bias(self, relative_position):
         """T5 bias for relative positions `(...)` -> `(..., H)`."""
@@ -410,6 +452,8 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
         layer_cache: BSTLayerCache | None = None,
         positions: torch.Tensor | None = None,
         fill_cache: bool = False,
+        num_positions: int | None = None,
+        output_attentions: bool = False,
     ):
         """
         Args:
@@ -419,12 +463,23 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
             layer_cache ([`BSTLayerCache`], *optional*): read (continuation / decoding) and written (``fill_cache``).
             positions (`torch.LongTensor` of shape `(B,)`, *optional*): tokens already in ``layer_cache`` per row.
             fill_cache (`bool`): write this layer's state after the input into ``layer_cache``.
+            num_positions (`int`, *optional*): how many leading positions the caller asked for (the rest pads the
+                input to whole blocks); the attention weights cover these.
+            output_attentions (`bool`): also return the attention weights (eager attention).
+
+        Returns:
+            ``hidden_states`` `(B, T, D)`; with ``output_attentions`` the tuple ``(hidden_states,
+            self_attention_weights, cross_attention_weights)`` (cross: None for a block layer).
         """
         if layer_cache is not None and positions is not None and hidden_states.shape[1] == 1:
-            return self.step(hidden_states, layer_cache, positions)
-        return self.forward_sequence(hidden_states, lengths, layer_cache, positions, fill_cache)
+            return self.step(hidden_states, layer_cache, positions, output_attentions)
+        return self.forward_sequence(
+            hidden_states, lengths, layer_cache, positions, fill_cache, num_positions, output_attentions
+        )
 
-    def forward_sequence(self, hidden_states, lengths, layer_cache, positions, fill_cache):
+    def forward_sequence(
+        self, hidden_states, lengths, layer_cache, positions, fill_cache, num_positions=None, output_attentions=False
+    ):
         cfg = self.config
         bsz, seq_len, _ = hidden_states.shape
         w, heads, hd = self.block_len, cfg.num_attention_heads, cfg.head_dim
@@ -444,13 +499,21 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
         q, k, v = self._project(xn)  # (B, T, H, d)
         qb = q.view(bsz * nb, w, heads, hd).transpose(1, 2)
         kb, vb = k.view(bsz, nb, w, heads, hd), v.view(bsz, nb, w, heads, hd)
-        if cfg.bidirectional:
+        self_weights = cross_weights = None
+        n_out = seq_len if num_positions is None else num_positions
+        drop = cfg.attention_dropout if self.training else 0.0
+        if output_attentions:
+            previous = None
+            if continued and not cfg.bidirectional:
+                previous = self._cached_previous_block(layer_cache, positions)
+            a_self, self_weights = self._dense_self_attention(q, k, v, n_out, lengths, previous, drop)
+        elif cfg.bidirectional:
             a_self = self._bidirectional_self_attention(qb, kb, vb, lengths, bsz, nb)
         else:
             if continued:
                 prev_k, prev_v, prev_valid = self._cached_previous_block(layer_cache, positions)  # (B, W, H, d)
                 # Rows that start a new document (BSTCache.reset_rows) have no previous block.
-                continued_all = bool(prev_valid.all())
+                continued_all = not maybe_any(~prev_valid)
             else:
                 prev_k = prev_v = torch.zeros_like(kb[:, 0])
                 prev_valid, continued_all = None, False
@@ -494,9 +557,14 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
             s_c = ctx_k.shape[2]
             ck = ctx_k.reshape(bsz * nb, s_c, heads, hd).transpose(1, 2)
             cv = ctx_v.reshape(bsz * nb, s_c, heads, hd).transpose(1, 2)
-            drop = cfg.attention_dropout if self.training else 0.0
             chunk = min(cfg.resolved_attention_query_chunk, w)
-            if ctx_mask is not None and chunk < w:
+            if output_attentions:
+                a_cross, cw = self._attend(q2, ck, cv, ctx_mask, drop, return_weights=True)  # cw (B*nb, H, W, S_c)
+                if zero_first:
+                    cw = torch.cat([torch.zeros_like(cw[:, :, :1]), cw[:, :, 1:]], 2)
+                cross_weights = cw.view(bsz, nb, heads, w, s_c).transpose(1, 2).reshape(bsz, heads, seq_len, s_c)
+                cross_weights = cross_weights[:, :, :n_out]
+            elif ctx_mask is not None and chunk < w:
                 # Triangular SH/MH mask: queries of a chunk see only the context states up to the chunk's end.
                 a_cross = torch.cat(
                     [
@@ -517,7 +585,12 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
                 a_cross = torch.cat([torch.zeros_like(a_cross[:, :1]), a_cross[:, 1:]], 1)
             outputs.append(a_cross.reshape(bsz, seq_len, heads * hd))
         elif self.kind == "recurrent":
-            outputs.append(self._recurrent_sequence(xn, kb, vb, bsz, nb, lengths, layer_cache, positions, fill_cache))
+            a_rec, cross_weights = self._recurrent_sequence(
+                xn, kb, vb, bsz, nb, lengths, layer_cache, positions, fill_cache, output_attentions
+            )
+            outputs.append(a_rec)
+            if cross_weights is not None:
+                cross_weights = cross_weights[:, :, :n_out]
         attn = self.o_proj(torch.cat(outputs, -1))
 
         # 4. Residual and MLP
@@ -528,7 +601,7 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
             new_v, _ = self._merge_ring(v.detach(), lens, layer_cache, positions, "v")
             layer_cache.k, layer_cache.kpos = self._merge_ring(k.detach(), lens, layer_cache, positions, "k")
             layer_cache.v = new_v
-        return h
+        return (h, self_weights, cross_weights) if output_attentions else h
 
     def _merge_ring(self, x, lengths, layer_cache, positions, name):
         ring, rpos = ring_from_sequence(x, lengths, self.ring, positions)
@@ -652,7 +725,9 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
             layer_cache.ctx_k, layer_cache.ctx_pos = ring_from_sequence(flat_k.detach(), lens, w, offset)
             layer_cache.ctx_v, _ = ring_from_sequence(flat_v.detach(), lens, w, offset)
 
-    def _recurrent_sequence(self, xn, kb, vb, bsz, nb, lengths, layer_cache, positions, fill_cache):
+    def _recurrent_sequence(
+        self, xn, kb, vb, bsz, nb, lengths, layer_cache, positions, fill_cache, output_attentions=False
+    ):
         """BRecT: the state recurrence over blocks (the package's only sequential loop), then token cross-attention."""
         cfg = self.config
         w, heads, hd = self.block_len, cfg.num_attention_heads, cfg.head_dim
@@ -682,12 +757,13 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
         sk, sv = torch.stack(state_keys, 1), torch.stack(state_values, 1)  # (B, nb, S, H, d)
         s = sk.shape[2]
         q2 = self._cross_query(xn).view(bsz * nb, w, heads, hd).transpose(1, 2)
-        out = self._attend(
+        out, weights = self._attend(
             q2,
             sk.reshape(bsz * nb, s, heads, hd).transpose(1, 2),
             sv.reshape(bsz * nb, s, heads, hd).transpose(1, 2),
             None,
             cfg.attention_dropout if self.training else 0.0,
+            return_weights=True,
         )
         if fill_cache:
             lens = lengths if lengths is not None else torch.full((bsz,), nb * w, device=kb.device)
@@ -695,10 +771,12 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
             new_state = all_states[rows, lens // w].detach()
             layer_cache.rec_state = new_state
             layer_cache.rec_k, layer_cache.rec_v = (t.detach() for t in rec.keys_values(new_state))
-        return out.reshape(bsz, nb * w, heads * hd)
+        if output_attentions:
+            weights = weights.view(bsz, nb, heads, w, s).transpose(1, 2).reshape(bsz, heads, nb * w, s)
+        return out.reshape(bsz, nb * w, heads * hd), weights if output_attentions else None
 
     # -- recurrent form ------------------------------------------------------------------------------------------
-    def step(self, hidden_states, layer_cache: BSTLayerCache, positions: torch.Tensor):
+    def step(self, hidden_states, layer_cache: BSTLayerCache, positions: torch.Tensor, output_attentions=False):
         """One token per row at per-row positions ``positions`` `(B,)`; updates ``layer_cache`` in place."""
         cfg = self.config
         bsz = hidden_states.shape[0]
@@ -719,23 +797,31 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
         table = self._step_bias_table(layer_cache, q.dtype)  # (H, R), column j = distance j
         bias = table[:, (-rel).clamp(0, self.ring - 1)].permute(1, 0, 2)  # (B, H, R)
         mask = torch.where(valid[:, None], bias, masked_fill_value(q.dtype))[:, :, None, :]  # (B, H, 1, R)
-        a_self = self._attend(
-            q.transpose(1, 2), layer_cache.k.transpose(1, 2), layer_cache.v.transpose(1, 2), mask, 0.0
+        a_self, self_weights = self._attend(
+            q.transpose(1, 2), layer_cache.k.transpose(1, 2), layer_cache.v.transpose(1, 2), mask, 0.0, True
         )
-        a_self = a_self * valid.any(-1).to(a_self.dtype)[:, None, None, None]
+        any_key = valid.any(-1).to(a_self.dtype)
+        a_self = a_self * any_key[:, None, None, None]
+        cross_weights = None
+        if output_attentions:
+            self_weights = self_weights * any_key[:, None, None, None]  # (B, H, 1, R) over the ring
         outputs = [a_self.reshape(bsz, 1, heads * hd)]
 
         # 2. Context states (BST) / recurrent state (BRecT)
         if self.kind == "bst":
             ctx_k, ctx_v, ctx_mask, any_valid = self._context_step(xn, layer_cache, p)
             q2 = self._cross_query(xn).transpose(1, 2)  # (B, H, 1, d)
-            a_cross = self._attend(q2, ctx_k.transpose(1, 2), ctx_v.transpose(1, 2), ctx_mask, 0.0)
+            a_cross, cross_weights = self._attend(
+                q2, ctx_k.transpose(1, 2), ctx_v.transpose(1, 2), ctx_mask, 0.0, True
+            )
             if any_valid is not None:
                 a_cross = a_cross * any_valid.to(a_cross.dtype)[:, None, None, None]
+                if output_attentions:
+                    cross_weights = cross_weights * any_valid.to(cross_weights.dtype)[:, None, None, None]
             outputs.append(a_cross.reshape(bsz, 1, heads * hd))
         elif self.kind == "recurrent":
             fresh = p == layer_cache.doc_start
-            if bool(fresh.any()):
+            if maybe_any(fresh):
                 # First token of a document: the state starts from the learned initial state.
                 rec = self.recurrent
                 init_state = rec.initial_state.to(layer_cache.rec_state.dtype).expand_as(layer_cache.rec_state)
@@ -744,11 +830,13 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
                 layer_cache.rec_k = torch.where(fresh[:, None, None, None], nk, layer_cache.rec_k)
                 layer_cache.rec_v = torch.where(fresh[:, None, None, None], nv, layer_cache.rec_v)
             q2 = self._cross_query(xn).transpose(1, 2)
-            a_cross = self._attend(q2, layer_cache.rec_k.transpose(1, 2), layer_cache.rec_v.transpose(1, 2), None, 0.0)
+            a_cross, cross_weights = self._attend(
+                q2, layer_cache.rec_k.transpose(1, 2), layer_cache.rec_v.transpose(1, 2), None, 0.0, True
+            )
             outputs.append(a_cross.reshape(bsz, 1, heads * hd))
             # At the last token of a block, the state absorbs the previous and current block.
             block_end = (p - layer_cache.doc_start + 1).remainder(w) == 0
-            if bool(block_end.any()):
+            if maybe_any(block_end):
                 rec = self.recurrent
                 new_state = rec.update(
                     layer_cache.rec_state, layer_cache.k, layer_cache.v, layer_cache.kpos >= 0, self._attend
@@ -759,7 +847,8 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
                 layer_cache.rec_k = torch.where(sel[..., None], nk, layer_cache.rec_k)
                 layer_cache.rec_v = torch.where(sel[..., None], nv, layer_cache.rec_v)
         attn = self.o_proj(torch.cat(outputs, -1))
-        return self._mlp(hidden_states + attn)
+        h = self._mlp(hidden_states + attn)
+        return (h, self_weights, cross_weights) if output_attentions else h
 
     def _step_bias_table(self, layer_cache, dtype):
         """Scaled T5 bias per distance 0 .. R-1, `(H, R)`; memoised in the cache while the parameters are unchanged."""
@@ -803,12 +892,12 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
             )
             layer_cache.ssm_state = hist
             y = None
-            if not mf or bool(((rp + 1).remainder(w) == 0).any()):
+            if not mf or maybe_any((rp + 1).remainder(w) == 0):
                 y = ctx.ssm.step(hist, seen=int(rp.max()) + 1, reversed_taps=self._unstruct_step_taps(layer_cache))
         if mf:
             # A new block starts: its context is built from the previous block's last SSM outputs.
             block_start = rp.remainder(w) == 0
-            if bool(block_start.any()):
+            if maybe_any(block_start):
                 k_new, v_new = ctx.mf_context(layer_cache.mf_last, (bsz,))
                 k0, v0 = ctx.mf_context(None, (bsz,))
                 first = (p == layer_cache.doc_start)[:, None, None, None]
@@ -858,7 +947,17 @@ class BSTGSSLayer(GradientCheckpointingLayer):
         self.o_proj = nn.Linear(width, d, bias=False)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, hidden_states, lengths=None, layer_cache=None, positions=None, fill_cache=False):
+    def forward(
+        self,
+        hidden_states,
+        lengths=None,
+        layer_cache=None,
+        positions=None,
+        fill_cache=False,
+        num_positions=None,
+        output_attentions=False,
+    ):
+        """Same contract as [`BSTDecoderLayer.forward`]; a GSS layer has no attention weights (``None``)."""
         xn = self.input_norm(hidden_states)
         u = F.gelu(self.u_proj(xn))  # (B, T, Ds)
         v = F.gelu(self.v_proj(xn))  # (B, T, F)
@@ -885,7 +984,17 @@ class BSTGSSLayer(GradientCheckpointingLayer):
                 state = self.ssm.final_state(u_right.detach(), state0)
                 layer_cache.ssm_state = torch.view_as_real(state.detach()).contiguous()
         gated = self.y_proj(y.to(v.dtype)) * v
-        return hidden_states + self.dropout(self.o_proj(gated))
+        h = hidden_states + self.dropout(self.o_proj(gated))
+        return (h, None, None) if output_attentions else h
+
+
+# The module of each layer kind (``BSTConfig.layer_kind``): one lookup per layer.
+DECODER_LAYER_CLASSES = {
+    "block": BSTDecoderLayer,
+    "bst": BSTDecoderLayer,
+    "recurrent": BSTDecoderLayer,
+    "gss": BSTGSSLayer,
+}
 
 
 class BSTPreTrainedModel(PreTrainedModel):
@@ -961,26 +1070,94 @@ class BSTPreTrainedModel(PreTrainedModel):
         return names
 
 
-@dataclass
-class _Aligned:
-    """Bookkeeping for mapping a (left- or right-) padded batch onto rows aligned at position 0."""
+def host_can_branch(t: torch.Tensor) -> bool:
+    """Whether Python may read values of ``t``: a CPU tensor in eager mode, where no device sync is involved.
 
-    start: torch.Tensor  # (B,) index of the first real token
-    lengths: torch.Tensor  # (B,) number of real tokens
-    padded: bool
+    Under tracing (``torch.export``, ``torch.compile``, ``torch.jit``) or on an accelerator, code must not branch on
+    tensor values: the callers then take the branch-free form, which gives the same result.
+    """
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing():
+        return False
+    return t.device.type == "cpu"
+
+
+def maybe_any(mask: torch.Tensor) -> bool:
+    """``bool(mask.any())`` where reading it costs nothing ([`host_can_branch`]), else ``True`` (do the work)."""
+    return bool(mask.any()) if host_can_branch(mask) else True
+
+
+class _Layout:
+    """Maps a padded batch in the caller's columns onto rows that start at their first real token and are padded
+    on the right to a multiple of W (the layout of the full-sequence form), and back.
+
+    ``attention_mask`` may mark real tokens anywhere (left, right or holes in the middle): each row's real tokens
+    are packed in order, so a row equals the sequence of its real tokens alone.
+    """
+
+    def __init__(self, attention_mask, shape, block_len: int, device, check: bool):
+        bsz, seq_len = shape
+        self.seq_len = seq_len
+        self.padded_len = -(-seq_len // block_len) * block_len
+        self.mask = None
+        if attention_mask is None:
+            self.lengths = torch.full((bsz,), seq_len, dtype=torch.long, device=device)
+        else:
+            mask = attention_mask[:, -seq_len:].bool()
+            if check and not bool(mask.any(-1).all()):
+                raise ValueError("attention_mask has a row without any real token.")
+            self.mask = mask
+            self.lengths = mask.sum(-1)
+            # Real tokens first, in order: aligned index j of row b holds column order[b, j].
+            self.order = torch.argsort((~mask).to(torch.uint8), dim=-1, stable=True)
+            # Aligned index of every column (valid where mask).
+            self.column_index = (mask.long().cumsum(-1) - 1).clamp(min=0)
+            self.real = torch.arange(seq_len, device=device)[None] < self.lengths[:, None]  # (B, T) aligned
+        # Layers need per-row lengths only when some positions are not real tokens.
+        self.layer_lengths = self.lengths if (self.mask is not None or self.padded_len != seq_len) else None
+
+    def to_blocks(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Caller's layout `(B, T, D)` -> aligned, right-padded `(B, T_pad, D)`; padding positions are zero."""
+        if self.mask is not None:
+            hidden = _gather_rows(hidden, self.order) * self.real[..., None].to(hidden.dtype)
+        return F.pad(hidden, (0, 0, 0, self.padded_len - self.seq_len))
+
+    def from_blocks(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Inverse of [`to_blocks`]: `(B, T_pad, D)` -> `(B, T, D)`; padding positions get zero hidden states."""
+        hidden = hidden[:, : self.seq_len]
+        if self.mask is not None:
+            hidden = _gather_rows(hidden, self.column_index) * self.mask[..., None].to(hidden.dtype)
+        return hidden
+
+
+def _step_weights_by_column(weights: torch.Tensor, kpos: torch.Tensor, positions: torch.Tensor, newest: int):
+    """Decode-step self-attention weights over the ring `(B, H, 1, R)` laid out by key column `(B, H, 1, newest+1)`:
+    the key at position ``kpos`` sits ``positions - kpos`` columns before the newest one (exact for left padding)."""
+    column = kpos - positions[:, None] + newest  # (B, R)
+    valid = (kpos >= 0) & (column >= 0)
+    out = weights.new_zeros(weights.shape[:-1] + (newest + 1,))
+    index = column.clamp(min=0)[:, None, None, :].expand_as(weights)
+    return out.scatter_add(-1, index, weights * valid[:, None, None, :].to(weights.dtype))
 
 
 class BSTModel(BSTPreTrainedModel):
-    """The BST decoder stack: ``embed_tokens`` -> ``layers`` -> ``norm`` (no absolute positions)."""
+    """The BST decoder stack: ``embed_tokens`` -> ``layers`` -> ``norm`` (no absolute positions).
+
+    One output contract for its three forms (full sequence; block-aligned chunk continuing a cache; recurrent steps):
+    ``last_hidden_state`` `(B, T, D)` in the caller's columns (zero at padding); ``hidden_states`` (when asked):
+    ``num_hidden_layers + 1`` tensors `(B, T, D)`: the embeddings, each later layer's input and the normed output,
+    each the very tensor the next computation reads (gradients reach them); ``attentions`` (eager
+    attention only): per layer the self-attention weights, `(B, H, T, K)` over K key positions (full-sequence form:
+    K = T, or W + T continuing a cache; recurrent steps: K = processed positions + 1, by column); ``cross_attentions``:
+    per BST/BRecT layer the cross-attention weights `(B, H, T, S_c)` over the context states of the query's block
+    (SH/MH: S_c = W, state j = the block's j-th token; MF: the S filters; BRecT: the recurrent states). Padded inputs
+    report weights in the packed (aligned) order of real tokens. GSS layers report ``None``.
+    """
 
     def __init__(self, config: BSTConfig):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            [
-                BSTGSSLayer(config, i) if config.layer_kind(i) == "gss" else BSTDecoderLayer(config, i)
-                for i in range(config.num_hidden_layers)
-            ]
+            [DECODER_LAYER_CLASSES[config.layer_kind(i)](config, i) for i in range(config.num_hidden_layers)]
         )
         self.norm = BSTRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.dropout = nn.Dropout(config.dropout)
@@ -1002,11 +1179,6 @@ class BSTModel(BSTPreTrainedModel):
                 raise TypeError(f"input_ids must be an integer tensor, got dtype {input_ids.dtype}.")
             if input_ids.dim() != 2:
                 raise ValueError(f"input_ids must have shape (batch, sequence), got {tuple(input_ids.shape)}.")
-            if input_ids.numel() > 0:
-                lo, hi = int(input_ids.min()), int(input_ids.max())
-                if lo < 0 or hi >= cfg.vocab_size:
-                    bad = lo if lo < 0 else hi
-                    raise ValueError(f"input_ids contains token id {bad} outside [0, vocab_size={cfg.vocab_size}).")
         shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
         if shape[1] == 0 or shape[0] == 0:
             raise ValueError(f"Empty input: got a batch of shape {tuple(shape)}; need at least one token per row.")
@@ -1024,26 +1196,42 @@ class BSTModel(BSTPreTrainedModel):
                 raise ValueError(
                     f"past_key_values holds {past_key_values.positions.shape[0]} rows but the input has {shape[0]}."
                 )
+        decode_step = past_key_values is not None and not past_key_values.is_empty and shape[1] == 1
+        if input_ids is not None and self._validate_ids(input_ids, decode_step):
+            lo, hi = int(input_ids.min()), int(input_ids.max())
+            if lo < 0 or hi >= cfg.vocab_size:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"input_ids contains token id {bad} outside [0, vocab_size={cfg.vocab_size}).")
         return shape
 
-    def _alignment(self, attention_mask, shape, device) -> _Aligned:
-        bsz, seq_len = shape
-        if attention_mask is None or bool(attention_mask[:, -seq_len:].all()):
-            return _Aligned(
-                torch.zeros(bsz, dtype=torch.long, device=device), torch.full((bsz,), seq_len, device=device), False
-            )
-        mask = attention_mask[:, -seq_len:].bool()
-        lengths = mask.sum(-1)
-        if bool((lengths == 0).any()):
-            raise ValueError("attention_mask has a row without any real token.")
-        start = mask.long().argmax(-1)
-        ar = torch.arange(seq_len, device=device)[None]
-        expected = (ar >= start[:, None]) & (ar < (start + lengths)[:, None])
-        if not bool((expected == mask).all()):
+    def _validate_ids(self, input_ids, decode_step: bool) -> bool:
+        """Token ids are range-checked in eager mode: always on CPU (no device sync), on accelerators only where one
+        sync is cheap (an evaluation or prefill forward), never in training steps or decode steps (hot paths)."""
+        if torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing():
+            return False
+        return input_ids.device.type == "cpu" or not (self.training or decode_step)
+
+    def _check_unstruct_length(self, seq_len, cache, continuing):
+        cfg = self.config
+        if cfg.ssm_kind != "unstruct" or not cfg.bst_layer_indices:
+            return
+        done = 0
+        if continuing:
+            tracing = torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing()
+            # Unstruct decoding reads the longest document length anyway (its O(t) step); traced: an upper bound.
+            done = cache.seen_tokens if tracing else int((cache.positions - cache.doc_start).max())
+        if seq_len + done > cfg.max_position_embeddings:
             raise ValueError(
-                "attention_mask must mark one contiguous run of real tokens per row (left or right padding)."
+                f"unstruct BST models handle at most max_position_embeddings={cfg.max_position_embeddings} "
+                f"tokens (the filter length); got {seq_len + done}. Use ssm_kind='s4' for longer sequences."
             )
-        return _Aligned(start, lengths, True)
+
+    @staticmethod
+    def _call_layer(layer, hidden, output_attentions, **kwargs):
+        """``(hidden, self_weights, cross_weights)`` of one layer call (weights None unless asked)."""
+        if output_attentions:
+            return layer(hidden, output_attentions=True, **kwargs)
+        return layer(hidden, **kwargs), None, None
 
     @can_return_tuple
     def forward(
@@ -1054,101 +1242,140 @@ class BSTModel(BSTPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
         **kwargs,
-    ) -> BaseModelOutputWithPast:
+    ) -> BaseModelOutputWithPastAndCrossAttentions:
         cfg = self.config
         use_cache = use_cache if use_cache is not None else (cfg.use_cache and not self.training)
         if cfg.bidirectional:
             use_cache = False
             past_key_values = None
         output_hidden_states = output_hidden_states if output_hidden_states is not None else cfg.output_hidden_states
+        output_attentions = output_attentions if output_attentions is not None else cfg.output_attentions
+        if output_attentions and cfg._attn_implementation != "eager":
+            logger.warning_once(
+                f"BST: output_attentions=True needs the eager attention; attn_implementation="
+                f"{cfg._attn_implementation!r} returns no attention weights. Load the model with "
+                "attn_implementation='eager' to get them."
+            )
+            output_attentions = False
         bsz, seq_len = self._check_inputs(input_ids, inputs_embeds, attention_mask, past_key_values)
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        device = hidden.device
         cache = past_key_values
         if use_cache and cache is None:
             cache = BSTCache(cfg, bsz)
         continuing = cache is not None and not cache.is_empty
-        if cfg.ssm_kind == "unstruct" and cfg.bst_layer_indices:
-            total = seq_len + (int((cache.positions - cache.doc_start).max()) if continuing else 0)
-            if total > cfg.max_position_embeddings:
-                raise ValueError(
-                    f"unstruct BST models handle at most max_position_embeddings={cfg.max_position_embeddings} "
-                    f"tokens (the filter length); got {total}. Use ssm_kind='s4' for longer sequences."
-                )
+        self._check_unstruct_length(seq_len, cache, continuing)
         all_hidden = [] if output_hidden_states else None
+        all_attn = [] if output_attentions else None
+        all_cross = [] if output_attentions else None
 
-        if continuing:
-            positions = cache.positions
-            if attention_mask is not None and not bool(attention_mask[:, -seq_len:].all()):
-                raise ValueError(
-                    "Padding inside a continued sequence cannot be honoured by the recurrent cache: pad on the left "
-                    "of the first chunk only."
-                )
-            w = cfg.block_len
-            for layer_cache in cache.layers:
-                layer_cache.doc_start = cache.doc_start
-            aligned = (
-                bool((positions == positions[0]).all())
-                and int(positions[0]) % w == 0
-                and seq_len % w == 0
-                and bool((cache.doc_start.remainder(w) == 0).all())
-            )
-            if seq_len == 1 or not aligned:
-                # Recurrent form, one token at a time (a multi-token chunk off the block grid is stepped).
-                outs = []
-                for t in range(seq_len):
-                    h = hidden[:, t : t + 1]
-                    for layer, layer_cache in zip(self.layers, cache.layers):
-                        h = layer(h, layer_cache=layer_cache, positions=cache.positions)
-                    cache.positions = cache.positions + 1
-                    outs.append(h)
-                hidden = torch.cat(outs, 1)
-            else:
-                # A block-aligned chunk: full-sequence form seeded with the cached state.
-                for layer, layer_cache in zip(self.layers, cache.layers):
-                    if all_hidden is not None:
-                        all_hidden.append(hidden)
-                    hidden = layer(hidden, None, layer_cache, positions, True)
-                cache.positions = positions + seq_len
-            hidden = self.norm(hidden)
-        else:
-            al = self._alignment(attention_mask, (bsz, seq_len), device)
-            w = cfg.block_len
-            padded_len = -(-seq_len // w) * w
-            if al.padded:
-                idx = al.start[:, None] + torch.arange(seq_len, device=device)[None]
-                hidden = _gather_rows(hidden, idx.clamp(max=seq_len - 1))
-                hidden = hidden * (torch.arange(seq_len, device=device)[None] < al.lengths[:, None])[..., None].to(
-                    hidden.dtype
-                )
-            hidden = self.dropout(F.pad(hidden, (0, 0, 0, padded_len - seq_len)))
-            lengths = al.lengths if (al.padded or padded_len != seq_len) else None
+        if not continuing:
+            # Full-sequence form: rows packed to start at position 0, right-padded to whole blocks.
+            layout = _Layout(attention_mask, (bsz, seq_len), cfg.block_len, hidden.device, host_can_branch(hidden))
+            if all_hidden is not None:
+                all_hidden.append(hidden)
+            hidden = self.dropout(layout.to_blocks(hidden))
             for layer_idx, layer in enumerate(self.layers):
-                if all_hidden is not None:
-                    all_hidden.append(hidden[:, :seq_len])
-                layer_cache = cache.layers[layer_idx] if cache is not None else None
-                hidden = layer(hidden, lengths, layer_cache, None, cache is not None)
-            hidden = self.norm(hidden)[:, :seq_len]
-            if al.padded:
-                # Back to the caller's layout; padded positions get zero hidden states.
-                inv = torch.arange(seq_len, device=device)[None] - al.start[:, None]
-                valid = (inv >= 0) & (inv < al.lengths[:, None])
-                hidden = _gather_rows(hidden, inv.clamp(min=0, max=seq_len - 1)) * valid[..., None].to(hidden.dtype)
+                if all_hidden is not None and layer_idx > 0:
+                    # The recorded tensor is the one the next layer reads (gradients reach it).
+                    hidden = layout.from_blocks(hidden)
+                    all_hidden.append(hidden)
+                    hidden = layout.to_blocks(hidden)
+                hidden, attn, cross = self._call_layer(
+                    layer,
+                    hidden,
+                    output_attentions,
+                    lengths=layout.layer_lengths,
+                    layer_cache=cache.layers[layer_idx] if cache is not None else None,
+                    fill_cache=cache is not None,
+                    num_positions=seq_len,
+                )
+                if all_attn is not None:
+                    all_attn.append(attn)
+                    all_cross.append(cross)
+            hidden = layout.from_blocks(self.norm(hidden))
             if cache is not None:
-                cache.positions = al.lengths.clone()
+                cache.positions = layout.lengths.clone()
                 cache.doc_start = torch.zeros_like(cache.positions)
                 for layer_cache in cache.layers:
                     layer_cache.doc_start = cache.doc_start
                 cache.batch_size = bsz
+                cache.seen_tokens = seq_len
+                cache.docs_on_grid = True
+                cache.common_position = seq_len
+                if layout.mask is not None:
+                    lengths = layout.lengths
+                    same = host_can_branch(lengths) and bool((lengths == lengths[0]).all())
+                    cache.common_position = int(lengths[0]) if same else None
+        else:
+            positions = cache.positions
+            if seq_len > 1 and attention_mask is not None and host_can_branch(attention_mask):
+                if not bool(attention_mask[:, -seq_len:].all()):
+                    raise ValueError(
+                        "Padding inside a continued sequence cannot be honoured by the recurrent cache: pad the "
+                        "first chunk only."
+                    )
+            w = cfg.block_len
+            for layer_cache in cache.layers:
+                layer_cache.doc_start = cache.doc_start
+            start = cache.common_position
+            aligned = seq_len > 1 and start is not None and start % w == 0 and seq_len % w == 0 and cache.docs_on_grid
+            for layer, layer_cache in zip(self.layers, cache.layers):
+                if all_hidden is not None:
+                    all_hidden.append(hidden)
+                if aligned:
+                    # A block-aligned chunk: full-sequence form seeded with the cached state.
+                    hidden, attn, cross = self._call_layer(
+                        layer,
+                        hidden,
+                        output_attentions,
+                        layer_cache=layer_cache,
+                        positions=positions,
+                        fill_cache=True,
+                        num_positions=seq_len,
+                    )
+                else:
+                    # Recurrent form, one token at a time (layer by layer: each layer reads its whole input).
+                    outs, attns, crosses = [], [], []
+                    for t in range(seq_len):
+                        h_t, attn, cross = self._call_layer(
+                            layer,
+                            hidden[:, t : t + 1],
+                            output_attentions,
+                            layer_cache=layer_cache,
+                            positions=positions + t,
+                        )
+                        outs.append(h_t)
+                        if output_attentions and attn is not None:
+                            attn = _step_weights_by_column(
+                                attn, layer_cache.kpos, positions + t, cache.seen_tokens + t
+                            )
+                            attns.append(F.pad(attn, (0, seq_len - 1 - t)))
+                            crosses.append(cross)
+                    hidden = outs[0] if seq_len == 1 else torch.cat(outs, 1)
+                    attn = (attns[0] if seq_len == 1 else torch.cat(attns, 2)) if attns else None
+                    cross = None
+                    if crosses and crosses[0] is not None:
+                        cross = crosses[0] if seq_len == 1 else torch.cat(crosses, 2)
+                if all_attn is not None:
+                    all_attn.append(attn)
+                    all_cross.append(cross)
+            hidden = self.norm(hidden)
+            cache.positions = positions + seq_len
+            cache.seen_tokens += seq_len
+            if cache.common_position is not None:
+                cache.common_position += seq_len
         if all_hidden is not None:
             all_hidden.append(hidden)
         if cache is not None and self.training:
             cache.detach()
-        return BaseModelOutputWithPast(
+        return BaseModelOutputWithPastAndCrossAttentions(
             last_hidden_state=hidden,
             past_key_values=cache if use_cache or past_key_values is not None else None,
             hidden_states=tuple(all_hidden) if all_hidden is not None else None,
+            attentions=tuple(all_attn) if all_attn is not None else None,
+            cross_attentions=tuple(all_cross) if all_cross is not None else None,
         )
 
 
@@ -1177,9 +1404,10 @@ class BSTForCausalLM(BSTPreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
-    ) -> CausalLMOutputWithPast:
+    ) -> CausalLMOutputWithCrossAttentions:
         """Causal LM forward. ``labels`` `(B, T)` are the input ids (shifted inside; -100 is ignored)."""
         outputs = self.model(
             input_ids=input_ids,
@@ -1188,6 +1416,7 @@ class BSTForCausalLM(BSTPreTrainedModel, GenerationMixin):
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
+            output_attentions=output_attentions,
         )
         hidden = outputs.last_hidden_state
         slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -1195,11 +1424,13 @@ class BSTForCausalLM(BSTPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(
+        return CausalLMOutputWithCrossAttentions(
             loss=loss,
             logits=logits,
             past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            cross_attentions=outputs.cross_attentions,
         )
 
 
@@ -1247,6 +1478,7 @@ class BSTForSequenceClassification(BSTPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
         **kwargs,
     ) -> SequenceClassifierOutput:
         outputs = self.model(
@@ -1255,6 +1487,7 @@ class BSTForSequenceClassification(BSTPreTrainedModel):
             inputs_embeds=inputs_embeds,
             use_cache=False,
             output_hidden_states=output_hidden_states,
+            output_attentions=output_attentions,
         )
         hidden = outputs.last_hidden_state  # (B, T, D); padded positions are zero
         valid = attention_mask.bool() if attention_mask is not None else None
@@ -1269,7 +1502,9 @@ class BSTForSequenceClassification(BSTPreTrainedModel):
         loss = None
         if labels is not None:
             loss = self.loss_function(labels, logits, self.config)
-        return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+        return SequenceClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
 
 
 __all__ = [
