@@ -46,6 +46,14 @@ AUTO_NAME_TABLES = {
 # that the active mixins do not define (the generation tests without $TRANSFORMERS_TESTS_DIR, the stand-in export
 # test with it) are ignored.
 KNOWN_BUGS = {
+    "test_past_key_values_format": (
+        "1",
+        "get_seq_length() counts the longest row's real tokens (6), not positions (7)",
+    ),
+    "test_generate_continue_from_past_key_values": (
+        "1",
+        "generate slices the continued inputs by get_seq_length(), which misses the padding: a token is fed twice",
+    ),
     "test_attention_outputs": ("4", "output_attentions=True is ignored: outputs.attentions is None"),
     "test_retain_grad_hidden_states_attentions": (
         "3, 4",
@@ -122,9 +130,10 @@ class BSTModelTester:
 
     def prepare_config_and_inputs(self):
         input_ids = ids_tensor([self.batch_size, self.seq_length], self.vocab_size - 1)
-        # Left padding of 0..2 tokens per row (a generation-style batch); BST accepts one contiguous run of real
-        # tokens per row (see docs/hf-common-tests.md, "masks with holes").
-        pad = torch.arange(self.batch_size, device=torch_device) % 3
+        # Left padding of 1 or 2 tokens in every row (a generation-style batch: 5 or 6 real tokens, two blocks). BST
+        # takes one contiguous run of real tokens per row (docs/hf-common-tests.md, "masks with holes"); with no
+        # unpadded row, get_seq_length() must count padding for generate to continue from a cache (issue #12 bug 1).
+        pad = 1 + torch.arange(self.batch_size, device=torch_device) % 2
         attention_mask = (torch.arange(self.seq_length, device=torch_device)[None] >= pad[:, None]).long()
         sequence_labels = ids_tensor([self.batch_size], self.type_sequence_label_size)
         return self.get_config(), input_ids, attention_mask, sequence_labels
