@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from experiments import lm_quality as Q
@@ -34,25 +35,127 @@ from experiments import lm_quality as Q
 
 ROOT = Q.ROOT
 CORPUS = "allbooks"
-WORK = Q.WORK / "long" / CORPUS
-RESULTS = ROOT / "docs" / "results" / "lm_long"
-STEPS = 5000  # x 4 x 512 tokens = 10.24M training tokens
-SAVE_EVERY = 500
-TOKENS_PER_STEP = 4 * 512
-LENGTHS = (64, 512, 2048, 8192)  # 1/8x, 1x, 4x, 16x the training length
-CURVE_LENGTH = 512
-EVAL_TOKENS = 65536  # scored tokens per test book (the same span at every length)
-# Transformer-XL: segments of its window (256) with the previous segment's detached cache, 8 a step (same tokens).
-SEGMENT_ARGS = {"trsf-xl": ["--seq_len", "256", "--per_device_train_batch_size", "8"]}
 LONG_MODELS = ("slide", "bst-sh-s4", "bst-mf-s4", "brect-fixed-skip", "gss-hybrid", "trsf-xl")
+LAYER_INDEX_FIELDS = ("bst_layer_indices", "recurrent_layer_indices", "gss_layer_indices")
 
 
-def run_dir(model: str, seed: int) -> Path:
-    return WORK / f"{model}-s{seed}"
+@dataclass(frozen=True)
+class Protocol:
+    """One scale of the comparison: the model sizes, the tokens, the evaluation; every model gets the same."""
+
+    name: str
+    steps: int
+    seq_len: int
+    batch: int
+    save_every: int
+    lengths: tuple[int, ...]  # 1/8x, 1x, 4x, 16x the training length
+    eval_tokens: int  # scored tokens per test book (the same span at every length)
+    learning_rate: float | None = None  # None: the recipe's
+    warmup_steps: int | None = None
+    size: dict = field(default_factory=dict)  # config overrides applied to every tiny preset
+    layer_stride: int = 1  # layer i of a 4-layer tiny preset becomes layer i * stride
+    xl_window: int = 256  # Transformer-XL trains on segments of its window (its block_len)
+    description: str = ""
+    out: Path | None = None  # somewhere else than the repository's docs/ and runs/ (dry runs)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch * self.seq_len
+
+    @property
+    def curve_length(self) -> int:
+        return self.seq_len
+
+    @property
+    def results(self) -> Path:
+        docs = self.out / "docs" if self.out is not None else ROOT / "docs"
+        return docs / "results" / ("lm_long" if self.name == "cpu" else f"lm_long_{self.name}")
+
+    @property
+    def docs(self) -> Path:
+        return (self.out / "docs" if self.out is not None else ROOT / "docs") / "results.md"
+
+    @property
+    def work(self) -> Path:
+        work = self.out / "runs" if self.out is not None else Q.WORK
+        return work / ("long" if self.name == "cpu" else f"long-{self.name}") / CORPUS
+
+    @property
+    def section(self) -> str:
+        return "lm_long" if self.name == "cpu" else f"lm_long_{self.name}"
+
+    def model_overrides(self, model: str) -> dict:
+        """Config overrides turning the model's tiny preset into this scale's model."""
+        if not self.size and model != "trsf-xl":
+            return {}
+        preset = json.loads((ROOT / "configs" / "models" / f"{Q.MODELS[model][0]}.json").read_text())
+        out = dict(self.size)
+        n = out.get("num_hidden_layers", preset["num_hidden_layers"])
+        for key in LAYER_INDEX_FIELDS:
+            if preset.get(key):
+                out[key] = [i * self.layer_stride for i in preset[key]]
+        if "layer_types" in preset:
+            types = ["block"] * n
+            for i, kind in enumerate(preset["layer_types"]):
+                types[i * self.layer_stride] = kind
+            out["layer_types"] = types
+        if model == "trsf-xl":
+            out["block_len"] = self.xl_window
+            out["max_position_embeddings"] = self.xl_window
+        return out
 
 
-def record_path(model: str, seed: int) -> Path:
-    return RESULTS / f"{model}-s{seed}.json"
+# The CPU protocol: the tiny presets (D=128, 4 layers, W=64) at L=512 (L/W = 8 as in the paper), 4 x 512 tokens a
+# step, 5,000 steps = 10.24M tokens; its records are docs/results/lm_long/*.json.
+CPU = Protocol(
+    name="cpu",
+    steps=5000,
+    seq_len=512,
+    batch=4,
+    save_every=500,
+    lengths=(64, 512, 2048, 8192),
+    eval_tokens=65536,
+    xl_window=256,
+    description="tiny presets (D=128, 4 layers, W=64, ~1.1-1.5M parameters), L=512, 4 x 512 tokens a step",
+)
+# The accelerator protocol (issue #13 part 3): D=512, 8 layers, W=128 (~25-30M parameters with the 4,096-token BPE),
+# L=1024 (L/W = 8), 16 x 1024 tokens a step, 2,000 steps = 33M tokens (~5 passes over the 6.3M-token training split),
+# bf16; Transformer-XL with a 512-token window. Its records are docs/results/lm_long_gpu/*.json.
+GPU = Protocol(
+    name="gpu",
+    steps=2000,
+    seq_len=1024,
+    batch=16,
+    save_every=250,
+    lengths=(128, 1024, 4096, 16384),
+    eval_tokens=65536,
+    learning_rate=1.0e-3,
+    warmup_steps=300,
+    size={
+        "hidden_size": 512,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "head_dim": 64,
+        "intermediate_size": 2048,
+        "block_len": 128,
+        "max_position_embeddings": 16384,
+    },
+    layer_stride=2,
+    xl_window=512,
+    description="D=512, 8 layers, W=128 (~25-30M parameters), L=1024, 16 x 1024 tokens a step",
+)
+PROTOCOLS = {"cpu": CPU, "gpu": GPU}
+# Kept for readers of the CPU records.
+STEPS, SAVE_EVERY, TOKENS_PER_STEP, LENGTHS = CPU.steps, CPU.save_every, CPU.tokens_per_step, CPU.lengths
+CURVE_LENGTH, EVAL_TOKENS, RESULTS, WORK = CPU.curve_length, CPU.eval_tokens, CPU.results, CPU.work
+
+
+def run_dir(model: str, seed: int, proto: Protocol = CPU) -> Path:
+    return proto.work / f"{model}-s{seed}"
+
+
+def record_path(model: str, seed: int, proto: Protocol = CPU) -> Path:
+    return proto.results / f"{model}-s{seed}.json"
 
 
 def _commit() -> str:
@@ -65,28 +168,66 @@ def _commit() -> str:
         return "unknown"
 
 
-def train_command(model: str, seed: int, steps: int, bf16: bool) -> list[str]:
+def _cpu() -> str:
+    from benchmarks.docs_section import cpu_name
+
+    return cpu_name()
+
+
+def train_command(
+    model: str, seed: int, steps: int, bf16: bool, proto: Protocol = CPU, device: str | None = None
+) -> list[str]:
     preset, extra = Q.MODELS[model]
-    data = Q.WORK / "data" / CORPUS
-    return [
+    extra = list(extra)
+    for flag in ("--seq_len", "--per_device_train_batch_size"):  # this protocol sets the segment shape
+        if flag in extra:
+            i = extra.index(flag)
+            del extra[i : i + 2]
+    overrides = proto.model_overrides(model)
+    if overrides:
+        if "--model_overrides" in extra:
+            i = extra.index("--model_overrides")
+            overrides = {**json.loads(extra[i + 1]), **overrides}
+            del extra[i : i + 2]
+        extra += ["--model_overrides", json.dumps(overrides)]
+    if model == "trsf-xl":  # segments of its window, the same tokens a step
+        seq_len, batch = proto.xl_window, proto.tokens_per_step // proto.xl_window
+    else:
+        seq_len, batch = proto.seq_len, proto.batch
+    cmd = [
         sys.executable, "-m", "training.train", "--config", str(Q.RECIPE), "--model_config", preset,
-        "--tokenizer", str(Q.WORK / "tokenizers" / CORPUS), "--dataset", Q.KIND[CORPUS], "--dataset_path", str(data),
-        "--output_dir", str(run_dir(model, seed)), "--seed", str(seed), "--max_steps", str(steps),
-        "--save_strategy", "steps", "--save_steps", str(SAVE_EVERY), "--logging_steps", "100",
-        "--resume_from_checkpoint", "true", "--bf16", str(bf16).lower(), *extra, *SEGMENT_ARGS.get(model, []),
+        "--tokenizer", str(Q.WORK / "tokenizers" / CORPUS), "--dataset", Q.KIND[CORPUS],
+        "--dataset_path", str(Q.WORK / "data" / CORPUS), "--output_dir", str(run_dir(model, seed, proto)),
+        "--seed", str(seed), "--max_steps", str(steps), "--seq_len", str(seq_len),
+        "--per_device_train_batch_size", str(batch), "--save_strategy", "steps",
+        "--save_steps", str(min(proto.save_every, steps)), "--logging_steps", str(min(100, steps)),
+        "--resume_from_checkpoint", "true", "--bf16", str(bf16).lower(), *extra,
     ]  # fmt: skip
+    if proto.learning_rate is not None:
+        cmd += ["--learning_rate", str(proto.learning_rate)]
+    if proto.warmup_steps is not None:
+        cmd += ["--warmup_steps", str(min(proto.warmup_steps, steps))]
+    if device == "cpu":
+        cmd += ["--use_cpu", "true"]
+    return cmd
 
 
-def eval_command(model: str, seed: int) -> list[str]:
-    d = run_dir(model, seed)
-    return [
+def eval_command(model: str, seed: int, proto: Protocol = CPU, device: str | None = None, eval_tokens=None) -> list:
+    d = run_dir(model, seed, proto)
+    cmd = [
         sys.executable, "-m", "training.evaluate", "--model", str(d / "final"), "--dataset", Q.KIND[CORPUS],
-        "--dataset_path", str(Q.WORK / "data" / CORPUS), "--split", "test", "--max_tokens_per_doc", str(EVAL_TOKENS),
-        "--lengths", *map(str, LENGTHS), "--output", str(d / "eval.json"),
+        "--dataset_path", str(Q.WORK / "data" / CORPUS), "--split", "test",
+        "--max_tokens_per_doc", str(eval_tokens or proto.eval_tokens), "--lengths", *map(str, proto.lengths),
+        "--output", str(d / "eval.json"),
     ]  # fmt: skip
+    if device is not None:
+        cmd += ["--device", device]
+    return cmd
 
 
-def learning_curve(model_dir: Path) -> list[dict]:
+def learning_curve(
+    model_dir: Path, length: int = CPU.curve_length, eval_tokens: int = CPU.eval_tokens, device: str = "cpu"
+) -> list[dict]:
     """Test bits per byte / token perplexity at the training length of every checkpoint of a run (cached in
     ``curve.json``, so an interrupted evaluation continues)."""
     import torch
@@ -99,15 +240,17 @@ def learning_curve(model_dir: Path) -> list[dict]:
     torch.set_num_threads(1)
     cache_path = model_dir / "curve.json"
     points = {p["step"]: p for p in json.loads(cache_path.read_text())} if cache_path.exists() else {}
-    tokenizer = D.load_tokenizer(str(model_dir / "tokenizer"))
     texts = list(D.texts_of(D.load_documents("pg19", "test", path=str(Q.WORK / "data" / CORPUS))))
+    summary = json.loads((model_dir / "train_summary.json").read_text())
+    tokens_per_step = summary["seq_len"] * summary["train_batch_size"]
     for ckpt in complete_checkpoints(str(model_dir)):
         step = int(re.search(r"checkpoint-(\d+)$", ckpt).group(1))
         if step in points:
             continue
-        model = BSTForCausalLM.from_pretrained(ckpt)
-        row = evaluate_model(model, tokenizer, texts, [CURVE_LENGTH], max_tokens_per_doc=EVAL_TOKENS)[0]
-        points[step] = {"step": step, "tokens": step * TOKENS_PER_STEP, **row}
+        tokenizer = D.load_tokenizer(ckpt)  # the Trainer saves it with every checkpoint
+        model = BSTForCausalLM.from_pretrained(ckpt).to(device)
+        row = evaluate_model(model, tokenizer, texts, [length], max_tokens_per_doc=eval_tokens)[0]
+        points[step] = {"step": step, "tokens": step * tokens_per_step, **row}
         tmp = cache_path.with_suffix(".tmp")
         tmp.write_text(json.dumps([points[k] for k in sorted(points)], indent=1))
         os.replace(tmp, cache_path)
@@ -115,16 +258,34 @@ def learning_curve(model_dir: Path) -> list[dict]:
     return [points[k] for k in sorted(points)]
 
 
-def run_long(model: str, seed: int, steps: int = STEPS, bf16: bool = False) -> Path:
+def run_long(
+    model: str,
+    seed: int,
+    steps: int | None = None,
+    bf16: bool = False,
+    proto: Protocol = CPU,
+    device: str | None = None,
+    eval_tokens: int | None = None,
+    threads: int | None = 1,
+    train_args: list[str] | None = None,
+) -> Path:
     """Train (resuming), evaluate every checkpoint and the final model, write the record; returns its path."""
-    out = record_path(model, seed)
+    out = record_path(model, seed, proto)
     if out.exists():
         return out
-    d = run_dir(model, seed)
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    train_cmd, eval_cmd = train_command(model, seed, steps, bf16), eval_command(model, seed)
-    curve_cmd = [sys.executable, "-m", "experiments.lm_long", "curve", str(d)]
-    log_dir = Q.WORK / "logs"
+    import torch
+
+    steps = steps or proto.steps
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    d = run_dir(model, seed, proto)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    if threads:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    train_cmd = train_command(model, seed, steps, bf16, proto, device) + list(train_args or [])
+    eval_cmd = eval_command(model, seed, proto, device, eval_tokens)
+    curve_cmd = [sys.executable, "-m", "experiments.lm_long", "curve", str(d), "--length", str(proto.curve_length),
+                 "--eval_tokens", str(eval_tokens or proto.eval_tokens), "--device", device]  # fmt: skip
+    log_dir = proto.work.parent.parent / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     with open(log_dir / f"long-{model}-s{seed}.log", "a") as fh:
@@ -147,9 +308,11 @@ def run_long(model: str, seed: int, steps: int = STEPS, bf16: bool = False) -> P
         "label": Q.LABELS[model],
         "preset": Q.MODELS[model][0],
         "seed": seed,
+        "protocol": proto.name,
         "steps": steps,
-        "tokens": steps * TOKENS_PER_STEP,
+        "tokens": steps * proto.tokens_per_step,
         "bf16": bf16,
+        "device": torch.cuda.get_device_name() if device.startswith("cuda") else f"CPU ({_cpu()})",
         "commit": _commit(),
         "parameters": entry["parameters"],
         "vocab_size": entry["vocab_size"],
@@ -162,28 +325,31 @@ def run_long(model: str, seed: int, steps: int = STEPS, bf16: bool = False) -> P
         "learning_curve": json.loads((d / "curve.json").read_text()),
         "results": entry["results"],
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=1))
     os.replace(tmp, out)
     return out
 
 
-def run_all(models, seeds, jobs: int, steps: int, bf16: bool) -> None:
-    todo = [(m, s) for s in seeds for m in models if not record_path(m, s).exists()]
+def run_all(models, seeds, jobs: int, steps: int | None, bf16: bool, proto: Protocol = CPU, **kw) -> list:
+    todo = [(m, s) for s in seeds for m in models if not record_path(m, s, proto).exists()]
+    failed = []
     print(f"{len(todo)} long runs to do ({jobs} at a time): {todo}", flush=True)
 
     def work(item):
         m, s = item
         t0 = time.time()
         try:
-            run_long(m, s, steps, bf16)
+            run_long(m, s, steps, bf16, proto, **kw)
             print(f"done {m} seed {s} in {time.time() - t0:.0f} s", flush=True)
         except subprocess.CalledProcessError as err:
-            print(f"FAILED {m} seed {s}: {err} (log in {Q.WORK / 'logs'})", flush=True)
+            failed.append((m, s))
+            print(f"FAILED {m} seed {s}: {err} (log in {proto.work.parent.parent / 'logs'})", flush=True)
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         list(pool.map(work, todo))
+    return failed
 
 
 def load_records(results_dir: Path = RESULTS) -> list[dict]:
@@ -194,7 +360,7 @@ def _bpb(record: dict, length: int) -> float | None:
     return Q._at(record, length, "bits_per_byte")
 
 
-def summarise(records: list[dict]) -> dict[str, dict]:
+def summarise(records: list[dict], lengths=CPU.lengths) -> dict[str, dict]:
     """Per model: seeds, mean and spread (max - min) of test bits per byte and token perplexity at every length."""
     by_model: dict[str, list[dict]] = {}
     for r in records:
@@ -202,7 +368,7 @@ def summarise(records: list[dict]) -> dict[str, dict]:
     out = {}
     for model, rs in by_model.items():
         row = {"seeds": sorted(r["seed"] for r in rs), "parameters": rs[0]["parameters"], "lengths": {}}
-        for n in LENGTHS:
+        for n in lengths:
             vals = [v for v in (_bpb(r, n) for r in rs) if v is not None]
             ppls = [v for v in (Q._at(r, n, "ppl_token") for r in rs) if v is not None]
             if vals:
@@ -216,7 +382,7 @@ def summarise(records: list[dict]) -> dict[str, dict]:
     return out
 
 
-def plot(records: list[dict], path: Path) -> None:
+def plot(records: list[dict], path: Path, proto: Protocol = CPU) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -230,16 +396,16 @@ def plot(records: list[dict], path: Path) -> None:
         label = f"{r['label']} s{r['seed']}"
         pts = [(p["tokens"] / 1e6, p["bits_per_byte"]) for p in r["learning_curve"]]
         ax1.plot(*zip(*pts), style, color=c, marker=".", label=label, alpha=1.0 if r["seed"] == 0 else 0.6)
-        gen = [(n, _bpb(r, n)) for n in LENGTHS if _bpb(r, n) is not None]
+        gen = [(n, _bpb(r, n)) for n in proto.lengths if _bpb(r, n) is not None]
         ax2.plot(*zip(*gen), style, color=c, marker="o", label=label, alpha=1.0 if r["seed"] == 0 else 0.6)
     ax1.set_xlabel("training tokens (millions)")
-    ax1.set_ylabel(f"test bits per byte at L={CURVE_LENGTH}")
+    ax1.set_ylabel(f"test bits per byte at L={proto.curve_length}")
     ax1.set_title("learning curves (held-out books)")
     lo = min(p["bits_per_byte"] for r in records for p in r["learning_curve"][len(r["learning_curve"]) // 3 :])
     hi = max(p["bits_per_byte"] for r in records for p in r["learning_curve"][len(r["learning_curve"]) // 3 :])
     ax1.set_ylim(lo - 0.02, hi + 0.05)  # the last two thirds of training, where the models separate
     ax2.set_xscale("log", base=2)
-    ax2.set_xlabel("evaluation length (tokens; trained at 512)")
+    ax2.set_xlabel(f"evaluation length (tokens; trained at {proto.seq_len})")
     ax2.set_ylabel("test bits per byte")
     ax2.set_title("length generalisation (paper Fig. 5)")
     for ax in (ax1, ax2):
@@ -251,27 +417,29 @@ def plot(records: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def report(results_dir: Path = RESULTS, docs: Path | None = ROOT / "docs" / "results.md") -> str:
+def report(results_dir: Path | None = None, docs: Path | None | str = "default", proto: Protocol = CPU) -> str:
     """Table-1-style table (mean and spread over seeds), learning curves and length generalisation (one PNG), written
-    into the ``lm_long`` section of ``docs`` (None: only returned)."""
+    into the protocol's section (``lm_long`` for the CPU one) of ``docs`` (None: only returned)."""
     from benchmarks.docs_section import cpu_name, write_section
 
-    records = load_records(results_dir)
+    docs = proto.docs if docs == "default" else docs
+    records = load_records(results_dir or proto.results)
     if not records:
         raise SystemExit(f"no records under {results_dir}; run `python -m experiments.lm_quality long` first")
     docs_dir = (docs or ROOT / "docs" / "results.md").parent
-    png = docs_dir / "results" / "lm_long.png"
+    png = docs_dir / "results" / f"{proto.section}.png"
     if docs is not None:
-        plot(records, png)
-    summary = summarise(records)
+        plot(records, png, proto)
+    lengths, L = proto.lengths, proto.seq_len
+    summary = summarise(records, lengths)
     slide = summary.get("slide")
-    head = "| Model | Params | seeds | " + " | ".join(f"bpb L={n}" for n in LENGTHS) + " | ppl L=512 | train loss |"
-    lines = [head, "|---|---|---|" + "---|" * len(LENGTHS) + "---|---|"]
+    head = "| Model | Params | seeds | " + " | ".join(f"bpb L={n}" for n in lengths) + f" | ppl L={L} | train loss |"
+    lines = [head, "|---|---|---|" + "---|" * len(lengths) + "---|---|"]
     order = [m for m in LONG_MODELS if m in summary] + [m for m in summary if m not in LONG_MODELS]
     for model in order:
         row = summary[model]
         cells = []
-        for n in LENGTHS:
+        for n in lengths:
             x = row["lengths"].get(n)
             if x is None:
                 cells.append("–")
@@ -282,21 +450,36 @@ def report(results_dir: Path = RESULTS, docs: Path | None = ROOT / "docs" / "res
             if slide is not None and model != "slide" and n in slide["lengths"]:
                 cell += f" ({100 * (x['bpb_mean'] / slide['lengths'][n]['bpb_mean'] - 1):+.1f}%)"
             cells.append(cell)
-        ppl = row["lengths"].get(512, {}).get("ppl_mean")
+        ppl = row["lengths"].get(L, {}).get("ppl_mean")
         lines.append(
             f"| {Q.LABELS[model]} | {row['parameters'] / 1e6:.2f}M | {','.join(map(str, row['seeds']))} | "
             + " | ".join(cells)
             + f" | {'–' if ppl is None else f'{ppl:.1f}'} | {row['final_train_loss']:.3f} |"
         )
     r0 = records[0]
+    machine = (
+        f"{cpu_name()}, one thread per run, two runs at a time"
+        if proto.name == "cpu"
+        else "see each record's `device`"
+    )
+    rerun = "long" if proto.name == "cpu" else f"long --protocol {proto.name}"
+    res = proto.results.relative_to(ROOT).as_posix() if proto.results.is_relative_to(ROOT) else str(proto.results)
+    corpus = (
+        f"Corpus `{CORPUS}`: every public-domain book in `../shared/data` (the seven of `books/`, the five of "
+        "`more-books/`), whole books per split: test = Persuasion and The Adventures of Sherlock Holmes, validation = "
+        "Northanger Abbey, training = the other nine (21.1 MB of text; 12,392 segments of 512 tokens = 6.3M tokens "
+        "under the corpus's 4,096-token byte-level BPE, trained on the training split). "
+        f"{r0['tokens'] / 1e6:.1f}M training tokens are {r0['tokens'] / 6.34e6:.1f} passes over it."
+    )
     text = "\n".join(
         [
-            f"Every model trained for {r0['steps']} steps of 4 x 512 tokens ({r0['tokens'] / 1e6:.2f}M tokens) on the "
-            f"`{CORPUS}` corpus with `configs/train/quality-cpu.yaml`; test: {r0['dataset'].get('documents', '?')} "
-            f"held-out books, first {EVAL_TOKENS} tokens of each, scored in windows of L tokens. Machine: "
-            f"{cpu_name()}, one thread per run, two runs at a time. ± is half the spread between seeds; percentages "
-            "compare the mean bits per byte with Slide's. Records (commands, commit, curves): "
-            "`docs/results/lm_long/*.json`; rerun one with `python -m experiments.lm_quality long --models M --seeds S`.",
+            corpus,
+            "",
+            f"Every model ({proto.description}) trained for {r0['steps']} steps ({r0['tokens'] / 1e6:.2f}M tokens) on "
+            f"the `{CORPUS}` corpus with `configs/train/quality-cpu.yaml`; test: {r0['dataset'].get('documents', '?')} "
+            f"held-out books, first {r0['dataset'].get('max_tokens_per_doc')} tokens of each, scored in windows of L "
+            f"tokens. Machine: {machine}. ± is half the spread between seeds; percentages compare the mean bits per "
+            f"byte with Slide's. Records (commands, commit, curves): `{res}/*.json`; rerun one with `python -m experiments.lm_quality {rerun} --models M --seeds S`.",
             "",
             *lines,
             "",
@@ -304,17 +487,20 @@ def report(results_dir: Path = RESULTS, docs: Path | None = ROOT / "docs" / "res
         ]
     )
     if docs is not None:
-        write_section("lm_long", text.split("\n"), docs)
+        write_section(proto.section, text.split("\n"), docs)
     print(text)
     return text
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description="learning curve of one run (used by run_long)", allow_abbrev=False)
     p.add_argument("command", choices=["curve"])
     p.add_argument("run_dir")
+    p.add_argument("--length", type=int, default=CPU.curve_length)
+    p.add_argument("--eval_tokens", type=int, default=CPU.eval_tokens)
+    p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
-    learning_curve(Path(args.run_dir))
+    learning_curve(Path(args.run_dir), args.length, args.eval_tokens, args.device)
 
 
 if __name__ == "__main__":

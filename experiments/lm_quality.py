@@ -29,6 +29,7 @@ token perplexities are comparable within a corpus; bits per byte are comparable 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import lzma
 import os
@@ -450,15 +451,37 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max_steps", type=int, default=None, help="override the recipe's step count")
     p.add_argument("--seeds", nargs="+", type=int, default=[0], help="long: seeds to run")
     p.add_argument("--bf16", action="store_true", help="long: bf16 autocast (default: fp32)")
+    p.add_argument(
+        "--protocol", default="cpu", choices=["cpu", "gpu"], help="long: the scale (experiments/lm_long.py)"
+    )
+    p.add_argument("--device", default=None, help="long: cpu or cuda (default: cuda when available)")
+    p.add_argument("--eval_tokens", type=int, default=None, help="long: scored tokens per test book (dry runs)")
+    p.add_argument("--threads", type=int, default=1, help="long: torch threads per run (0: torch's default)")
+    p.add_argument(
+        "--batch_size", type=int, default=None, help="long: sequences a step (dry runs; default: protocol's)"
+    )
+    p.add_argument("--train_args", default="", help="long: extra training.train arguments, as one string")
+    p.add_argument("--out", default=None, help="long: write runs, records and report under this folder (dry runs)")
     args = p.parse_args(argv)
     if args.command in ("long", "long-report"):
         from experiments import lm_long
 
+        proto = lm_long.PROTOCOLS[args.protocol]
+        if args.out:
+            proto = dataclasses.replace(proto, out=Path(args.out).resolve())
+        if args.batch_size:
+            proto = dataclasses.replace(proto, batch=args.batch_size)
         if args.command == "long":
             prepare(args.data_root, corpora=[lm_long.CORPUS])
             models = args.models if "--models" in (argv if argv is not None else sys.argv) else lm_long.LONG_MODELS
-            lm_long.run_all(models, args.seeds, args.jobs, args.max_steps or lm_long.STEPS, args.bf16)
-        lm_long.report()
+            failed = lm_long.run_all(
+                models, args.seeds, args.jobs, args.max_steps, args.bf16, proto, device=args.device,
+                eval_tokens=args.eval_tokens, threads=args.threads or None, train_args=args.train_args.split(),
+            )  # fmt: skip
+        if args.command == "long-report" or lm_long.load_records(proto.results):
+            lm_long.report(proto=proto)
+        if args.command == "long" and failed:
+            raise SystemExit(f"{len(failed)} run(s) failed: {failed}")
         return
     args.corpora = args.corpora or list(CORPORA)
     if args.command in ("prepare", "all"):

@@ -1,0 +1,103 @@
+"""experiments/lm_long.py: every model of the long-run comparison (CPU and accelerator protocols) gets the same tokens
+from the shared recipe with valid settings, and the report computes means and seed spreads from the run records
+(fabricated here; the real runs take hours)."""
+
+import dataclasses
+import json
+import os
+
+import pytest
+
+from experiments import lm_long as L
+from training import train as T
+
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+
+
+def _parse(cmd):
+    argv = cmd[cmd.index("training.train") + 1 :]
+    model_args, data_args, train_args = T.parse_args(argv)
+    config = T.build_config(model_args)
+    T.check_run(data_args, config)  # e.g. Transformer-XL: segments of its window
+    return model_args, data_args, train_args, config
+
+
+@pytest.mark.parametrize("proto", [L.CPU, L.GPU], ids=lambda p: p.name)
+@pytest.mark.parametrize("model", L.LONG_MODELS)
+def test_every_model_gets_the_same_tokens_and_a_valid_config(proto, model, tmp_path):
+    proto = dataclasses.replace(proto, out=tmp_path)
+    cmd = L.train_command(model, seed=1, steps=proto.steps, bf16=True, proto=proto)
+    model_args, data_args, train_args, config = _parse(cmd)
+    assert train_args.per_device_train_batch_size * data_args.seq_len == proto.tokens_per_step
+    assert train_args.max_steps == proto.steps and train_args.seed == 1 and train_args.bf16
+    assert train_args.save_steps == proto.save_every and str(train_args.output_dir).startswith(str(tmp_path))
+    if model == "trsf-xl":  # its window is its segment
+        assert data_args.seq_len == config.block_len == proto.xl_window and data_args.stream_segments
+    else:  # L / W = 8 as in the paper
+        assert data_args.seq_len == proto.seq_len == 8 * config.block_len
+    assert data_args.stream_segments == (model in ("trsf-xl", "brect-fixed-skip"))
+    assert max(proto.lengths) == 16 * proto.seq_len and min(proto.lengths) * 8 == proto.seq_len
+    if proto.name == "gpu":
+        assert config.hidden_size == 512 and config.num_hidden_layers == 8
+        preset = json.loads((L.ROOT / "configs" / "models" / f"{L.Q.MODELS[model][0]}.json").read_text())
+        for key in L.LAYER_INDEX_FIELDS:  # the tiny layouts, spread over twice the layers
+            assert list(getattr(config, key, None) or []) == [2 * i for i in preset.get(key) or []]
+    else:
+        assert config.hidden_size == 128 and config.num_hidden_layers == 4
+
+
+def _record(model, seed, bpb, proto=L.CPU):
+    rows = [{"length": n, "bits_per_byte": bpb + 0.01 * i, "ppl_token": 2**bpb} for i, n in enumerate(proto.lengths)]
+    curve = [{"step": s, "tokens": s * 2048, "bits_per_byte": bpb + 1.0 / s} for s in (500, 1000, 1500)]
+    return {
+        "corpus": L.CORPUS, "model": model, "label": L.Q.LABELS[model], "seed": seed, "steps": 1500,
+        "tokens": 1500 * 2048, "parameters": 1_300_000, "final_train_loss": 4.5 + seed, "learning_curve": curve,
+        "results": rows, "dataset": {"documents": 2, "max_tokens_per_doc": 65536},
+    }  # fmt: skip
+
+
+def test_report_means_spreads_and_relative_change(tmp_path):
+    results = tmp_path / "records"
+    results.mkdir()
+    for model, seed, bpb in [("slide", 0, 2.0), ("slide", 1, 2.2), ("bst-sh-s4", 0, 1.9), ("bst-sh-s4", 1, 1.9)]:
+        (results / f"{model}-s{seed}.json").write_text(json.dumps(_record(model, seed, bpb)))
+    summary = L.summarise(L.load_records(results))
+    assert summary["slide"]["seeds"] == [0, 1]
+    assert summary["slide"]["lengths"][512]["bpb_mean"] == pytest.approx(2.11)
+    assert summary["slide"]["lengths"][512]["bpb_spread"] == pytest.approx(0.2)
+    assert summary["bst-sh-s4"]["lengths"][64]["bpb_spread"] == pytest.approx(0.0)
+    docs = tmp_path / "docs" / "results.md"
+    docs.parent.mkdir()
+    text = L.report(results, docs)
+    # BST at L=512: 1.91 vs Slide's mean 2.11 -> -9.5%; half the seed spread shown as ±.
+    assert "| BST:SH:S4 | 1.30M | 0,1 | " in text and "1.9100 ±0.0000 (-9.5%)" in text
+    assert "2.1100 ±0.1000 |" in text
+    assert "<!-- lm_long:start -->" in docs.read_text()
+    assert (docs.parent / "results" / "lm_long.png").stat().st_size > 0
+
+
+def test_protocol_folders_stay_apart(tmp_path):
+    gpu = dataclasses.replace(L.GPU, out=tmp_path)
+    assert L.CPU.results.name == "lm_long" and L.GPU.results.name == "lm_long_gpu"
+    assert gpu.results.is_relative_to(tmp_path) and gpu.work.is_relative_to(tmp_path)
+    assert gpu.docs == tmp_path / "docs" / "results.md" and L.GPU.section == "lm_long_gpu"
+
+
+@pytest.mark.slow
+def test_gpu_protocol_dry_run_on_cpu():
+    """`bash experiments/gpu_quality.sh --dry-run`: the accelerator protocol end to end on the CPU at 2 steps (one model
+    here; the script's default dry run also covers Transformer-XL): training, learning curve, evaluation, record, report."""
+    import subprocess
+
+    out = subprocess.run(
+        ["bash", str(L.ROOT / "experiments" / "gpu_quality.sh"), "--dry-run", "--models", "bst-sh-s4"],
+        capture_output=True, text=True, timeout=3000,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    folder = out.stdout.strip().splitlines()[-1].split("dry run complete: ")[1]
+    record = json.loads((L.Path(folder) / "docs" / "results" / "lm_long_gpu" / "bst-sh-s4-s0.json").read_text())
+    assert record["protocol"] == "gpu" and record["steps"] == 2 and record["parameters"] > 20e6
+    assert [r["length"] for r in record["results"]] == list(L.GPU.lengths)
+    assert record["learning_curve"][-1]["step"] == 2
