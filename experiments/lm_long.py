@@ -473,6 +473,9 @@ def report(results_dir: Path | None = None, docs: Path | None | str = "default",
     )
     text = "\n".join(
         [
+            f"## Long-run language modelling, {'CPU' if proto.name == 'cpu' else 'accelerator'} protocol "
+            "(paper Table 1 / Fig. 5)",
+            "",
             corpus,
             "",
             f"Every model ({proto.description}) trained for {r0['steps']} steps ({r0['tokens'] / 1e6:.2f}M tokens) on "
