@@ -21,10 +21,11 @@ checks with gradients that a Slide model's scored logits do not depend on the pa
 
 Models (``MODELS``): the tiny presets of ``configs/models/`` with width, depth-preserving layer layout, block length,
 vocabulary and training length overridden, plus Hugging Face ``MambaForCausalLM`` of the same width and depth (the
-outside reference; transformers' pure-PyTorch path). Training: AdamW (SSM parameters at ``config.ssm_lr``, no weight
-decay, as in ``training.train``), linear warm-up + cosine decay, fresh random sequences every step; one run per
-(model, length, pairs, seed) writes ``docs/results/mqar/<model>-L<length>-N<pairs>-s<seed>.json`` with the command
-and git commit. Runs whose JSON exists are skipped, so the same command resumes or extends a grid::
+outside reference; transformers' pure-PyTorch path, with ``use_mambapy`` when the ``mambapy`` package is
+installed: its parallel scan, since the sequential loop's backward is quadratic in L). Training: AdamW (SSM
+parameters at ``config.ssm_lr``, no weight decay, as in ``training.train``), linear warm-up + cosine decay, fresh
+random sequences every step; one run per (model, length, pairs, budget, seed) writes
+``docs/results/mqar/<model>-L<length>-N<pairs>-<steps>x<batch>-s<seed>.json`` with the command and git commit. Runs whose JSON exists are skipped, so the same command resumes or extends a grid::
 
     python -m experiments.mqar                                   # the default grid, then the report
     python -m experiments.mqar --models slide bst-sh-s4 --lengths 512 --pairs 16 --steps 400
@@ -471,6 +472,20 @@ def report(
             if rows:
                 cells_text = " | ".join(_cell(mine, model, n, p) for n, p in cells)
                 lines.append(f"| {label} | {rows[0]['parameters'] / 1e3:.0f}k | {cells_text} |")
+        best = max(mine, key=lambda r: r["accuracy"])
+        chance = mine[0]["chance"]
+        above = [r for r in mine if r["accuracy"] > 2 * chance]
+        lines += [
+            "",
+            f"Best run: {best['label']} at L={best['length']} N={best['num_pairs']}, {100 * best['accuracy']:.1f}% "
+            f"(chance {100 * chance:.1f}%); {len(above)} of {len(mine)} runs above twice chance"
+            + (": " + ", ".join(f"{r['label']} L={r['length']} N={r['num_pairs']}" for r in above) if above else "")
+            + ".",
+            f"Final training loss over the scored tokens: {min(r['final_train_loss'] for r in mine):.2f}–"
+            f"{max(r['final_train_loss'] for r in mine):.2f} nats (ln {mine[0]['settings']['num_values']} = "
+            f"{math.log(mine[0]['settings']['num_values']):.2f} is a model that knows only that a value comes next; "
+            "recall shows as a loss well below it).",
+        ]
         tables += [*lines, ""]
     png = PNG if docs is None else docs.parent / "results" / PNG.name
     if docs is not None:
@@ -483,11 +498,16 @@ def report(
             "per run with its command and commit in `docs/results/mqar/`). A sequence is N key-value pairs, a gap",
             "of filler as long as the Slide stack's receptive field (layers x W), then the N keys queried once each",
             "in random order at random positions; only the value after each queried key is scored. Models: the tiny",
-            "presets at D = 64 (layer layout of the presets), and HF `MambaForCausalLM` of the same width and depth.",
+            "presets (their layer layout) at the width and depth below, and HF `MambaForCausalLM` of the same width and",
+            "depth (mambapy's parallel scan). A cell at chance means the model did not learn the task within that",
+            "budget, not that it cannot: these budgets are far from the Zoology-scale training (100k+ examples).",
             f"Machine: {cpu_name()}, one thread per run, sharing the CPU with two long training runs.",
             "",
             *tables,
             f"![MQAR accuracy]({rel})",
+            "",
+            "The same command completes or extends the grid (finished runs are skipped; a budget is part of each run's",
+            "name): e.g. `python -m experiments.mqar --steps 2000 --batch-size 64 --device cuda` on a GPU.",
         ]
     )
     if docs is not None:
