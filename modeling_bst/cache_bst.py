@@ -5,8 +5,8 @@ A [`BSTCache`] holds, per layer, only state whose size does not depend on how ma
 * ``k``, ``v`` `(B, R, H, d_h)` and ``kpos`` `(B, R)`: ring buffer of the keys/values of the last R tokens
   (R = W + 1 for block and BST layers, 2W for BRecT layers, which also need the previous block), slot = position % R,
   ``kpos = -1`` marks an empty slot;
-* ``ssm_state``: S4D state `(B, Ds, N2, 2)` (complex stored as a real view), or for ``unstruct`` kernels the input
-  history `(B, Ds, max_position_embeddings)` (newest last; bounded by the filter length);
+* ``ssm_state``: the SSM kernel's own state (``ssm_bst``): the complex S4D state `(B, Ds, N2)`, or for ``unstruct``
+  kernels the input history `(B, Ds, max_position_embeddings)` (newest last; bounded by the filter length);
 * ``ctx_k``, ``ctx_v``: context keys/values of the current block: SH/MH `(B, W, H, d_h)` ring with ``ctx_pos``;
   MF `(B, S, H, d_h)`; ``mf_last`` `(B, S, Ds)`: the latest MF SSM output (the next block's context);
 * ``rec_state`` `(B, S, D)` and its keys/values ``rec_k``, ``rec_v`` `(B, S, H, d_h)` for BRecT layers.
@@ -18,9 +18,15 @@ Python int) counts every position processed, padding included: what ``generate``
 its path without reading tensors back to the host.
 """
 
+from collections import deque
 from dataclasses import dataclass, fields
 
 import torch
+
+
+# Positions a recording cache can take back (``BSTCache.crop``): assisted decoding verifies at most this many drafted
+# tokens per round.
+MAX_ROLLBACK = 64
 
 
 def cache_signature(config) -> tuple:
@@ -85,7 +91,8 @@ class BSTCache:
     """
 
     is_compileable = False
-    is_croppable = False
+    # ``crop`` takes back the last positions processed while recording (``activate_past_recording``).
+    is_croppable = True
 
     def __init__(self, config, batch_size: int):
         self.num_layers = config.num_hidden_layers
@@ -99,6 +106,9 @@ class BSTCache:
         self.seen_tokens = 0
         self.common_position: int | None = None
         self.docs_on_grid = True
+        self.record_past = False
+        # Per recorded position (newest last): per layer, what its step overwrote ([`capture`]).
+        self._undo: deque = deque(maxlen=MAX_ROLLBACK)
 
     def __len__(self):
         return self.num_layers
@@ -115,6 +125,7 @@ class BSTCache:
         raise NotImplementedError("BSTCache builds its own block masks.")
 
     def _apply(self, fn):
+        self._undo.clear()  # recorded states are per row: a batch change drops them
         for layer in self.layers:
             layer.apply(fn)
         if self.positions is not None:
@@ -133,6 +144,72 @@ class BSTCache:
     def batch_select_indices(self, indices: torch.Tensor):
         self._apply(lambda t: t[indices])
         self.batch_size = int(self.positions.shape[0]) if self.positions is not None else self.batch_size
+
+    # -- rollback (assisted / speculative decoding) -----------------------------------------------------------------
+    def activate_past_recording(self):
+        """Record what each decoded position overwrites, so that [`crop`] can take back up to ``MAX_ROLLBACK`` of the
+        latest positions (``generate`` calls this for assisted decoding)."""
+        self.record_past = True
+
+    @staticmethod
+    def capture(layer: BSTLayerCache, positions: torch.Tensor) -> dict:
+        """What one recurrent step of ``layer`` at ``positions`` `(B,)` will overwrite.
+
+        Ring buffers (keys/values, SH/MH context) are written in place at slot ``position % ring``: their old slot is
+        copied. An unstruct history shifts by one: its oldest input is copied. Every other state (S4D state, MF
+        context, BRecT state) is replaced by a new tensor: the old one is kept by reference.
+        """
+        rows = torch.arange(positions.shape[0], device=positions.device)
+        ring_names = {"k", "v", "kpos"} | ({"ctx_k", "ctx_v", "ctx_pos"} if layer.ctx_pos is not None else set())
+        changes = {}
+        for name, tensor in layer.tensors():
+            if name == "doc_start":
+                continue
+            if name in ring_names:
+                slot = positions.remainder(tensor.shape[1])
+                changes[name] = ("slot", slot, tensor[rows, slot].clone())
+            elif name == "ssm_state" and not tensor.is_complex():
+                changes[name] = ("shift", tensor[..., 0].clone())
+            else:
+                changes[name] = ("whole", tensor)
+        return changes
+
+    def push_undo(self, entries: list):
+        """Append the captures of a chunk: ``entries[t][layer]`` for each of its positions t."""
+        self._undo.extend(entries)
+
+    def crop(self, tokens_to_remove: int):
+        """Take back the last ``-tokens_to_remove`` positions (transformers' convention: a negative count; 0 does
+        nothing). Needs [`activate_past_recording`] before those positions were processed."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"BSTCache.crop takes minus the number of positions to remove, got {tokens_to_remove}: use "
+                f"crop(-n) to take back the last n positions."
+            )
+        n = -tokens_to_remove
+        if n == 0:
+            return
+        if n > len(self._undo):
+            raise ValueError(
+                f"BSTCache can take back only the {len(self._undo)} latest positions processed while recording "
+                f"(activate_past_recording(); at most {MAX_ROLLBACK}), asked for {n}."
+            )
+        for _ in range(n):
+            for layer, changes in zip(self.layers, self._undo.pop()):
+                for name, (how, *data) in changes.items():
+                    tensor = getattr(layer, name)
+                    if how == "slot":
+                        slot, old = data
+                        rows = torch.arange(slot.shape[0], device=slot.device)
+                        tensor.index_put_((rows, slot), old)
+                    elif how == "shift":
+                        setattr(layer, name, torch.cat([data[0][..., None], tensor[..., :-1]], -1))
+                    else:
+                        setattr(layer, name, data[0])
+        self.positions = self.positions - n
+        self.seen_tokens -= n
+        if self.common_position is not None:
+            self.common_position -= n
 
     def reset_rows(self, rows: torch.Tensor) -> "BSTCache":
         """Start a new document in the rows where ``rows`` (bool `(B,)`) is True, keeping the other rows' state.
@@ -193,7 +270,12 @@ class BSTCache:
             if name not in names or not 0 <= int(index) < cache.num_layers:
                 raise ValueError(f"Unexpected tensor {key!r} in a saved BSTCache.")
             # Fresh memory: decoding writes the ring buffers in place (loaded storage may be shared or read-only).
-            setattr(cache.layers[int(index)], name, tensor.clone())
+            tensor = tensor.clone()
+            kind = config.layer_kind(int(index))
+            s4 = kind == "gss" or (kind == "bst" and config.ssm_kind == "s4")
+            if name == "ssm_state" and s4 and not tensor.is_complex():
+                tensor = torch.view_as_complex(tensor)  # saved by an older version (a real view)
+            setattr(cache.layers[int(index)], name, tensor)
         for layer in cache.layers:
             layer.doc_start = cache.doc_start
         if cache.positions is not None:
@@ -211,4 +293,4 @@ class BSTCache:
         return total
 
 
-__all__ = ["BSTCache", "BSTLayerCache", "cache_signature"]
+__all__ = ["MAX_ROLLBACK", "BSTCache", "BSTLayerCache", "cache_signature"]

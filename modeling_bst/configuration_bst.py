@@ -8,6 +8,7 @@ each field maps onto the paper and which ambiguities were decided how.
 
 import math
 
+from huggingface_hub.dataclasses import StrictDataclassClassValidationError
 from transformers import PreTrainedConfig
 
 
@@ -15,6 +16,11 @@ CONTEXT_MODES = ("sh", "mh", "mf")
 SSM_KINDS = ("s4", "unstruct")
 SSM_INITS = ("lin", "inv")
 CROSS_MASKS = ("inclusive", "strict")
+# One entry per layer: a plain Block-Transformer ("Slide") layer, a BST layer (SSM + context cross-attention), a
+# Block-Recurrent Transformer layer, or a Gated State Space layer.
+LAYER_TYPES = ("block", "bst", "recurrent", "gss")
+# The per-kind index fields, still accepted, and what config.json stores: each lists the layers of one type.
+LAYER_INDEX_FIELDS = {"bst": "bst_layer_indices", "recurrent": "recurrent_layer_indices", "gss": "gss_layer_indices"}
 
 # Every Auto class the package offers, as written into a saved ``config.json``: a folder written by
 # ``save_pretrained`` (which copies these files next to the weights) then loads with any of them and
@@ -41,6 +47,11 @@ class BSTConfig(PreTrainedConfig):
         max_position_embeddings (`int`, defaults to 4096): training length L. S4 models run at any length;
             ``unstruct`` filters exist only up to this length.
         block_len (`int`, defaults to 512): block / window length W.
+        layer_types (`list[str]`, *optional*): the type of every layer, one of ``"block"`` (Slide layer), ``"bst"``
+            (SSM + cross-attention to context states), ``"recurrent"`` (BRecT) and ``"gss"``. Default: from the index
+            fields below. The index fields and ``layer_types`` are two views of one thing: setting either updates the
+            other, so a layer has exactly one type. config.json stores the index fields (transformers' generic config
+            loader rejects non-attention ``layer_types``).
         bst_layer_indices (`list[int]`, defaults to `[0, 7, 9]`): 0-based indices of BST layers (SSM + cross-attention
             to context states). Empty list = the Slide baseline.
         context_mode (`str`, defaults to `"sh"`): ``"sh"`` single-head, ``"mh"`` multi-head, ``"mf"`` multi-filter.
@@ -92,6 +103,7 @@ class BSTConfig(PreTrainedConfig):
         vocab_size: int = 32000,
         hidden_size: int = 1024,
         num_hidden_layers: int = 12,
+        layer_types: list | None = None,
         num_attention_heads: int = 8,
         head_dim: int = 128,
         intermediate_size: int = 4096,
@@ -147,6 +159,23 @@ class BSTConfig(PreTrainedConfig):
         self.intermediate_size = intermediate_size
         self.max_position_embeddings = max_position_embeddings
         self.block_len = block_len
+        if layer_types is not None:
+            indices = self._indices_from_types(layer_types)
+            if len(layer_types) != num_hidden_layers:
+                raise ValueError(
+                    f"BSTConfig.layer_types must have num_hidden_layers={num_hidden_layers} entries, got "
+                    f"{len(layer_types)}: {list(layer_types)}."
+                )
+            given = {"bst": bst_layer_indices, "recurrent": recurrent_layer_indices, "gss": gss_layer_indices}
+            for kind, field in LAYER_INDEX_FIELDS.items():
+                if given[kind] is not None and sorted(given[kind]) != indices[kind]:
+                    raise ValueError(
+                        f"BSTConfig: {field}={list(given[kind])} disagrees with layer_types={list(layer_types)}; "
+                        "give one of them."
+                    )
+            bst_layer_indices = indices["bst"]
+            recurrent_layer_indices = indices["recurrent"]
+            gss_layer_indices = indices["gss"]
         self.bst_layer_indices = list(bst_layer_indices) if bst_layer_indices is not None else [0, 7, 9]
         self.context_mode = context_mode
         self.ssm_kind = ssm_kind
@@ -193,6 +222,62 @@ class BSTConfig(PreTrainedConfig):
         )
         # Entries already present (a loaded config.json; on the Hub "org/name--module.Class") are kept.
         self.auto_map = {**AUTO_MAP, **(getattr(self, "auto_map", None) or {})}
+        # Set after PreTrainedConfig.__init__, whose validator accepts only attention kinds in ``layer_types``.
+        self.layer_types = self._types_from_indices()
+        self.validate_bst()
+
+    # -- layer types: ``layer_types`` and the index fields stay two views of one assignment ---------------------------
+    @staticmethod
+    def _indices_from_types(layer_types) -> dict:
+        if not isinstance(layer_types, (list, tuple)) or not all(t in LAYER_TYPES for t in layer_types):
+            raise ValueError(f"BSTConfig.layer_types entries must be in {LAYER_TYPES}, got {layer_types!r}.")
+        return {kind: [i for i, t in enumerate(layer_types) if t == kind] for kind in LAYER_INDEX_FIELDS}
+
+    def _types_from_indices(self):
+        """``layer_types`` from the index fields; None while they are invalid (``validate_bst`` names the field)."""
+        try:
+            types = ["block"] * self.num_hidden_layers
+            for kind, field in LAYER_INDEX_FIELDS.items():
+                for i in getattr(self, field):
+                    if types[i] != "block" or not 0 <= i:
+                        return None
+                    types[i] = kind
+            return types
+        except (TypeError, IndexError, AttributeError):
+            return None
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if "layer_types" not in self.__dict__:  # still in __init__
+            return
+        if name == "layer_types":
+            if value is not None:
+                for kind, indices in self._indices_from_types(value).items():
+                    super().__setattr__(LAYER_INDEX_FIELDS[kind], indices)
+        elif name in LAYER_INDEX_FIELDS.values() or name == "num_hidden_layers":
+            super().__setattr__("layer_types", self._types_from_indices())
+
+    def to_dict(self):
+        """As transformers writes it, without ``layer_types``: config.json keeps the index fields (every reader of
+        ``config.json``, transformers' own ``PreTrainedConfig`` included, accepts them; its ``validate_layer_type``
+        rejects BST's layer types), and ``layer_types`` is rebuilt from them on load."""
+        output = super().to_dict()
+        output.pop("layer_types", None)
+        return output
+
+    def validate(self):
+        """transformers' config validators (run by ``save_pretrained``), then [`validate_bst`].
+
+        transformers' ``validate_layer_type`` accepts only its attention kinds in ``layer_types``; BST's layer
+        types are checked by ``validate_bst`` instead.
+        """
+        for validator in PreTrainedConfig.__class_validators__:
+            if validator.__name__ == "validate_layer_type":
+                continue
+            try:
+                validator(self)
+            except (ValueError, TypeError) as e:
+                raise StrictDataclassClassValidationError(validator=validator.__name__, cause=e) from e
         self.validate_bst()
 
     # Derived values. Properties, so they never go stale and are not written into config.json.
@@ -229,14 +314,8 @@ class BSTConfig(PreTrainedConfig):
         return self.logit_scale if self.logit_scale is not None else 1.0 / math.sqrt(self.vocab_size)
 
     def layer_kind(self, layer_idx: int) -> str:
-        """``"bst"``, ``"recurrent"``, ``"gss"`` or ``"block"`` (plain Slide layer) for a 0-based layer index."""
-        if layer_idx in self.bst_layer_indices:
-            return "bst"
-        if layer_idx in self.recurrent_layer_indices:
-            return "recurrent"
-        if layer_idx in self.gss_layer_indices:
-            return "gss"
-        return "block"
+        """``layer_types[layer_idx]``: ``"bst"``, ``"recurrent"``, ``"gss"`` or ``"block"`` (plain Slide layer)."""
+        return self.layer_types[layer_idx]
 
     def validate_bst(self):
         """Raise ``ValueError`` naming the field for any invalid or incompatible value."""
@@ -328,6 +407,11 @@ class BSTConfig(PreTrainedConfig):
                     raise ValueError(
                         f"BSTConfig: layers {overlap} are in both {first} and {second}; a layer has one kind."
                     )
+        if self.layer_types is None or len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"BSTConfig.layer_types must have num_hidden_layers={self.num_hidden_layers} entries in "
+                f"{LAYER_TYPES}, got {self.layer_types!r}."
+            )
         if self.bidirectional and self.recurrent_layer_indices:
             raise ValueError(
                 "BSTConfig: bidirectional=True is incompatible with recurrent_layer_indices (BRecT is causal)."
@@ -336,4 +420,4 @@ class BSTConfig(PreTrainedConfig):
             raise ValueError("BSTConfig.max_position_embeddings sets the unstruct filter length and must be >= 1.")
 
 
-__all__ = ["AUTO_MAP", "BSTConfig"]
+__all__ = ["AUTO_MAP", "BSTConfig", "LAYER_TYPES"]

@@ -11,6 +11,12 @@ recurrent state updated block by block. The block cell follows meliad (the paper
   logits scaled by 1/sqrt(vocab);
 * all blocks in one batched attention call; the only Python loop over blocks is the BRecT state recurrence.
 
+Layout (one module per paper concept, docs/paper-mapping.md "Module map"): the layer types of ``config.layer_types``
+pick their module from ``DECODER_LAYER_CLASSES``; a BST layer's context states come from the builder of its
+``context_mode`` (``CONTEXT_BUILDERS``: ``SHContextStates``, ``MHContextStates``, ``MFContextStates``), over the SSM
+kernel of its ``ssm_kind`` (``SSM_KERNELS``, ``ssm_bst.py``). Each of them has a full-sequence form and a one-step
+form; recurrent state lives only in the ``BSTCache`` passed in.
+
 Departures from the paper / meliad, each a config field (see docs/paper-mapping.md):
 
 * the previous block of the first block is masked (meliad: zero keys, unmasked);
@@ -34,7 +40,7 @@ from transformers.modeling_outputs import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import can_return_tuple, logging
 
-from .cache_bst import BSTCache, BSTLayerCache, cache_signature
+from .cache_bst import MAX_ROLLBACK, BSTCache, BSTLayerCache, cache_signature
 from .configuration_bst import BSTConfig
 from .ssm_bst import S4DKernel, UnstructFilter, memoised
 
@@ -109,6 +115,25 @@ class BSTRMSNorm(nn.Module):
         return (x32 * upcast(self.weight)).to(dtype)
 
 
+def tracing() -> bool:
+    """Whether the forward is being traced (``torch.export``, ``torch.compile``, ``torch.jit``)."""
+    return torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing()
+
+
+def host_can_branch(t: torch.Tensor) -> bool:
+    """Whether Python may read values of ``t``: a CPU tensor in eager mode, where no device sync is involved.
+
+    Under tracing (``torch.export``, ``torch.compile``, ``torch.jit``) or on an accelerator, code must not branch on
+    tensor values: the callers then take the branch-free form, which gives the same result.
+    """
+    return t.device.type == "cpu" and not tracing()
+
+
+def maybe_any(mask: torch.Tensor) -> bool:
+    """``bool(mask.any())`` where reading it costs nothing ([`host_can_branch`]), else ``True`` (do the work)."""
+    return bool(mask.any()) if host_can_branch(mask) else True
+
+
 def _write_rows(buffer: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """``buffer[rows, slots] = values``: in place when no gradient flows (decoding), else out of place (autograd)."""
     if torch.is_grad_enabled() and (buffer.requires_grad or values.requires_grad):
@@ -125,11 +150,6 @@ def decode_memo(layer_cache: BSTLayerCache, slot: str, key: tuple, params, compu
     if layer_cache.step_memo is None:
         layer_cache.step_memo = {}
     return memoised(layer_cache.step_memo, slot, key, params, compute)
-
-
-def ssm_step_constants(ssm: S4DKernel, layer_cache: BSTLayerCache):
-    """[`S4DKernel.step_constants`], memoised in ``layer_cache`` while the SSM parameters are unchanged (decoding)."""
-    return decode_memo(layer_cache, "ssm", (), ssm.parameters(), ssm.step_constants)
 
 
 def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -156,14 +176,17 @@ def ring_from_sequence(x: torch.Tensor, lengths: torch.Tensor, ring: int, offset
 
 
 class BSTContextStates(nn.Module):
-    """SSM sublayer and context-state builder of a BST layer (paper Sec. 3.3-3.4).
+    """SSM sublayer and context-state builder of a BST layer (paper Sec. 3.3-3.4): the part shared by SH/MH/MF.
 
-    ``z = x_n P_down`` (D -> D_s), a long convolution over the whole sequence, then per mode:
+    ``z = x_n P_down`` (D -> D_s), a long convolution over the whole sequence (``ssm``, picked by ``ssm_kind`` from
+    [`SSM_KERNELS`]), then context keys/values per mode (subclasses, picked by ``context_mode`` from
+    [`CONTEXT_BUILDERS`]), all behind one contract:
 
-    * SH: ``c_t = P_up y_t``; block b cross-attends to its own W context states (triangular mask);
-    * MH: H SSM outputs (one C matrix per head), each lifted per head and projected to that head's keys/values;
-    * MF: S filters; block b attends to the S outputs at the last token of block b-1 (block 0: a learned initial
-      context), each lifted by its own projection, plus learned context IDs; no mask.
+    * ``sequence(xn, lengths, layer_cache, positions, fill_cache)``: full-sequence form. Returns context keys and
+      values `(B, nb, S_c, H, d)` per block, an additive cross mask `(W, S_c)` or None, and whether the first query of
+      every block has no context (strict mask); with ``fill_cache``, writes the SSM and context state;
+    * ``step(xn, layer_cache, positions)``: recurrent form for one token; returns keys/values `(B, S_c, H, d)`, an
+      additive mask `(B, 1, 1, S_c)` or None, and which rows see any context (None: all).
 
     Context keys/values come from their own projections after an RMS norm; keys are L2-normalised with qk_norm.
     """
@@ -172,61 +195,231 @@ class BSTContextStates(nn.Module):
         super().__init__()
         self.config = config
         self.mode = config.context_mode
-        d, ds, heads, hd = config.hidden_size, config.ssm_channels, config.num_attention_heads, config.head_dim
-        out_channels = config.ssm_output_channels
+        self.block_len = config.block_len
+        d, ds = config.hidden_size, config.ssm_channels
         self.down_proj = nn.Linear(d, ds, bias=False)
-        if config.ssm_kind == "s4":
-            self.ssm = S4DKernel(ds, out_channels, config.ssm_state_size, config)
-        else:
-            self.ssm = UnstructFilter(ds, out_channels, config)
-        if self.mode == "sh":
-            self.up_proj = nn.Linear(ds, d, bias=False)
-        else:
-            # Per-head (MH) or per-filter (MF) lift: (C, Ds, D).
-            self.up_proj = nn.Parameter(torch.empty(out_channels, ds, d))
-        if self.mode == "mf":
-            self.context_ids = nn.Parameter(torch.empty(out_channels, d))
-            self.initial_context = nn.Parameter(torch.empty(out_channels, d))
+        self.ssm = SSM_KERNELS[config.ssm_kind](ds, config.ssm_output_channels, config)
         self.norm = BSTRMSNorm(d, config.rms_norm_eps)
-        if self.mode == "mh":
-            self.k_proj = nn.Parameter(torch.empty(heads, d, hd))
-            self.v_proj = nn.Parameter(torch.empty(heads, d, hd))
-        else:
-            self.k_proj = nn.Linear(d, heads * hd, bias=False)
-            self.v_proj = nn.Linear(d, heads * hd, bias=False)
+
+    def _heads(self, x):
+        return x.unflatten(-1, (self.config.num_attention_heads, self.config.head_dim))
+
+    def step_constants(self, layer_cache: BSTLayerCache):
+        """The SSM's [`step_constants`], memoised in ``layer_cache`` while its parameters are unchanged."""
+        return decode_memo(layer_cache, "ssm", (), self.ssm.parameters(), self.ssm.step_constants)
+
+    def _ssm_input(self, xn, lengths):
+        z = self.down_proj(xn)  # (B, T, Ds)
+        if lengths is not None and self.config.bidirectional:
+            z = z * (torch.arange(z.shape[1], device=z.device)[None] < lengths[:, None]).to(z.dtype)[..., None]
+        return z
+
+    def _fill_ssm_state(self, z, lengths, state0, layer_cache):
+        """The SSM state after each row's real tokens into ``layer_cache`` (rows right-aligned for ``final_state``)."""
+        bsz, seq_len, _ = z.shape
+        lens = lengths if lengths is not None else torch.full((bsz,), seq_len, device=z.device)
+        idx = torch.arange(seq_len, device=z.device)[None] - (seq_len - lens[:, None])
+        z_right = _gather_rows(z, idx.clamp(min=0)) * (idx >= 0).to(z.dtype)[..., None]
+        layer_cache.ssm_state = self.ssm.final_state(z_right.detach(), state0).detach()
+        return lens
+
+    def _step_ssm(self, xn, layer_cache, p, output: bool = True):
+        """One SSM step: ``y_t`` `(B, C, Ds)` (None if not ``output``); the cache's SSM state advances."""
+        z = self.down_proj(xn)[:, 0]  # (B, Ds)
+        seen = None
+        if self.config.ssm_kind == "unstruct":
+            rp = p - layer_cache.doc_start
+            if not tracing():
+                # Unstruct steps cost O(longest document so far): one read of the position per step.
+                seen = int(rp.max()) + 1
+                if seen > self.config.max_position_embeddings:
+                    raise ValueError(
+                        f"unstruct BST models generate at most max_position_embeddings="
+                        f"{self.config.max_position_embeddings} tokens (the filter has no taps beyond it); use an S4 "
+                        "model for longer generation."
+                    )
+        kwargs = {} if output else {"output": False}
+        y, layer_cache.ssm_state = self.ssm.step(
+            z, layer_cache.ssm_state, self.step_constants(layer_cache), seen, **kwargs
+        )
+        return y
+
+
+class TokenContextStates(BSTContextStates):
+    """SH / MH: one context state per token; block b cross-attends to its own W context states (triangular mask).
+
+    The decoding cache keeps the current block's context keys/values in a W-slot ring (``ctx_k``, ``ctx_v``,
+    ``ctx_pos``)."""
 
     def lift_and_project(self, y: torch.Tensor):
-        """SSM outputs ``y`` `(..., C, Ds)` -> context keys, values `(..., S_c, H, d_h)` (S_c = 1 for SH/MH, S for MF)."""
+        """SSM outputs ``y`` `(..., C, Ds)` -> context keys, values `(..., 1, H, d_h)`."""
+        raise NotImplementedError
+
+    def sequence(self, xn, lengths, layer_cache, positions, fill_cache):
         cfg = self.config
-        y = y.to(self.down_proj.weight.dtype)
-        if self.mode == "sh":
-            c = self.up_proj(y[..., 0, :])  # (..., D)
-            c = self.norm(c)
-            k = self.k_proj(c).unflatten(-1, (cfg.num_attention_heads, cfg.head_dim)).unsqueeze(-3)
-            v = self.v_proj(c).unflatten(-1, (cfg.num_attention_heads, cfg.head_dim)).unsqueeze(-3)
-        elif self.mode == "mh":
-            c = self.norm(torch.einsum("...hs,hsd->...hd", y, self.up_proj.to(y.dtype)))  # (..., H, D)
-            k = torch.einsum("...hd,hde->...he", c, self.k_proj.to(c.dtype)).unsqueeze(-3)
-            v = torch.einsum("...hd,hde->...he", c, self.v_proj.to(c.dtype)).unsqueeze(-3)
+        bsz, seq_len, _ = xn.shape
+        w = self.block_len
+        nb = seq_len // w
+        continued = layer_cache is not None and positions is not None
+        z = self._ssm_input(xn, lengths)
+        state0 = layer_cache.ssm_state if continued else None
+        y = self.ssm(z, state0)  # (B, T, C, Ds)
+        ck, cv = self.lift_and_project(y)  # (B, T, 1, H, d)
+        ctx_k, ctx_v = ck.view(bsz, nb, w, *ck.shape[-2:]), cv.view(bsz, nb, w, *cv.shape[-2:])
+        if cfg.bidirectional:
+            mask, zero_first = None, False
         else:
-            raise RuntimeError("MF context is built with mf_context()")
-        if cfg.qk_norm:
-            k = l2_normalize(k)
-        return k, v  # (..., 1, H, d_h)
+            i = torch.arange(w, device=z.device)
+            allowed = i[None] <= i[:, None] if cfg.cross_mask == "inclusive" else i[None] < i[:, None]
+            mask = additive_mask(allowed, ck.dtype)
+            zero_first = cfg.cross_mask == "strict"
+        if fill_cache:
+            lens = self._fill_ssm_state(z, lengths, state0, layer_cache)
+            offset = positions if continued else None
+            layer_cache.ctx_k, layer_cache.ctx_pos = ring_from_sequence(ctx_k.flatten(1, 2).detach(), lens, w, offset)
+            layer_cache.ctx_v, _ = ring_from_sequence(ctx_v.flatten(1, 2).detach(), lens, w, offset)
+        return ctx_k, ctx_v, mask, zero_first
+
+    def step(self, xn, layer_cache, p):
+        cfg = self.config
+        w = self.block_len
+        rows = torch.arange(xn.shape[0], device=p.device)
+        y = self._step_ssm(xn, layer_cache, p)
+        ck, cv = self.lift_and_project(y)  # (B, 1, H, d)
+        slot = p.remainder(w)
+        layer_cache.ctx_k = _write_rows(layer_cache.ctx_k, rows, slot, ck[:, 0].to(layer_cache.ctx_k.dtype))
+        layer_cache.ctx_v = _write_rows(layer_cache.ctx_v, rows, slot, cv[:, 0].to(layer_cache.ctx_v.dtype))
+        layer_cache.ctx_pos = _write_rows(layer_cache.ctx_pos, rows, slot, p)
+        cpos = layer_cache.ctx_pos
+        # Blocks are counted from the start of each row's current document.
+        block_start = (p - (p - layer_cache.doc_start).remainder(w))[:, None]
+        upper = (cpos <= p[:, None]) if cfg.cross_mask == "inclusive" else (cpos < p[:, None])
+        valid = (cpos >= block_start) & upper  # (B, W)
+        mask = additive_mask(valid, ck.dtype)[:, None, None, :]
+        return layer_cache.ctx_k, layer_cache.ctx_v, mask, valid.any(-1)
+
+
+class SHContextStates(TokenContextStates):
+    """SH (single head, Listing 2): ``c_t = Norm(P_up y_t)``, projected to H heads by the context K/V projections."""
+
+    def __init__(self, config: BSTConfig):
+        super().__init__(config)
+        d, heads, hd = config.hidden_size, config.num_attention_heads, config.head_dim
+        self.up_proj = nn.Linear(config.ssm_channels, d, bias=False)
+        self.k_proj = nn.Linear(d, heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, heads * hd, bias=False)
+
+    def lift_and_project(self, y: torch.Tensor):
+        c = self.norm(self.up_proj(y.to(self.down_proj.weight.dtype)[..., 0, :]))  # (..., D)
+        k = self._heads(self.k_proj(c)).unsqueeze(-3)
+        v = self._heads(self.v_proj(c)).unsqueeze(-3)
+        return (l2_normalize(k) if self.config.qk_norm else k), v  # (..., 1, H, d_h)
+
+
+class MHContextStates(TokenContextStates):
+    """MH (multi-head, Listing 3): H SSM outputs (one C matrix per head), each lifted by its own D_s -> D projection
+    and projected to that head's keys/values."""
+
+    def __init__(self, config: BSTConfig):
+        super().__init__(config)
+        d, heads, hd = config.hidden_size, config.num_attention_heads, config.head_dim
+        self.up_proj = nn.Parameter(torch.empty(heads, config.ssm_channels, d))  # (H, Ds, D)
+        self.k_proj = nn.Parameter(torch.empty(heads, d, hd))
+        self.v_proj = nn.Parameter(torch.empty(heads, d, hd))
+
+    def lift_and_project(self, y: torch.Tensor):
+        y = y.to(self.down_proj.weight.dtype)
+        c = self.norm(torch.einsum("...hs,hsd->...hd", y, self.up_proj.to(y.dtype)))  # (..., H, D)
+        k = torch.einsum("...hd,hde->...he", c, self.k_proj.to(c.dtype)).unsqueeze(-3)
+        v = torch.einsum("...hd,hde->...he", c, self.v_proj.to(c.dtype)).unsqueeze(-3)
+        return (l2_normalize(k) if self.config.qk_norm else k), v  # (..., 1, H, d_h)
+
+
+class MFContextStates(BSTContextStates):
+    """MF (multi-filter, Listing 4): S filters; block b attends to the S SSM outputs at the last token of block b-1
+    (block 0: a learned initial context), each lifted by its own projection, plus learned context IDs; no mask.
+
+    The decoding cache keeps the current block's S context keys/values (``ctx_k``, ``ctx_v``) and the latest SSM
+    outputs ``mf_last`` `(B, S, Ds)` (the next block's context)."""
+
+    def __init__(self, config: BSTConfig):
+        super().__init__(config)
+        d, heads, hd, s = config.hidden_size, config.num_attention_heads, config.head_dim, config.num_context_states
+        self.up_proj = nn.Parameter(torch.empty(s, config.ssm_channels, d))  # (S, Ds, D)
+        self.context_ids = nn.Parameter(torch.empty(s, d))
+        self.initial_context = nn.Parameter(torch.empty(s, d))
+        self.k_proj = nn.Linear(d, heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, heads * hd, bias=False)
 
     def mf_context(self, y_prev: torch.Tensor | None, batch_shape):
-        """MF context keys/values from the previous block's last SSM outputs ``y_prev`` `(..., S, Ds)` (None: block 0)."""
-        cfg = self.config
+        """Context keys/values from the previous block's last SSM outputs ``y_prev`` `(..., S, Ds)` (None: block 0)."""
         if y_prev is None:
             c = self.initial_context.expand(*batch_shape, -1, -1)
         else:
             c = torch.einsum("...sc,scd->...sd", y_prev.to(self.up_proj.dtype), self.up_proj)
         c = self.norm(c + self.context_ids.to(c.dtype))
-        k = self.k_proj(c).unflatten(-1, (cfg.num_attention_heads, cfg.head_dim))
-        v = self.v_proj(c).unflatten(-1, (cfg.num_attention_heads, cfg.head_dim))
-        if cfg.qk_norm:
-            k = l2_normalize(k)
-        return k, v  # (..., S, H, d_h)
+        k, v = self._heads(self.k_proj(c)), self._heads(self.v_proj(c))
+        return (l2_normalize(k) if self.config.qk_norm else k), v  # (..., S, H, d_h)
+
+    def sequence(self, xn, lengths, layer_cache, positions, fill_cache):
+        cfg = self.config
+        bsz, seq_len, _ = xn.shape
+        w = self.block_len
+        nb = seq_len // w
+        continued = layer_cache is not None and positions is not None
+        z = self._ssm_input(xn, lengths)
+        state0 = layer_cache.ssm_state if continued else None
+        if cfg.bidirectional:
+            y_end = self.ssm(z, state0)[:, w - 1 :: w]
+        else:
+            # Causal S4: states at block ends, read out by the S filters (no FFT per filter).
+            y_end = self.ssm.block_end_outputs(z, w, state0)  # (B, nb, S, Ds)
+        first_k, first_v = self.mf_context(None, (bsz,))
+        if continued:
+            cont_k, cont_v = self.mf_context(layer_cache.mf_last, (bsz,))
+            fresh = (positions == layer_cache.doc_start)[:, None, None, None]
+            first_k = torch.where(fresh, first_k.to(cont_k.dtype), cont_k)
+            first_v = torch.where(fresh, first_v.to(cont_v.dtype), cont_v)
+        rest_k, rest_v = self.mf_context(y_end[:, :-1], (bsz, nb - 1))
+        ctx_k = torch.cat([first_k[:, None].to(rest_k.dtype), rest_k], 1)
+        ctx_v = torch.cat([first_v[:, None].to(rest_v.dtype), rest_v], 1)
+        if fill_cache:
+            lens = self._fill_ssm_state(z, lengths, state0, layer_cache)
+            rows = torch.arange(bsz, device=z.device)
+            blk = ((lens - 1) // w).clamp(min=0)
+            layer_cache.ctx_k = ctx_k[rows, blk].detach()
+            layer_cache.ctx_v = ctx_v[rows, blk].detach()
+            # Needed at the next block start (lens % W == 0): the output at the last token, a block end.
+            layer_cache.mf_last = y_end[rows, (lens // w - 1).clamp(min=0)].detach()
+        return ctx_k, ctx_v, None, False
+
+    def step(self, xn, layer_cache, p):
+        w = self.block_len
+        rp = p - layer_cache.doc_start  # position inside the current document: blocks are counted from its start
+        block_start = rp.remainder(w) == 0
+        if maybe_any(block_start):
+            # A new block starts: its context is built from the previous block's last SSM outputs.
+            k_new, v_new = self.mf_context(layer_cache.mf_last, (xn.shape[0],))
+            k0, v0 = self.mf_context(None, (xn.shape[0],))
+            first = (p == layer_cache.doc_start)[:, None, None, None]
+            k_new, v_new = torch.where(first, k0, k_new), torch.where(first, v0, v_new)
+            sel = block_start[:, None, None, None]
+            layer_cache.ctx_k = torch.where(sel, k_new.to(layer_cache.ctx_k.dtype), layer_cache.ctx_k)
+            layer_cache.ctx_v = torch.where(sel, v_new.to(layer_cache.ctx_v.dtype), layer_cache.ctx_v)
+        block_end = (rp + 1).remainder(w) == 0
+        # The SSM output matters only at block ends (unstruct computes it only there).
+        y = self._step_ssm(xn, layer_cache, p, output=self.config.ssm_kind == "s4" or maybe_any(block_end))
+        if y is not None:
+            layer_cache.mf_last = torch.where(block_end[:, None, None], y, layer_cache.mf_last)
+        return layer_cache.ctx_k, layer_cache.ctx_v, None, None
+
+
+# The SSM kernel of each ``ssm_kind`` and the context builder of each ``context_mode``.
+SSM_KERNELS = {
+    "s4": lambda channels, out_channels, config: S4DKernel(channels, out_channels, config.ssm_state_size, config),
+    "unstruct": UnstructFilter,
+}
+CONTEXT_BUILDERS = {"sh": SHContextStates, "mh": MHContextStates, "mf": MFContextStates}
 
 
 class BSTRecurrentState(nn.Module):
@@ -312,7 +505,7 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
             self.q2_proj = nn.Linear(d, heads * hd, bias=False)
             self.cross_scale = nn.Parameter(torch.empty(heads))
         self.o_proj = nn.Linear((2 if has_cross else 1) * heads * hd, d, bias=False)
-        self.context = BSTContextStates(config) if self.kind == "bst" else None
+        self.context = CONTEXT_BUILDERS[config.context_mode](config) if self.kind == "bst" else None
         self.recurrent = BSTRecurrentState(config) if self.kind == "recurrent" else None
         self.post_attention_norm = BSTRMSNorm(d, config.rms_norm_eps)
         self.up_proj = nn.Linear(d, config.intermediate_size, bias=False)
@@ -491,9 +684,7 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
         # 1. SSM over the sequence -> context keys/values per block
         cross = None
         if self.kind == "bst":
-            cross = self._context_sequence(
-                xn, lengths, layer_cache if continued else None, fill_cache, layer_cache, positions
-            )
+            cross = self.context.sequence(xn, lengths, layer_cache, positions, fill_cache)
 
         # 2. Block self-attention over the W previous tokens, all blocks in one call
         q, k, v = self._project(xn)  # (B, T, H, d)
@@ -643,88 +834,6 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
         )
         return out.view(bsz, nb, w, heads, hd)
 
-    def _context_sequence(self, xn, lengths, cache_in, fill_cache, layer_cache, positions):
-        """Context keys/values `(B, nb, S_c, H, d)`, additive cross mask, and whether row 0 of each block is empty."""
-        cfg = self.config
-        ctx = self.context
-        bsz, seq_len, _ = xn.shape
-        w = self.block_len
-        nb = seq_len // w
-        z = ctx.down_proj(xn)  # (B, T, Ds)
-        if lengths is not None and cfg.bidirectional:
-            z = z * (torch.arange(seq_len, device=z.device)[None] < lengths[:, None]).to(z.dtype)[..., None]
-        s4 = cfg.ssm_kind == "s4"
-        state0 = None
-        if cache_in is not None:
-            state0 = torch.view_as_complex(cache_in.ssm_state) if s4 else cache_in.ssm_state
-        if ctx.mode == "mf":
-            if s4 and not cfg.bidirectional:
-                # Causal S4: states at block ends, read out by the S filters (no FFT per filter).
-                y_end = ctx.ssm.block_end_outputs(z, w, state0)  # (B, nb, S, Ds)
-            else:
-                y_end = ctx.ssm(z, state0)[:, w - 1 :: w]
-            first_k, first_v = ctx.mf_context(None, (bsz,))
-            if cache_in is not None:
-                cont_k, cont_v = ctx.mf_context(cache_in.mf_last, (bsz,))
-                fresh = (positions == cache_in.doc_start)[:, None, None, None]
-                first_k = torch.where(fresh, first_k.to(cont_k.dtype), cont_k)
-                first_v = torch.where(fresh, first_v.to(cont_v.dtype), cont_v)
-            rest_k, rest_v = ctx.mf_context(y_end[:, :-1], (bsz, nb - 1))
-            ctx_k = torch.cat([first_k[:, None].to(rest_k.dtype), rest_k], 1)
-            ctx_v = torch.cat([first_v[:, None].to(rest_v.dtype), rest_v], 1)
-            mask, zero_first = None, False
-        else:
-            y = ctx.ssm(z, state0)  # (B, T, C, Ds)
-            ck, cv = ctx.lift_and_project(y)  # (B, T, 1, H, d)
-            ctx_k, ctx_v = ck.view(bsz, nb, w, *ck.shape[-2:]), cv.view(bsz, nb, w, *cv.shape[-2:])
-            if cfg.bidirectional:
-                mask, zero_first = None, False
-            else:
-                i = torch.arange(w, device=z.device)
-                allowed = i[None] <= i[:, None] if cfg.cross_mask == "inclusive" else i[None] < i[:, None]
-                mask = additive_mask(allowed, ck.dtype)
-                zero_first = cfg.cross_mask == "strict"
-        if fill_cache:
-            offset = positions if cache_in is not None else None
-            self._fill_context_cache(
-                z, lengths, state0, layer_cache, ctx_k, ctx_v, y_end if ctx.mode == "mf" else None, offset
-            )
-        return ctx_k, ctx_v, mask, zero_first
-
-    def _fill_context_cache(self, z, lengths, state0, layer_cache, ctx_k, ctx_v, y_end, offset):
-        cfg, ctx = self.config, self.context
-        bsz, seq_len, _ = z.shape
-        w = self.block_len
-        lens = lengths if lengths is not None else torch.full((bsz,), seq_len, device=z.device)
-        # SSM inputs right-aligned to the end (left zeros leave an S4 state exactly zero).
-        idx = torch.arange(seq_len, device=z.device)[None] - (seq_len - lens[:, None])
-        z_right = _gather_rows(z, idx.clamp(min=0)) * (idx >= 0).to(z.dtype)[..., None]
-        z_right = z_right.detach()
-        if cfg.ssm_kind == "s4":
-            state = ctx.ssm.final_state(z_right, state0)
-            layer_cache.ssm_state = torch.view_as_real(state.detach()).contiguous()
-        else:
-            hist_len = cfg.max_position_embeddings
-            hist = upcast(z_right.transpose(1, 2))
-            if state0 is not None:
-                hist = torch.cat([state0, hist], -1)
-            if hist.shape[-1] < hist_len:
-                hist = F.pad(hist, (hist_len - hist.shape[-1], 0))
-            layer_cache.ssm_state = hist[..., -hist_len:].contiguous()
-        rows = torch.arange(bsz, device=z.device)
-        if ctx.mode == "mf":
-            blk = ((lens - 1) // w).clamp(min=0)
-            layer_cache.ctx_k = ctx_k[rows, blk].detach()
-            layer_cache.ctx_v = ctx_v[rows, blk].detach()
-            # Needed at the next block start (lens % W == 0): the output at the last token, a block end.
-            last_blk = (lens // w - 1).clamp(min=0)
-            layer_cache.mf_last = y_end[rows, last_blk].detach()
-        else:
-            flat_k = ctx_k.flatten(1, 2)  # (B, T, H, d)
-            flat_v = ctx_v.flatten(1, 2)
-            layer_cache.ctx_k, layer_cache.ctx_pos = ring_from_sequence(flat_k.detach(), lens, w, offset)
-            layer_cache.ctx_v, _ = ring_from_sequence(flat_v.detach(), lens, w, offset)
-
     def _recurrent_sequence(
         self, xn, kb, vb, bsz, nb, lengths, layer_cache, positions, fill_cache, output_attentions=False
     ):
@@ -809,7 +918,7 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
 
         # 2. Context states (BST) / recurrent state (BRecT)
         if self.kind == "bst":
-            ctx_k, ctx_v, ctx_mask, any_valid = self._context_step(xn, layer_cache, p)
+            ctx_k, ctx_v, ctx_mask, any_valid = self.context.step(xn, layer_cache, p)
             q2 = self._cross_query(xn).transpose(1, 2)  # (B, H, 1, d)
             a_cross, cross_weights = self._attend(
                 q2, ctx_k.transpose(1, 2), ctx_v.transpose(1, 2), ctx_mask, 0.0, True
@@ -860,69 +969,6 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
         params = (self.relative_bias.weight, self.self_scale)
         return decode_memo(layer_cache, "bias", (dtype,), params, compute)
 
-    def _unstruct_step_taps(self, layer_cache):
-        """The unstruct filter's taps laid out for stepping ([`UnstructFilter.reverse_taps`]), computed once per
-        cache and reused while the filter's parameters are unchanged."""
-        ssm = self.context.ssm
-        length = self.config.max_position_embeddings
-        return decode_memo(
-            layer_cache, "unstruct_taps", (length,), ssm.parameters(), lambda: ssm.reverse_taps(ssm.filters(length))
-        )
-
-    def _context_step(self, xn, layer_cache, p):
-        cfg, ctx = self.config, self.context
-        bsz = xn.shape[0]
-        w = self.block_len
-        rows = torch.arange(bsz, device=p.device)
-        rp = p - layer_cache.doc_start  # position inside the current document: blocks are counted from its start
-        z = ctx.down_proj(xn)[:, 0]  # (B, Ds)
-        mf = ctx.mode == "mf"
-        if cfg.ssm_kind == "s4":
-            state = torch.view_as_complex(layer_cache.ssm_state)
-            y, state = ctx.ssm.step(z, state, ssm_step_constants(ctx.ssm, layer_cache))  # (B, C, Ds)
-            layer_cache.ssm_state = torch.view_as_real(state).contiguous()
-        else:
-            if int(rp.max()) >= cfg.max_position_embeddings:
-                raise ValueError(
-                    f"unstruct BST models generate at most max_position_embeddings={cfg.max_position_embeddings} "
-                    "tokens (the filter has no taps beyond it); use an S4 model for longer generation."
-                )
-            hist = torch.cat(
-                [layer_cache.ssm_state[..., 1:], upcast(z).to(layer_cache.ssm_state.dtype)[..., None]], -1
-            )
-            layer_cache.ssm_state = hist
-            y = None
-            if not mf or maybe_any((rp + 1).remainder(w) == 0):
-                y = ctx.ssm.step(hist, seen=int(rp.max()) + 1, reversed_taps=self._unstruct_step_taps(layer_cache))
-        if mf:
-            # A new block starts: its context is built from the previous block's last SSM outputs.
-            block_start = rp.remainder(w) == 0
-            if maybe_any(block_start):
-                k_new, v_new = ctx.mf_context(layer_cache.mf_last, (bsz,))
-                k0, v0 = ctx.mf_context(None, (bsz,))
-                first = (p == layer_cache.doc_start)[:, None, None, None]
-                k_new, v_new = torch.where(first, k0, k_new), torch.where(first, v0, v_new)
-                sel = block_start[:, None, None, None]
-                layer_cache.ctx_k = torch.where(sel, k_new.to(layer_cache.ctx_k.dtype), layer_cache.ctx_k)
-                layer_cache.ctx_v = torch.where(sel, v_new.to(layer_cache.ctx_v.dtype), layer_cache.ctx_v)
-            if cfg.ssm_kind == "s4":
-                layer_cache.mf_last = y
-            elif y is not None:
-                block_end = ((rp + 1).remainder(w) == 0)[:, None, None]
-                layer_cache.mf_last = torch.where(block_end, y, layer_cache.mf_last)
-            return layer_cache.ctx_k, layer_cache.ctx_v, None, None
-        ck, cv = ctx.lift_and_project(y)  # (B, 1, H, d)
-        slot = p.remainder(w)
-        layer_cache.ctx_k = _write_rows(layer_cache.ctx_k, rows, slot, ck[:, 0].to(layer_cache.ctx_k.dtype))
-        layer_cache.ctx_v = _write_rows(layer_cache.ctx_v, rows, slot, cv[:, 0].to(layer_cache.ctx_v.dtype))
-        layer_cache.ctx_pos = _write_rows(layer_cache.ctx_pos, rows, slot, p)
-        cpos = layer_cache.ctx_pos
-        block_start = (p - rp.remainder(w))[:, None]
-        upper = (cpos <= p[:, None]) if cfg.cross_mask == "inclusive" else (cpos < p[:, None])
-        valid = (cpos >= block_start) & upper  # (B, W)
-        mask = additive_mask(valid, ck.dtype)[:, None, None, :]
-        return layer_cache.ctx_k, layer_cache.ctx_v, mask, valid.any(-1)
-
 
 class BSTGSSLayer(GradientCheckpointingLayer):
     """Gated State Space layer (GSS; Mehta et al., 2022), the SSM layer of the paper's GSS-Hybrid baseline.
@@ -963,16 +1009,13 @@ class BSTGSSLayer(GradientCheckpointingLayer):
         v = F.gelu(self.v_proj(xn))  # (B, T, F)
         if layer_cache is not None and positions is not None and hidden_states.shape[1] == 1:
             # Recurrent form
-            state = torch.view_as_complex(layer_cache.ssm_state)
-            y, state = self.ssm.step(
-                u[:, 0], state, ssm_step_constants(self.ssm, layer_cache)
-            )  # (B, C=1, Ds): the single output channel is the time axis
-            layer_cache.ssm_state = torch.view_as_real(state).contiguous()
+            constants = decode_memo(layer_cache, "ssm", (), self.ssm.parameters(), self.ssm.step_constants)
+            y, layer_cache.ssm_state = self.ssm.step(u[:, 0], layer_cache.ssm_state, constants)  # y (B, 1, Ds)
         else:
             # Full sequence form
             state0 = None
             if layer_cache is not None and positions is not None:
-                state0 = torch.view_as_complex(layer_cache.ssm_state)
+                state0 = layer_cache.ssm_state
             if lengths is not None and self.config.bidirectional:
                 u = u * (torch.arange(u.shape[1], device=u.device)[None] < lengths[:, None]).to(u.dtype)[..., None]
             y = self.ssm(u, state0)[:, :, 0]  # (B, T, Ds)
@@ -981,8 +1024,7 @@ class BSTGSSLayer(GradientCheckpointingLayer):
                 lens = lengths if lengths is not None else torch.full((bsz,), seq_len, device=u.device)
                 idx = torch.arange(seq_len, device=u.device)[None] - (seq_len - lens[:, None])
                 u_right = _gather_rows(u, idx.clamp(min=0)) * (idx >= 0).to(u.dtype)[..., None]
-                state = self.ssm.final_state(u_right.detach(), state0)
-                layer_cache.ssm_state = torch.view_as_real(state.detach()).contiguous()
+                layer_cache.ssm_state = self.ssm.final_state(u_right.detach(), state0).detach()
         gated = self.y_proj(y.to(v.dtype)) * v
         h = hidden_states + self.dropout(self.o_proj(gated))
         return (h, None, None) if output_attentions else h
@@ -1005,7 +1047,8 @@ class BSTPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["BSTDecoderLayer", "BSTGSSLayer"]
     _skip_keys_device_placement = ["past_key_values"]
     _supports_sdpa = True
-    _is_stateful = True
+    # Not "stateful" for generate(): BSTCache.crop takes back drafted positions, so assisted decoding works.
+    _is_stateful = False
     # SSM parameters (state matrix, dt, filters) stay float32 when the model is loaded in fp16 or bf16.
     _keep_in_fp32_modules_strict = ["ssm"]
 
@@ -1068,22 +1111,6 @@ class BSTPreTrainedModel(PreTrainedModel):
             if ".ssm." in name and not name.split(".ssm.")[-1].startswith(("C", "D", "bias")):
                 names.append(name)
         return names
-
-
-def host_can_branch(t: torch.Tensor) -> bool:
-    """Whether Python may read values of ``t``: a CPU tensor in eager mode, where no device sync is involved.
-
-    Under tracing (``torch.export``, ``torch.compile``, ``torch.jit``) or on an accelerator, code must not branch on
-    tensor values: the callers then take the branch-free form, which gives the same result.
-    """
-    if torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing():
-        return False
-    return t.device.type == "cpu"
-
-
-def maybe_any(mask: torch.Tensor) -> bool:
-    """``bool(mask.any())`` where reading it costs nothing ([`host_can_branch`]), else ``True`` (do the work)."""
-    return bool(mask.any()) if host_can_branch(mask) else True
 
 
 class _Layout:
@@ -1207,7 +1234,7 @@ class BSTModel(BSTPreTrainedModel):
     def _validate_ids(self, input_ids, decode_step: bool) -> bool:
         """Token ids are range-checked in eager mode: always on CPU (no device sync), on accelerators only where one
         sync is cheap (an evaluation or prefill forward), never in training steps or decode steps (hot paths)."""
-        if torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing():
+        if tracing():
             return False
         return input_ids.device.type == "cpu" or not (self.training or decode_step)
 
@@ -1217,9 +1244,8 @@ class BSTModel(BSTPreTrainedModel):
             return
         done = 0
         if continuing:
-            tracing = torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing()
             # Unstruct decoding reads the longest document length anyway (its O(t) step); traced: an upper bound.
-            done = cache.seen_tokens if tracing else int((cache.positions - cache.doc_start).max())
+            done = cache.seen_tokens if tracing() else int((cache.positions - cache.doc_start).max())
         if seq_len + done > cfg.max_position_embeddings:
             raise ValueError(
                 f"unstruct BST models handle at most max_position_embeddings={cfg.max_position_embeddings} "
@@ -1232,6 +1258,48 @@ class BSTModel(BSTPreTrainedModel):
         if output_attentions:
             return layer(hidden, output_attentions=True, **kwargs)
         return layer(hidden, **kwargs), None, None
+
+    def _recorded_prefill(
+        self, input_ids, attention_mask, cache, inputs_embeds, output_hidden_states, output_attentions
+    ):
+        """A prefill into a recording cache: the full-sequence form up to the last ``MAX_ROLLBACK`` positions, then
+        recorded steps over those, so that ``cache.crop`` can take any of them back (assisted decoding drafts at the
+        end of the first input). Outputs as one forward over the whole input."""
+        seq_len = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        split = seq_len - min(seq_len - 1, MAX_ROLLBACK)
+        parts = []
+        for cols, record in ((slice(None, split), False), (slice(split, None), True)):
+            cache.record_past = record
+            parts.append(
+                self(
+                    input_ids=input_ids[:, cols] if input_ids is not None else None,
+                    inputs_embeds=inputs_embeds[:, cols] if inputs_embeds is not None else None,
+                    attention_mask=attention_mask if attention_mask is None or record else attention_mask[:, cols],
+                    past_key_values=cache,
+                    use_cache=True,
+                    output_hidden_states=output_hidden_states,
+                    output_attentions=output_attentions,
+                )
+            )
+        first, second = parts
+
+        def join(a, b, pad_keys=False):
+            if a is None or b is None:
+                return None
+            if pad_keys:  # attention weights: (B, H, T, K), the second part sees more keys
+                return torch.cat([F.pad(a, (0, b.shape[-1] - a.shape[-1])), b], -2)
+            return torch.cat([a, b], -2 if a.dim() == 4 else 1)
+
+        def join_all(a, b, pad_keys=False):
+            return None if a is None else tuple(join(x, y, pad_keys) for x, y in zip(a, b))
+
+        return BaseModelOutputWithPastAndCrossAttentions(
+            last_hidden_state=join(first.last_hidden_state, second.last_hidden_state),
+            past_key_values=cache,
+            hidden_states=join_all(first.hidden_states, second.hidden_states),
+            attentions=join_all(first.attentions, second.attentions, True),
+            cross_attentions=join_all(first.cross_attentions, second.cross_attentions),
+        )
 
     @can_return_tuple
     def forward(
@@ -1265,6 +1333,10 @@ class BSTModel(BSTPreTrainedModel):
         if use_cache and cache is None:
             cache = BSTCache(cfg, bsz)
         continuing = cache is not None and not cache.is_empty
+        if cache is not None and cache.record_past and not continuing and seq_len > 1:
+            return self._recorded_prefill(
+                input_ids, attention_mask, cache, inputs_embeds, output_hidden_states, output_attentions
+            )
         self._check_unstruct_length(seq_len, cache, continuing)
         all_hidden = [] if output_hidden_states else None
         all_attn = [] if output_attentions else None
@@ -1320,8 +1392,17 @@ class BSTModel(BSTPreTrainedModel):
             for layer_cache in cache.layers:
                 layer_cache.doc_start = cache.doc_start
             start = cache.common_position
-            aligned = seq_len > 1 and start is not None and start % w == 0 and seq_len % w == 0 and cache.docs_on_grid
-            for layer, layer_cache in zip(self.layers, cache.layers):
+            # A recording cache steps every position (each step records what it overwrites, for BSTCache.crop).
+            aligned = (
+                seq_len > 1
+                and start is not None
+                and start % w == 0
+                and seq_len % w == 0
+                and cache.docs_on_grid
+                and not cache.record_past
+            )
+            undo = [[{} for _ in self.layers] for _ in range(seq_len)] if cache.record_past and not aligned else None
+            for layer_idx, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers)):
                 if all_hidden is not None:
                     all_hidden.append(hidden)
                 if aligned:
@@ -1339,6 +1420,8 @@ class BSTModel(BSTPreTrainedModel):
                     # Recurrent form, one token at a time (layer by layer: each layer reads its whole input).
                     outs, attns, crosses = [], [], []
                     for t in range(seq_len):
+                        if undo is not None:
+                            undo[t][layer_idx] = cache.capture(layer_cache, positions + t)
                         h_t, attn, cross = self._call_layer(
                             layer,
                             hidden[:, t : t + 1],
@@ -1362,6 +1445,8 @@ class BSTModel(BSTPreTrainedModel):
                     all_attn.append(attn)
                     all_cross.append(cross)
             hidden = self.norm(hidden)
+            if undo is not None:
+                cache.push_undo(undo)
             cache.positions = positions + seq_len
             cache.seen_tokens += seq_len
             if cache.common_position is not None:
@@ -1381,6 +1466,20 @@ class BSTModel(BSTPreTrainedModel):
 
 class BSTForCausalLM(BSTPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def _prepare_cache_for_generation(
+        self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+    ) -> None:
+        """``generate`` starts from an empty [`BSTCache`] (filled by the first forward), so that assisted decoding
+        finds a cache to record on; a draft model's cache records from the start (its drafts are taken back)."""
+        super()._prepare_cache_for_generation(
+            generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+        )
+        use_cache = generation_config.use_cache if generation_config.use_cache is not None else self.config.use_cache
+        if model_kwargs.get("past_key_values") is None and use_cache and not self.config.bidirectional:
+            model_kwargs["past_key_values"] = BSTCache(self.config, batch_size)
+            if getattr(generation_config, "is_assistant", False):
+                model_kwargs["past_key_values"].activate_past_recording()
 
     def __init__(self, config: BSTConfig):
         super().__init__(config)

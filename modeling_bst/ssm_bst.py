@@ -1,8 +1,17 @@
 """SSM kernels of the Block-State Transformer: diagonal S4 (S4D) and Hyena-style "unstruct" filters.
 
 Both kernels produce a causal long convolution over the whole sequence (computed with an FFT of size 2L in
-float32, also under bf16 autocast) plus a D skip term. S4D additionally has an exact recurrent form (``step``)
-and closed forms for the state after a prefix, used by the generation cache.
+float32, also under bf16 autocast) plus a D skip term, behind one contract (each kernel with its own state):
+
+* ``forward(z, state=None)``: full-sequence form, `(B, L, Ds)` -> `(B, L, C, Ds)`, continuing from ``state``;
+* ``final_state(z, state=None)``: the state after ``z`` (rows right-aligned: leading zeros are no input);
+* ``step_constants()``: what a step needs from the parameters (memoised by the decoding cache);
+* ``step(z_t, state, constants=None, seen=None)``: recurrent form for one token, `(B, Ds)` -> ``(y_t (B, C, Ds),
+  new state)``; ``seen`` bounds how many inputs any row has (unstruct: the cost of a step is O(seen));
+* ``block_end_outputs(z, W, state=None)``: the outputs at the last token of every block (MF context states).
+
+S4D's state is the complex diagonal state `(B, Ds, N2)`; unstruct's is the input history `(B, Ds, Lmax)` (newest
+last; the filter has ``max_position_embeddings`` taps).
 
 Shape legend: B batch, L length, C output channels per SSM channel (1 for SH, H for MH, S for MF),
 Ds SSM channels, N2 complex modes (ssm_state_size / 2), nb number of blocks, W block length.
@@ -167,6 +176,11 @@ def vandermonde_powers(log_a: torch.Tensor, exponents: torch.Tensor) -> torch.Te
     arg = log_a.unsqueeze(-1) * exponents.to(log_a.real.dtype)
     # exp(a + ib) = e^a (cos b + i sin b): torch.polar is vectorised on CPU, complex torch.exp is ~10x slower.
     return torch.polar(torch.exp(arg.real), arg.imag)
+
+
+def upcast_ssm(x: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``x`` in the SSM's compute dtype ([`compute_dtype`] of ``param``)."""
+    return x.to(compute_dtype(param))
 
 
 def as_complex(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -351,16 +365,23 @@ class S4DKernel(nn.Module):
             z_end = z[:, block_len - 1 :: block_len]  # (B, nb, Ds)
             return y + self.D.to(z.dtype)[None, None] * z_end.unsqueeze(2)
 
+    def empty_state(self, batch_size: int, device) -> torch.Tensor:
+        """The zero state `(B, Ds, N2)` (complex): no input yet."""
+        dtype = torch.complex128 if compute_dtype(self.log_dt) == torch.float64 else torch.complex64
+        return torch.zeros(batch_size, self.channels, self.n_modes, dtype=dtype, device=device)
+
     def step_constants(self):
         """What a recurrent step needs from the parameters: ``(Abar, Bbar, 2 C, D)``, computed once per decode."""
         with _no_autocast(self.log_dt.device.type):
             dt_a, d_b = self.discretize()
             return torch.exp(dt_a), d_b, 2 * self.output_matrix(), self.D.to(compute_dtype(self.log_dt))
 
-    def step(self, z_t: torch.Tensor, state: torch.Tensor, constants=None):
-        """Recurrent form for one token. ``z_t`` `(B, Ds)`, ``state`` `(B, Ds, N2)` complex -> ``y_t`` `(B, C, Ds)`.
+    def step(self, z_t: torch.Tensor, state: torch.Tensor, constants=None, seen: int | None = None):
+        """Recurrent form for one token. ``z_t`` `(B, Ds)`, ``state`` `(B, Ds, N2)` complex -> ``y_t`` `(B, C, Ds)`
+        and the new state.
 
-        ``constants``: [`step_constants`] if already computed (they only change with the parameters).
+        ``constants``: [`step_constants`] if already computed (they only change with the parameters). ``seen`` is
+        not needed (the state has a fixed size).
         """
         with _no_autocast(z_t.device.type):
             a_bar, b_bar, c2, skip = constants if constants is not None else self.step_constants()
@@ -472,7 +493,7 @@ class UnstructFilter(nn.Module):
         like the history), contiguous, so that a step is one batched matrix product over a suffix of it."""
         return taps.flip(-1).permute(1, 2, 0).contiguous()
 
-    def step(
+    def output_at_newest(
         self,
         history: torch.Tensor,
         taps: torch.Tensor | None = None,
@@ -496,3 +517,44 @@ class UnstructFilter(nn.Module):
             y = torch.matmul(history[..., -n:].to(dtype).transpose(0, 1), reversed_taps[:, -n:].to(dtype))
             y = y.permute(1, 2, 0)  # (B, C, Ds)
             return y + self.bias.to(dtype) * history[:, None, :, -1].to(dtype)
+
+    # -- the recurrent contract shared with S4DKernel --------------------------------------------------------------
+    def empty_state(self, batch_size: int, device) -> torch.Tensor:
+        """An empty input history `(B, Ds, Lmax)` (zeros: no input yet)."""
+        dtype = compute_dtype(self.pos_emb)
+        return torch.zeros(batch_size, self.channels, self.max_len, dtype=dtype, device=device)
+
+    def final_state(self, z: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
+        """The input history after ``z`` `(B, L, Ds)` (rows right-aligned): the last ``Lmax`` inputs, `(B, Ds, Lmax)`."""
+        hist = upcast_ssm(z, self.pos_emb).transpose(1, 2)
+        if state is not None:
+            hist = torch.cat([state.to(hist.dtype), hist], -1)
+        if hist.shape[-1] < self.max_len:
+            hist = F.pad(hist, (self.max_len - hist.shape[-1], 0))
+        return hist[..., -self.max_len :].contiguous()
+
+    def step_constants(self):
+        """The taps laid out for stepping ([`reverse_taps`] of all ``Lmax`` of them)."""
+        return self.reverse_taps(self.filters(self.max_len))
+
+    def step(
+        self,
+        z_t: torch.Tensor,
+        state: torch.Tensor,
+        constants=None,
+        seen: int | None = None,
+        output: bool = True,
+    ):
+        """Recurrent form for one token: ``z_t`` `(B, Ds)` joins the history ``state`` `(B, Ds, Lmax)`; returns the
+        output `(B, C, Ds)` (None when not ``output``: MF needs it only at block ends) and the new history.
+
+        ``seen`` (inputs of the longest row, this one included) limits the dot product to the entries that can be
+        non-zero: O(seen) per step."""
+        history = torch.cat([state[..., 1:], z_t.to(state.dtype)[..., None]], -1)
+        if not output:
+            return None, history
+        return self.output_at_newest(history, seen=seen, reversed_taps=constants), history
+
+    def block_end_outputs(self, z: torch.Tensor, block_len: int, state: torch.Tensor | None = None):
+        """Outputs at the last token of every block: `(B, nb*W, Ds)` -> `(B, nb, C, Ds)`."""
+        return self(z, state)[:, block_len - 1 :: block_len]

@@ -134,10 +134,50 @@ def test_cache_size_does_not_grow_with_decoded_tokens():
     assert cache.get_seq_length() == 9 + 200
 
 
-def test_assisted_generation_is_refused_for_a_stateful_model():
+@pytest.mark.parametrize("variant", list(VARIANTS), ids=list(VARIANTS))
+def test_assisted_generation_equals_greedy_decoding(variant):
+    """A draft model (another seed: some drafts are rejected) proposes tokens; the rejected ones are taken back from
+    both caches (BSTCache.crop), so the result equals plain greedy decoding."""
+    model = make_model(variant)
+    torch.manual_seed(1)
+    draft = BSTForCausalLM(model.config).eval()
+    ids = prompt(1, 9)
+    greedy = model.generate(ids, max_new_tokens=14, do_sample=False)
+    assisted = model.generate(ids, max_new_tokens=14, do_sample=False, assistant_model=draft)
+    assert torch.equal(assisted, greedy)
+    # The model as its own draft: every draft is accepted.
+    assert torch.equal(model.generate(ids, max_new_tokens=14, do_sample=False, assistant_model=model), greedy)
+
+
+def test_prompt_lookup_decoding_equals_greedy_decoding():
     model = make_model("sh-s4")
-    with pytest.raises(ValueError):
-        model.generate(prompt(), max_new_tokens=3, assistant_model=make_model("sh-s4"))
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]])
+    greedy = model.generate(ids, max_new_tokens=12, do_sample=False)
+    lookup = model.generate(ids, max_new_tokens=12, do_sample=False, prompt_lookup_num_tokens=3)
+    assert torch.equal(lookup, greedy)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS), ids=list(VARIANTS))
+def test_crop_takes_back_the_last_positions_exactly(variant):
+    model = make_model(variant)
+    ids = prompt(2, 17)
+    with torch.no_grad():
+        reference = model(ids).logits
+        cache = BSTCache(model.config, 2)
+        cache.activate_past_recording()
+        model(ids[:, :9], past_key_values=cache)
+        model(ids[:, 9:13], past_key_values=cache)
+        model(prompt(2, 3, seed=5), past_key_values=cache)  # three positions to take back
+        cache.crop(-3)
+        cache.crop(0)
+        assert cache.get_seq_length() == 13
+        cache.crop(-2)  # and two more, reaching into the previous chunk
+        out = model(ids[:, 11:], past_key_values=cache).logits
+        torch.testing.assert_close(out, reference[:, 11:], atol=1e-5, rtol=0)
+        with pytest.raises(ValueError, match="take back"):
+            cache.crop(-100)
+        with pytest.raises(ValueError, match="crop"):
+            cache.crop(2)
 
 
 def _tokenizer():

@@ -5,7 +5,6 @@ import pytest
 import torch
 from conftest import SEQ_LEN, VARIANTS, make_model
 
-from modeling_bst.modeling_bst import ssm_step_constants
 from modeling_bst.ssm_bst import S4DKernel, UnstructFilter
 
 
@@ -63,7 +62,7 @@ def test_step_memos_follow_parameter_edits():
         layer.relative_bias.weight.data.add_(0.25)
         layer.context.ssm.log_dt.data.add_(0.1)
         table = layer._step_bias_table(layer_cache, torch.float64)
-        constants = ssm_step_constants(layer.context.ssm, layer_cache)
+        constants = layer.context.step_constants(layer_cache)
         # Reference: computed without any memo.
         distances = -torch.arange(layer.ring)
         expected = (layer._bias(distances) * layer.self_scale).t()
@@ -138,8 +137,8 @@ def test_default_query_chunk_follows_the_block_length():
 def test_unstruct_step_taps_follow_parameter_edits():
     model, layer, layer_cache = decoded_one_token("sh-unstruct")
     with torch.no_grad():
-        assert "unstruct_taps" in layer_cache.step_memo
+        assert "ssm" in layer_cache.step_memo
         ssm = layer.context.ssm
         ssm.out.weight.data.mul_(-2.0)
         expected = ssm.reverse_taps(ssm.filters(model.config.max_position_embeddings))
-        torch.testing.assert_close(layer._unstruct_step_taps(layer_cache), expected, rtol=0, atol=0)
+        torch.testing.assert_close(layer.context.step_constants(layer_cache), expected, rtol=0, atol=0)

@@ -288,9 +288,9 @@ def test_unstruct_forward_with_history_equals_forward_on_concatenation(hist_len,
 def test_unstruct_step_equals_forward_at_last_position(length):
     filt = make_unstruct()
     z = torch.randn(2, length, 3, dtype=torch.float64)
-    torch.testing.assert_close(filt.step(z.transpose(1, 2)), filt(z)[:, -1], **F64)
+    torch.testing.assert_close(filt.output_at_newest(z.transpose(1, 2)), filt(z)[:, -1], **F64)
     # With precomputed taps (what the decoding cache does).
-    torch.testing.assert_close(filt.step(z.transpose(1, 2), filt.filters(length)), filt(z)[:, -1], **F64)
+    torch.testing.assert_close(filt.output_at_newest(z.transpose(1, 2), filt.filters(length)), filt(z)[:, -1], **F64)
 
 
 def test_unstruct_rejects_lengths_beyond_its_filter():
@@ -314,7 +314,31 @@ def test_unstruct_stays_float32_under_bf16_autocast():
     z = torch.randn(2, 15, 3)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = filt(z.bfloat16())
-        y_t = filt.step(z.bfloat16().transpose(1, 2))
+        y_t = filt.output_at_newest(z.bfloat16().transpose(1, 2))
     assert y.dtype == torch.float32 and y_t.dtype == torch.float32
     assert torch.isfinite(y).all()
     torch.testing.assert_close(y, filt(z.bfloat16().float()), atol=1e-5, rtol=1e-5)
+
+
+# -- the contract shared by both kernels (forward / final_state / step / block_end_outputs) -----------------------
+
+KERNELS = {"s4d": lambda: make_s4d(channels=3, out_channels=2), "unstruct": make_unstruct}
+
+
+@pytest.mark.parametrize("kind", list(KERNELS))
+def test_kernels_share_one_recurrent_contract(kind):
+    """Stepping from ``empty_state`` with ``step_constants`` equals ``forward``; the stepped state equals
+    ``final_state``; a forward continued from a state equals the forward over the whole sequence; block ends agree."""
+    kernel = KERNELS[kind]()
+    z = torch.randn(2, 12, 3, dtype=torch.float64)
+    full = kernel(z)  # (B, L, C, Ds)
+    state = kernel.empty_state(2, z.device)
+    constants = kernel.step_constants()
+    for t in range(12):
+        y_t, state = kernel.step(z[:, t], state, constants, seen=t + 1)
+        torch.testing.assert_close(y_t, full[:, t], **F64)
+    torch.testing.assert_close(state, kernel.final_state(z), **F64)
+    prefix_state = kernel.final_state(z[:, :8])
+    torch.testing.assert_close(kernel(z[:, 8:], prefix_state), full[:, 8:], **F64)
+    torch.testing.assert_close(kernel.final_state(z[:, 8:], prefix_state), state, **F64)
+    torch.testing.assert_close(kernel.block_end_outputs(z, 4), full[:, 3::4], **F64)

@@ -237,13 +237,14 @@ def limitations(config) -> list[str]:
             "length-generalisation evaluation (above, if any) shows."
         )
     items += [
-        "- Generation: assisted/speculative decoding (`assistant_model=`, `prompt_lookup_num_tokens=`) raises a "
-        "`ValueError` (the model is stateful: its SSM state cannot be rolled back). `cache_implementation=` "
+        "- Generation: assisted/speculative decoding (`assistant_model=` with another BST model, "
+        "`prompt_lookup_num_tokens=`) works and equals greedy decoding (`BSTCache.crop` takes back up to the last "
+        "64 positions). `cache_implementation=` "
         "(static, offloaded, quantized caches) is ignored: the model always uses its own bounded `BSTCache`. The "
         "decoding strategies Transformers moved to Hub `custom_generate` repositories (contrastive search, DoLa, "
         "group/constrained beam search) are not tested with this model. Greedy, sampling and beam search work.",
-        "- Left and right padding are supported in one forward or a `generate` call; padding inside a continued "
-        "(cached) chunk is not (it raises an error).",
+        "- Padding (left, right or inside a row) is supported in one forward or a `generate` call; padding inside a "
+        "continued (cached) chunk is not (it raises an error).",
         "- `AutoModelForSequenceClassification` loads this checkpoint with a new, untrained classification head.",
     ]
     return items
