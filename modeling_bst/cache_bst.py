@@ -1,15 +1,18 @@
 """Bounded recurrent-mode cache of the Block-State Transformer.
 
-A [`BSTCache`] holds, per layer, only state whose size does not depend on how many tokens were decoded:
+A [`BSTCache`] holds, per layer, only state whose size does not depend on how many tokens were decoded, in typed
+parts that layers use through their methods ([`BSTLayerCache`]; saved names in brackets):
 
-* ``k``, ``v`` `(B, R, H, d_h)` and ``kpos`` `(B, R)`: ring buffer of the keys/values of the last R tokens
-  (R = W + 1 for block and BST layers, 2W for BRecT layers, which also need the previous block), slot = position % R,
-  ``kpos = -1`` marks an empty slot;
-* ``ssm_state``: the SSM kernel's own state (``ssm_bst``): the complex S4D state `(B, Ds, N2)`, or for ``unstruct``
-  kernels the input history `(B, Ds, max_position_embeddings)` (newest last; bounded by the filter length);
-* ``ctx_k``, ``ctx_v``: context keys/values of the current block: SH/MH `(B, W, H, d_h)` ring with ``ctx_pos``;
-  MF `(B, S, H, d_h)`; ``mf_last`` `(B, S, Ds)`: the latest MF SSM output (the next block's context);
-* ``rec_state`` `(B, S, D)` and its keys/values ``rec_k``, ``rec_v`` `(B, S, H, d_h)` for BRecT layers.
+* ``attention`` ([`AttentionCache`]): ring buffer of the keys/values of the last R tokens `(B, R, H, d_h)` (R = W + 1
+  for block and BST layers, 2W for BRecT layers, which also need the previous block), slot = position % R, with
+  their positions `(B, R)` (-1: empty slot) [``k``, ``v``, ``kpos``];
+* ``ssm`` ([`SSMStateCache`]): the SSM kernel's own state (``ssm_bst``): the complex S4D state `(B, Ds, N2)`, or for
+  ``unstruct`` kernels the input history `(B, Ds, max_position_embeddings)` [``ssm_state``];
+* ``context``: SH/MH ([`TokenContextCache`]) the current block's context keys/values, a W-slot ring
+  [``ctx_k``, ``ctx_v``, ``ctx_pos``]; MF ([`BlockContextCache`]) the block's S context keys/values and the latest
+  SSM outputs `(B, S, Ds)`, the next block's context [``ctx_k``, ``ctx_v``, ``mf_last``];
+* ``recurrent`` ([`RecurrentStateCache`]): the BRecT state `(B, S, D)` and its keys/values [``rec_state``, ``rec_k``,
+  ``rec_v``].
 
 ``positions`` `(B,)` counts the real tokens each row has seen (rows of a padded batch differ); ``seen_tokens`` (a
 Python int) counts every position processed, padding included: what ``generate`` slices already-processed inputs by.
@@ -19,7 +22,6 @@ its path without reading tensors back to the host.
 """
 
 from collections import deque
-from dataclasses import dataclass, fields
 
 import torch
 
@@ -50,36 +52,257 @@ def cache_signature(config) -> tuple:
     )
 
 
-@dataclass
-class BSTLayerCache:
-    k: torch.Tensor | None = None
-    v: torch.Tensor | None = None
-    kpos: torch.Tensor | None = None
-    ssm_state: torch.Tensor | None = None
-    ctx_k: torch.Tensor | None = None
-    ctx_v: torch.Tensor | None = None
-    ctx_pos: torch.Tensor | None = None
-    mf_last: torch.Tensor | None = None
-    rec_state: torch.Tensor | None = None
-    rec_k: torch.Tensor | None = None
-    rec_v: torch.Tensor | None = None
-    # Position at which each row's current document started (BSTCache.reset_rows); blocks count from it.
-    doc_start: torch.Tensor | None = None
-    # Not batched: per-step constants (S4 step matrices, T5 bias per distance, unstruct filter taps), each reused
-    # while the parameters it was computed from are unchanged (``ssm_bst.memoised``).
-    step_memo: dict | None = None
+def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x`` `(B, T, ...)`, ``index`` `(B, K)` -> `(B, K, ...)`."""
+    shape = index.shape + x.shape[2:]
+    return x.gather(1, index.reshape(index.shape + (1,) * (x.dim() - 2)).expand(shape))
+
+
+def write_rows(buffer: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``buffer[rows, slots] = values``: in place when no gradient flows (decoding), else out of place (autograd)."""
+    if torch.is_grad_enabled() and (buffer.requires_grad or values.requires_grad):
+        return buffer.index_put((rows, slots), values)
+    return buffer.index_put_((rows, slots), values)
+
+
+def ring_from_sequence(x: torch.Tensor, lengths: torch.Tensor, ring: int, offset: torch.Tensor | None = None):
+    """Ring buffer (slot = absolute position % ring) of the last ``ring`` real positions of each row.
+
+    ``x`` `(B, T, ...)` aligned (row starts at 0), ``lengths`` `(B,)`, ``offset`` `(B,)` absolute position of ``x[:, 0]``
+    (default 0) -> values `(B, ring, ...)`, absolute positions `(B, ring)` (-1: empty slot).
+    """
+    pos = lengths[:, None] - ring + torch.arange(ring, device=x.device)[None]  # (B, R), relative to x
+    valid = pos >= 0
+    vals = gather_rows(x, pos.clamp(min=0))
+    vals = vals * valid.reshape(valid.shape + (1,) * (x.dim() - 2)).to(vals.dtype)
+    absolute = pos if offset is None else pos + offset[:, None]
+    slots = absolute.remainder(ring)
+    out = torch.zeros_like(vals).scatter(1, slots.reshape(slots.shape + (1,) * (x.dim() - 2)).expand(vals.shape), vals)
+    kpos = torch.full_like(pos, -1).scatter(1, slots, torch.where(valid, absolute, -1))
+    return out, kpos
+
+
+def _where_rows(rows: torch.Tensor | None, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """``new`` in the rows where ``rows`` (bool `(B,)`) is True, ``old`` elsewhere (all rows when ``rows`` is None)."""
+    if rows is None or old is None:
+        return new
+    return torch.where(rows.reshape((-1,) + (1,) * (new.dim() - 1)), new.to(old.dtype), old)
+
+
+class StateCache:
+    """A typed piece of a layer's cache: named tensors batched along dim 0, saved under ``SAVED_NAMES``.
+
+    ``capture(positions)`` / ``restore(record)`` take back one recurrent step (``BSTCache.crop``): by default every
+    field is replaced by a new tensor in a step, so the record keeps references to the old ones.
+    """
+
+    SAVED_NAMES: dict = {}
+
+    def __init__(self):
+        for attr in self.SAVED_NAMES:
+            setattr(self, attr, None)
 
     def tensors(self):
-        unbatched = ("step_memo",)
         return [
-            (f.name, getattr(self, f.name))
-            for f in fields(self)
-            if f.name not in unbatched and getattr(self, f.name) is not None
+            (saved, getattr(self, attr)) for attr, saved in self.SAVED_NAMES.items() if getattr(self, attr) is not None
         ]
 
     def apply(self, fn):
-        for name, tensor in self.tensors():
-            setattr(self, name, fn(tensor))
+        for attr in self.SAVED_NAMES:
+            if getattr(self, attr) is not None:
+                setattr(self, attr, fn(getattr(self, attr)))
+
+    def load(self, saved_name: str, tensor: torch.Tensor):
+        attr = {saved: attr for attr, saved in self.SAVED_NAMES.items()}[saved_name]
+        setattr(self, attr, tensor)
+
+    def capture(self, positions: torch.Tensor) -> dict:
+        return {attr: getattr(self, attr) for attr in self.SAVED_NAMES}
+
+    def restore(self, record: dict):
+        for attr, value in record.items():
+            setattr(self, attr, value)
+
+    def reset(self, rows: torch.Tensor):
+        """Forget the state of the rows where ``rows`` is True (a new document starts)."""
+
+
+class RingCache(StateCache):
+    """Keys/values of the last R positions at slot ``position % R``; ``pos`` is -1 at an empty slot.
+
+    ``k``, ``v`` `(B, R, H, d_h)`, ``pos`` `(B, R)`. Steps write one slot in place: a capture copies that slot."""
+
+    def fill(self, k, v, lengths, ring: int, offset: torch.Tensor | None = None):
+        """From a full sequence ``k``/``v`` `(B, T, H, d)` (rows aligned, ``lengths`` real): the last ``ring`` real
+        positions. With ``offset`` (a continued sequence) slots this chunk does not reach keep their older tokens."""
+        new_k, pos = ring_from_sequence(k, lengths, ring, offset)
+        new_v, _ = ring_from_sequence(v, lengths, ring, offset)
+        if offset is not None and self.pos is not None:
+            keep = pos < 0
+            new_k = torch.where(keep[..., None, None], self.k, new_k)
+            new_v = torch.where(keep[..., None, None], self.v, new_v)
+            pos = torch.where(keep, self.pos, pos)
+        self.k, self.v, self.pos = new_k, new_v, pos
+
+    def write(self, positions: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor):
+        """One token per row at ``positions`` `(B,)`: ``k_t``/``v_t`` `(B, H, d)`. Returns the ring ``(k, v, pos)``."""
+        rows = torch.arange(positions.shape[0], device=positions.device)
+        slot = positions.remainder(self.pos.shape[1])
+        self.k = write_rows(self.k, rows, slot, k_t.to(self.k.dtype))
+        self.v = write_rows(self.v, rows, slot, v_t.to(self.v.dtype))
+        self.pos = write_rows(self.pos, rows, slot, positions)
+        return self.k, self.v, self.pos
+
+    def window(self, positions: torch.Tensor, count: int):
+        """The ``count`` positions before ``positions`` `(B,)`: keys, values `(B, count, H, d)` and which of them are
+        held (a slot that does not hold the expected position is empty: a document start)."""
+        pos = positions[:, None] - count + torch.arange(count, device=positions.device)[None]  # (B, count)
+        slots = pos.remainder(self.pos.shape[1])
+        valid = gather_rows(self.pos[..., None], slots)[..., 0] == pos
+        return gather_rows(self.k, slots), gather_rows(self.v, slots), valid
+
+    def capture(self, positions):
+        rows = torch.arange(positions.shape[0], device=positions.device)
+        slot = positions.remainder(self.pos.shape[1])
+        return {
+            "slot": slot,
+            "k": self.k[rows, slot].clone(),
+            "v": self.v[rows, slot].clone(),
+            "pos": self.pos[rows, slot],
+        }
+
+    def restore(self, record):
+        rows = torch.arange(record["slot"].shape[0], device=record["slot"].device)
+        for attr in ("k", "v", "pos"):
+            getattr(self, attr).index_put_((rows, record["slot"]), record[attr])
+
+    def reset(self, rows):
+        if self.pos is not None:
+            self.pos = self.pos.masked_fill(rows[:, None], -1)
+
+
+class AttentionCache(RingCache):
+    """Self-attention keys/values of the last R tokens (R = W + 1; 2W for BRecT layers, which read a whole block)."""
+
+    SAVED_NAMES = {"k": "k", "v": "v", "pos": "kpos"}
+
+
+class TokenContextCache(RingCache):
+    """SH/MH: context keys/values of the current block's tokens, a W-slot ring."""
+
+    SAVED_NAMES = {"k": "ctx_k", "v": "ctx_v", "pos": "ctx_pos"}
+
+
+class SSMStateCache(StateCache):
+    """The SSM kernel's own state (``ssm_bst``): the complex S4D state `(B, Ds, N2)`, or the unstruct input history
+    `(B, Ds, Lmax)`, whose step shifts by one (a capture copies only the input that falls out)."""
+
+    SAVED_NAMES = {"state": "ssm_state"}
+
+    def set(self, state: torch.Tensor):
+        self.state = state
+
+    def capture(self, positions):
+        if self.state.is_complex():
+            return {"state": self.state}
+        return {"oldest": self.state[..., 0].clone()}
+
+    def restore(self, record):
+        if "oldest" in record:
+            self.state = torch.cat([record["oldest"][..., None], self.state[..., :-1]], -1)
+        else:
+            self.state = record["state"]
+
+    def reset(self, rows):
+        if self.state is not None:
+            keep = (~rows).reshape((-1,) + (1,) * (self.state.dim() - 1)).to(self.state.dtype)
+            self.state = self.state * keep
+
+
+class BlockContextCache(StateCache):
+    """MF: the current block's S context keys/values ``k``, ``v`` `(B, S, H, d_h)` and the latest SSM outputs
+    ``last`` `(B, S, Ds)` (the next block's context)."""
+
+    SAVED_NAMES = {"k": "ctx_k", "v": "ctx_v", "last": "mf_last"}
+
+    def set_context(self, k, v, rows: torch.Tensor | None = None):
+        """The block context, in ``rows`` only (bool `(B,)`; None: all rows)."""
+        self.k, self.v = _where_rows(rows, k, self.k), _where_rows(rows, v, self.v)
+
+    def set_last(self, y, rows: torch.Tensor | None = None):
+        self.last = _where_rows(rows, y, self.last)
+
+
+class RecurrentStateCache(StateCache):
+    """BRecT: the recurrent state ``state`` `(B, S, D)` and its keys/values ``k``, ``v`` `(B, S, H, d_h)`."""
+
+    SAVED_NAMES = {"state": "rec_state", "k": "rec_k", "v": "rec_v"}
+
+    def set(self, state, k, v, rows: torch.Tensor | None = None):
+        """The state and its keys/values, in ``rows`` only (bool `(B,)`; None: all rows)."""
+        self.state = _where_rows(rows, state, self.state)
+        self.k, self.v = _where_rows(rows, k, self.k), _where_rows(rows, v, self.v)
+
+
+class BSTLayerCache:
+    """One layer's cache: typed parts for what the layer type has (``attention`` ring, ``ssm`` state, ``context``
+    states, ``recurrent`` state; None where the layer has none)."""
+
+    PARTS = ("attention", "ssm", "context", "recurrent")
+
+    def __init__(self, attention=None, ssm=None, context=None, recurrent=None):
+        self.attention: AttentionCache | None = attention
+        self.ssm: SSMStateCache | None = ssm
+        self.context: TokenContextCache | BlockContextCache | None = context
+        self.recurrent: RecurrentStateCache | None = recurrent
+        # Position at which each row's current document started (a view of BSTCache.doc_start); blocks count from it.
+        self.doc_start: torch.Tensor | None = None
+        # Not batched: per-step constants (S4 step matrices, T5 bias per distance, unstruct filter taps), each reused
+        # while the parameters it was computed from are unchanged (``ssm_bst.memoised``).
+        self.step_memo: dict | None = None
+
+    @classmethod
+    def for_layer(cls, config, layer_idx: int) -> "BSTLayerCache":
+        kind = config.layer_kind(layer_idx)
+        context = None
+        if kind == "bst":
+            context = BlockContextCache() if config.context_mode == "mf" else TokenContextCache()
+        return cls(
+            attention=AttentionCache() if kind != "gss" else None,
+            ssm=SSMStateCache() if kind in ("bst", "gss") else None,
+            context=context,
+            recurrent=RecurrentStateCache() if kind == "recurrent" else None,
+        )
+
+    def parts(self):
+        return [part for part in (getattr(self, name) for name in self.PARTS) if part is not None]
+
+    def tensors(self):
+        """``[(saved name, tensor)]`` of every batched tensor held."""
+        return [item for part in self.parts() for item in part.tensors()]
+
+    def apply(self, fn):
+        for part in self.parts():
+            part.apply(fn)
+
+    def load(self, saved_name: str, tensor: torch.Tensor):
+        for part in self.parts():
+            if saved_name in part.SAVED_NAMES.values():
+                part.load(saved_name, tensor)
+                return
+        raise KeyError(saved_name)
+
+    def capture(self, positions: torch.Tensor) -> dict:
+        """What one recurrent step at ``positions`` will overwrite (for [`restore`])."""
+        return {name: getattr(self, name).capture(positions) for name in self.PARTS if getattr(self, name) is not None}
+
+    def restore(self, record: dict):
+        for name, part_record in record.items():
+            getattr(self, name).restore(part_record)
+
+    def reset(self, rows: torch.Tensor):
+        for part in self.parts():
+            part.reset(rows)
 
 
 class BSTCache:
@@ -100,7 +323,7 @@ class BSTCache:
         self.hidden_size = config.hidden_size
         self.model_signature = cache_signature(config)
         self.batch_size = batch_size
-        self.layers = [BSTLayerCache() for _ in range(config.num_hidden_layers)]
+        self.layers = [BSTLayerCache.for_layer(config, i) for i in range(config.num_hidden_layers)]
         self.positions: torch.Tensor | None = None
         self.doc_start: torch.Tensor | None = None
         self.seen_tokens = 0
@@ -153,26 +376,9 @@ class BSTCache:
 
     @staticmethod
     def capture(layer: BSTLayerCache, positions: torch.Tensor) -> dict:
-        """What one recurrent step of ``layer`` at ``positions`` `(B,)` will overwrite.
-
-        Ring buffers (keys/values, SH/MH context) are written in place at slot ``position % ring``: their old slot is
-        copied. An unstruct history shifts by one: its oldest input is copied. Every other state (S4D state, MF
-        context, BRecT state) is replaced by a new tensor: the old one is kept by reference.
-        """
-        rows = torch.arange(positions.shape[0], device=positions.device)
-        ring_names = {"k", "v", "kpos"} | ({"ctx_k", "ctx_v", "ctx_pos"} if layer.ctx_pos is not None else set())
-        changes = {}
-        for name, tensor in layer.tensors():
-            if name == "doc_start":
-                continue
-            if name in ring_names:
-                slot = positions.remainder(tensor.shape[1])
-                changes[name] = ("slot", slot, tensor[rows, slot].clone())
-            elif name == "ssm_state" and not tensor.is_complex():
-                changes[name] = ("shift", tensor[..., 0].clone())
-            else:
-                changes[name] = ("whole", tensor)
-        return changes
+        """What one recurrent step of ``layer`` at ``positions`` `(B,)` will overwrite ([`BSTLayerCache.capture`]):
+        a ring slot is copied, an unstruct history keeps the input that falls out, a replaced state is referenced."""
+        return layer.capture(positions)
 
     def push_undo(self, entries: list):
         """Append the captures of a chunk: ``entries[t][layer]`` for each of its positions t."""
@@ -195,17 +401,9 @@ class BSTCache:
                 f"(activate_past_recording(); at most {MAX_ROLLBACK}), asked for {n}."
             )
         for _ in range(n):
-            for layer, changes in zip(self.layers, self._undo.pop()):
-                for name, (how, *data) in changes.items():
-                    tensor = getattr(layer, name)
-                    if how == "slot":
-                        slot, old = data
-                        rows = torch.arange(slot.shape[0], device=slot.device)
-                        tensor.index_put_((rows, slot), old)
-                    elif how == "shift":
-                        setattr(layer, name, torch.cat([data[0][..., None], tensor[..., :-1]], -1))
-                    else:
-                        setattr(layer, name, data[0])
+            for layer, record in zip(self.layers, self._undo.pop()):
+                if record:
+                    layer.restore(record)
         self.positions = self.positions - n
         self.seen_tokens -= n
         if self.common_position is not None:
@@ -222,13 +420,7 @@ class BSTCache:
             return self
         rows = rows.to(device=self.positions.device, dtype=torch.bool)
         for layer in self.layers:
-            if layer.kpos is not None:
-                layer.kpos = layer.kpos.masked_fill(rows[:, None], -1)
-            if layer.ctx_pos is not None:
-                layer.ctx_pos = layer.ctx_pos.masked_fill(rows[:, None], -1)
-            if layer.ssm_state is not None:
-                keep = (~rows).reshape((-1,) + (1,) * (layer.ssm_state.dim() - 1)).to(layer.ssm_state.dtype)
-                layer.ssm_state = layer.ssm_state * keep
+            layer.reset(rows)
         self.doc_start = torch.where(rows, self.positions, self.doc_start)
         if self.common_position is None or self.common_position % self.block_len:
             # A row may now start a document off the block grid (checked without reading ``rows`` back).
@@ -249,8 +441,7 @@ class BSTCache:
             out["seen_tokens"] = torch.tensor(self.seen_tokens, dtype=torch.long)
         for i, layer in enumerate(self.layers):
             for name, tensor in layer.tensors():
-                if name != "doc_start":  # shared by all layers: stored once above
-                    out[f"layers.{i}.{name}"] = tensor.contiguous()
+                out[f"layers.{i}.{name}"] = tensor.contiguous()
         return out
 
     @classmethod
@@ -258,7 +449,6 @@ class BSTCache:
         """Inverse of [`to_tensors`] for a model with this ``config``."""
         batch = int(tensors["positions"].shape[0]) if "positions" in tensors else 0
         cache = cls(config, batch)
-        names = {f.name for f in fields(BSTLayerCache)}
         for key, tensor in tensors.items():
             if key in ("positions", "doc_start"):
                 setattr(cache, key, tensor)
@@ -267,7 +457,7 @@ class BSTCache:
                 cache.seen_tokens = int(tensor)
                 continue
             _, index, name = key.split(".", 2)
-            if name not in names or not 0 <= int(index) < cache.num_layers:
+            if not 0 <= int(index) < cache.num_layers:
                 raise ValueError(f"Unexpected tensor {key!r} in a saved BSTCache.")
             # Fresh memory: decoding writes the ring buffers in place (loaded storage may be shared or read-only).
             tensor = tensor.clone()
@@ -275,7 +465,12 @@ class BSTCache:
             s4 = kind == "gss" or (kind == "bst" and config.ssm_kind == "s4")
             if name == "ssm_state" and s4 and not tensor.is_complex():
                 tensor = torch.view_as_complex(tensor)  # saved by an older version (a real view)
-            setattr(cache.layers[int(index)], name, tensor)
+            if name == "doc_start":  # older versions saved it per layer too; BSTCache holds it
+                continue
+            try:
+                cache.layers[int(index)].load(name, tensor)
+            except KeyError:
+                raise ValueError(f"Unexpected tensor {key!r} in a saved BSTCache.") from None
         for layer in cache.layers:
             layer.doc_start = cache.doc_start
         if cache.positions is not None:
@@ -293,4 +488,14 @@ class BSTCache:
         return total
 
 
-__all__ = ["MAX_ROLLBACK", "BSTCache", "BSTLayerCache", "cache_signature"]
+__all__ = [
+    "MAX_ROLLBACK",
+    "AttentionCache",
+    "BSTCache",
+    "BSTLayerCache",
+    "BlockContextCache",
+    "RecurrentStateCache",
+    "SSMStateCache",
+    "TokenContextCache",
+    "cache_signature",
+]

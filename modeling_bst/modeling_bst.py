@@ -40,7 +40,7 @@ from transformers.modeling_outputs import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import can_return_tuple, logging
 
-from .cache_bst import MAX_ROLLBACK, BSTCache, BSTLayerCache, cache_signature
+from .cache_bst import MAX_ROLLBACK, BSTCache, BSTLayerCache, cache_signature, gather_rows
 from .configuration_bst import BSTConfig
 from .ssm_bst import S4DKernel, UnstructFilter, memoised
 
@@ -134,45 +134,19 @@ def maybe_any(mask: torch.Tensor) -> bool:
     return bool(mask.any()) if host_can_branch(mask) else True
 
 
-def _write_rows(buffer: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``buffer[rows, slots] = values``: in place when no gradient flows (decoding), else out of place (autograd)."""
-    if torch.is_grad_enabled() and (buffer.requires_grad or values.requires_grad):
-        return buffer.index_put((rows, slots), values)
-    return buffer.index_put_((rows, slots), values)
-
-
 def decode_memo(layer_cache: BSTLayerCache, slot: str, key: tuple, params, compute):
     """``compute()`` kept in ``layer_cache.step_memo[slot]`` and reused while ``key`` and the tensors ``params`` are
-    unchanged (decoding); recomputed every time when gradients flow to ``params`` (the graph must reach them)."""
+    unchanged (decoding); recomputed every time when gradients flow to ``params`` (the graph must reach them), and
+    where checking the parameters would read device values back (an accelerator, tracing): these constants are
+    cheap, a device sync per step is not."""
     params = list(params)
     if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+        return compute()
+    if not params or not host_can_branch(params[0]):
         return compute()
     if layer_cache.step_memo is None:
         layer_cache.step_memo = {}
     return memoised(layer_cache.step_memo, slot, key, params, compute)
-
-
-def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``x`` `(B, T, ...)`, ``index`` `(B, K)` -> `(B, K, ...)`."""
-    shape = index.shape + x.shape[2:]
-    return x.gather(1, index.reshape(index.shape + (1,) * (x.dim() - 2)).expand(shape))
-
-
-def ring_from_sequence(x: torch.Tensor, lengths: torch.Tensor, ring: int, offset: torch.Tensor | None = None):
-    """Ring buffer (slot = absolute position % ring) of the last ``ring`` real positions of each row.
-
-    ``x`` `(B, T, ...)` aligned (row starts at 0), ``lengths`` `(B,)`, ``offset`` `(B,)` absolute position of ``x[:, 0]``
-    (default 0) -> values `(B, ring, ...)`, absolute positions `(B, ring)` (-1: empty slot).
-    """
-    pos = lengths[:, None] - ring + torch.arange(ring, device=x.device)[None]  # (B, R), relative to x
-    valid = pos >= 0
-    vals = _gather_rows(x, pos.clamp(min=0))
-    vals = vals * valid.reshape(valid.shape + (1,) * (x.dim() - 2)).to(vals.dtype)
-    absolute = pos if offset is None else pos + offset[:, None]
-    slots = absolute.remainder(ring)
-    out = torch.zeros_like(vals).scatter(1, slots.reshape(slots.shape + (1,) * (x.dim() - 2)).expand(vals.shape), vals)
-    kpos = torch.full_like(pos, -1).scatter(1, slots, torch.where(valid, absolute, -1))
-    return out, kpos
 
 
 class BSTContextStates(nn.Module):
@@ -219,8 +193,8 @@ class BSTContextStates(nn.Module):
         bsz, seq_len, _ = z.shape
         lens = lengths if lengths is not None else torch.full((bsz,), seq_len, device=z.device)
         idx = torch.arange(seq_len, device=z.device)[None] - (seq_len - lens[:, None])
-        z_right = _gather_rows(z, idx.clamp(min=0)) * (idx >= 0).to(z.dtype)[..., None]
-        layer_cache.ssm_state = self.ssm.final_state(z_right.detach(), state0).detach()
+        z_right = gather_rows(z, idx.clamp(min=0)) * (idx >= 0).to(z.dtype)[..., None]
+        layer_cache.ssm.set(self.ssm.final_state(z_right.detach(), state0).detach())
         return lens
 
     def _step_ssm(self, xn, layer_cache, p, output: bool = True):
@@ -239,17 +213,16 @@ class BSTContextStates(nn.Module):
                         "model for longer generation."
                     )
         kwargs = {} if output else {"output": False}
-        y, layer_cache.ssm_state = self.ssm.step(
-            z, layer_cache.ssm_state, self.step_constants(layer_cache), seen, **kwargs
-        )
+        y, state = self.ssm.step(z, layer_cache.ssm.state, self.step_constants(layer_cache), seen, **kwargs)
+        layer_cache.ssm.set(state)
         return y
 
 
 class TokenContextStates(BSTContextStates):
     """SH / MH: one context state per token; block b cross-attends to its own W context states (triangular mask).
 
-    The decoding cache keeps the current block's context keys/values in a W-slot ring (``ctx_k``, ``ctx_v``,
-    ``ctx_pos``)."""
+    The decoding cache keeps the current block's context keys/values in a W-slot ring (``layer_cache.context``, a
+    ``TokenContextCache``)."""
 
     def lift_and_project(self, y: torch.Tensor):
         """SSM outputs ``y`` `(..., C, Ds)` -> context keys, values `(..., 1, H, d_h)`."""
@@ -262,7 +235,7 @@ class TokenContextStates(BSTContextStates):
         nb = seq_len // w
         continued = layer_cache is not None and positions is not None
         z = self._ssm_input(xn, lengths)
-        state0 = layer_cache.ssm_state if continued else None
+        state0 = layer_cache.ssm.state if continued else None
         y = self.ssm(z, state0)  # (B, T, C, Ds)
         ck, cv = self.lift_and_project(y)  # (B, T, 1, H, d)
         ctx_k, ctx_v = ck.view(bsz, nb, w, *ck.shape[-2:]), cv.view(bsz, nb, w, *cv.shape[-2:])
@@ -276,27 +249,21 @@ class TokenContextStates(BSTContextStates):
         if fill_cache:
             lens = self._fill_ssm_state(z, lengths, state0, layer_cache)
             offset = positions if continued else None
-            layer_cache.ctx_k, layer_cache.ctx_pos = ring_from_sequence(ctx_k.flatten(1, 2).detach(), lens, w, offset)
-            layer_cache.ctx_v, _ = ring_from_sequence(ctx_v.flatten(1, 2).detach(), lens, w, offset)
+            layer_cache.context.fill(ctx_k.flatten(1, 2).detach(), ctx_v.flatten(1, 2).detach(), lens, w, offset)
         return ctx_k, ctx_v, mask, zero_first
 
     def step(self, xn, layer_cache, p):
         cfg = self.config
         w = self.block_len
-        rows = torch.arange(xn.shape[0], device=p.device)
         y = self._step_ssm(xn, layer_cache, p)
         ck, cv = self.lift_and_project(y)  # (B, 1, H, d)
-        slot = p.remainder(w)
-        layer_cache.ctx_k = _write_rows(layer_cache.ctx_k, rows, slot, ck[:, 0].to(layer_cache.ctx_k.dtype))
-        layer_cache.ctx_v = _write_rows(layer_cache.ctx_v, rows, slot, cv[:, 0].to(layer_cache.ctx_v.dtype))
-        layer_cache.ctx_pos = _write_rows(layer_cache.ctx_pos, rows, slot, p)
-        cpos = layer_cache.ctx_pos
+        ctx_k, ctx_v, cpos = layer_cache.context.write(p, ck[:, 0], cv[:, 0])
         # Blocks are counted from the start of each row's current document.
         block_start = (p - (p - layer_cache.doc_start).remainder(w))[:, None]
         upper = (cpos <= p[:, None]) if cfg.cross_mask == "inclusive" else (cpos < p[:, None])
         valid = (cpos >= block_start) & upper  # (B, W)
         mask = additive_mask(valid, ck.dtype)[:, None, None, :]
-        return layer_cache.ctx_k, layer_cache.ctx_v, mask, valid.any(-1)
+        return ctx_k, ctx_v, mask, valid.any(-1)
 
 
 class SHContextStates(TokenContextStates):
@@ -339,8 +306,8 @@ class MFContextStates(BSTContextStates):
     """MF (multi-filter, Listing 4): S filters; block b attends to the S SSM outputs at the last token of block b-1
     (block 0: a learned initial context), each lifted by its own projection, plus learned context IDs; no mask.
 
-    The decoding cache keeps the current block's S context keys/values (``ctx_k``, ``ctx_v``) and the latest SSM
-    outputs ``mf_last`` `(B, S, Ds)` (the next block's context)."""
+    The decoding cache keeps the current block's S context keys/values and the latest SSM outputs `(B, S, Ds)`, the
+    next block's context (``layer_cache.context``, a ``BlockContextCache``)."""
 
     def __init__(self, config: BSTConfig):
         super().__init__(config)
@@ -368,7 +335,7 @@ class MFContextStates(BSTContextStates):
         nb = seq_len // w
         continued = layer_cache is not None and positions is not None
         z = self._ssm_input(xn, lengths)
-        state0 = layer_cache.ssm_state if continued else None
+        state0 = layer_cache.ssm.state if continued else None
         if cfg.bidirectional:
             y_end = self.ssm(z, state0)[:, w - 1 :: w]
         else:
@@ -376,7 +343,7 @@ class MFContextStates(BSTContextStates):
             y_end = self.ssm.block_end_outputs(z, w, state0)  # (B, nb, S, Ds)
         first_k, first_v = self.mf_context(None, (bsz,))
         if continued:
-            cont_k, cont_v = self.mf_context(layer_cache.mf_last, (bsz,))
+            cont_k, cont_v = self.mf_context(layer_cache.context.last, (bsz,))
             fresh = (positions == layer_cache.doc_start)[:, None, None, None]
             first_k = torch.where(fresh, first_k.to(cont_k.dtype), cont_k)
             first_v = torch.where(fresh, first_v.to(cont_v.dtype), cont_v)
@@ -387,10 +354,9 @@ class MFContextStates(BSTContextStates):
             lens = self._fill_ssm_state(z, lengths, state0, layer_cache)
             rows = torch.arange(bsz, device=z.device)
             blk = ((lens - 1) // w).clamp(min=0)
-            layer_cache.ctx_k = ctx_k[rows, blk].detach()
-            layer_cache.ctx_v = ctx_v[rows, blk].detach()
+            layer_cache.context.set_context(ctx_k[rows, blk].detach(), ctx_v[rows, blk].detach())
             # Needed at the next block start (lens % W == 0): the output at the last token, a block end.
-            layer_cache.mf_last = y_end[rows, (lens // w - 1).clamp(min=0)].detach()
+            layer_cache.context.set_last(y_end[rows, (lens // w - 1).clamp(min=0)].detach())
         return ctx_k, ctx_v, None, False
 
     def step(self, xn, layer_cache, p):
@@ -399,19 +365,17 @@ class MFContextStates(BSTContextStates):
         block_start = rp.remainder(w) == 0
         if maybe_any(block_start):
             # A new block starts: its context is built from the previous block's last SSM outputs.
-            k_new, v_new = self.mf_context(layer_cache.mf_last, (xn.shape[0],))
+            k_new, v_new = self.mf_context(layer_cache.context.last, (xn.shape[0],))
             k0, v0 = self.mf_context(None, (xn.shape[0],))
             first = (p == layer_cache.doc_start)[:, None, None, None]
             k_new, v_new = torch.where(first, k0, k_new), torch.where(first, v0, v_new)
-            sel = block_start[:, None, None, None]
-            layer_cache.ctx_k = torch.where(sel, k_new.to(layer_cache.ctx_k.dtype), layer_cache.ctx_k)
-            layer_cache.ctx_v = torch.where(sel, v_new.to(layer_cache.ctx_v.dtype), layer_cache.ctx_v)
+            layer_cache.context.set_context(k_new, v_new, rows=block_start)
         block_end = (rp + 1).remainder(w) == 0
         # The SSM output matters only at block ends (unstruct computes it only there).
         y = self._step_ssm(xn, layer_cache, p, output=self.config.ssm_kind == "s4" or maybe_any(block_end))
         if y is not None:
-            layer_cache.mf_last = torch.where(block_end[:, None, None], y, layer_cache.mf_last)
-        return layer_cache.ctx_k, layer_cache.ctx_v, None, None
+            layer_cache.context.set_last(y, rows=block_end)
+        return layer_cache.context.k, layer_cache.context.v, None, None
 
 
 # The SSM kernel of each ``ssm_kind`` and the context builder of each ``context_mode``.
@@ -789,29 +753,12 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
 
         if fill_cache:
             lens = lengths if lengths is not None else torch.full((bsz,), seq_len, device=h.device)
-            new_v, _ = self._merge_ring(v.detach(), lens, layer_cache, positions, "v")
-            layer_cache.k, layer_cache.kpos = self._merge_ring(k.detach(), lens, layer_cache, positions, "k")
-            layer_cache.v = new_v
+            layer_cache.attention.fill(k.detach(), v.detach(), lens, self.ring, positions)
         return (h, self_weights, cross_weights) if output_attentions else h
 
-    def _merge_ring(self, x, lengths, layer_cache, positions, name):
-        ring, rpos = ring_from_sequence(x, lengths, self.ring, positions)
-        if positions is not None:
-            # Continuation: slots not reached by this chunk keep the older tokens they already hold.
-            keep = rpos < 0
-            ring = torch.where(keep.reshape(keep.shape + (1, 1)), getattr(layer_cache, name), ring)
-            rpos = torch.where(keep, layer_cache.kpos, rpos)
-        return ring, rpos
-
     def _cached_previous_block(self, layer_cache, positions):
-        w = self.block_len
-        pos = positions[:, None] - w + torch.arange(w, device=positions.device)[None]  # (B, W)
-        slots = pos.remainder(self.ring)
-        prev_k = _gather_rows(layer_cache.k, slots)
-        prev_v = _gather_rows(layer_cache.v, slots)
-        # A slot that does not hold the expected position is empty (document start): masked.
-        prev_valid = _gather_rows(layer_cache.kpos[..., None], slots)[..., 0] == pos  # (B, W)
-        return prev_k, prev_v, prev_valid
+        """The cached block before ``positions``: keys, values `(B, W, H, d)`, which are held (else masked)."""
+        return layer_cache.attention.window(positions, self.block_len)
 
     def _bidirectional_self_attention(self, qb, kb, vb, lengths, bsz, nb):
         """Bidirectional blocks attend to the previous, own and next block (no causal mask; padding masked)."""
@@ -843,7 +790,7 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
         rec = self.recurrent
         continued = layer_cache is not None and positions is not None
         if continued:
-            state = layer_cache.rec_state.to(kb.dtype)
+            state = layer_cache.recurrent.state.to(kb.dtype)
             fresh = (positions == layer_cache.doc_start)[:, None, None]
             state = torch.where(fresh, rec.initial_state.to(kb.dtype), state)
             prev_k, prev_v, prev_valid = self._cached_previous_block(layer_cache, positions)
@@ -878,8 +825,7 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
             lens = lengths if lengths is not None else torch.full((bsz,), nb * w, device=kb.device)
             rows = torch.arange(bsz, device=kb.device)
             new_state = all_states[rows, lens // w].detach()
-            layer_cache.rec_state = new_state
-            layer_cache.rec_k, layer_cache.rec_v = (t.detach() for t in rec.keys_values(new_state))
+            layer_cache.recurrent.set(new_state, *(t.detach() for t in rec.keys_values(new_state)))
         if output_attentions:
             weights = weights.view(bsz, nb, heads, w, s).transpose(1, 2).reshape(bsz, heads, nb * w, s)
         return out.reshape(bsz, nb * w, heads * hd), weights if output_attentions else None
@@ -891,23 +837,19 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
         bsz = hidden_states.shape[0]
         w, heads, hd = self.block_len, cfg.num_attention_heads, cfg.head_dim
         p = positions
-        rows = torch.arange(bsz, device=p.device)
         xn = self.input_norm(hidden_states)  # (B, 1, D)
         q, k, v = self._project(xn)  # (B, 1, H, d)
 
         # 1. Write this token's key/value into the ring, then attend over the W previous (or most recent) tokens
-        slot = p.remainder(self.ring)
-        layer_cache.k = _write_rows(layer_cache.k, rows, slot, k[:, 0])
-        layer_cache.v = _write_rows(layer_cache.v, rows, slot, v[:, 0])
-        layer_cache.kpos = _write_rows(layer_cache.kpos, rows, slot, p)
-        rel = layer_cache.kpos - p[:, None]  # (B, R)
-        valid = (layer_cache.kpos >= 0) & self._window_valid(rel)
+        ring_k, ring_v, kpos = layer_cache.attention.write(p, k[:, 0], v[:, 0])
+        rel = kpos - p[:, None]  # (B, R)
+        valid = (kpos >= 0) & self._window_valid(rel)
         # The ring holds distances 0 .. R-1 only: gather the scaled T5 bias from a per-distance table.
         table = self._step_bias_table(layer_cache, q.dtype)  # (H, R), column j = distance j
         bias = table[:, (-rel).clamp(0, self.ring - 1)].permute(1, 0, 2)  # (B, H, R)
         mask = torch.where(valid[:, None], bias, masked_fill_value(q.dtype))[:, :, None, :]  # (B, H, 1, R)
         a_self, self_weights = self._attend(
-            q.transpose(1, 2), layer_cache.k.transpose(1, 2), layer_cache.v.transpose(1, 2), mask, 0.0, True
+            q.transpose(1, 2), ring_k.transpose(1, 2), ring_v.transpose(1, 2), mask, 0.0, True
         )
         any_key = valid.any(-1).to(a_self.dtype)
         a_self = a_self * any_key[:, None, None, None]
@@ -932,29 +874,19 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
             fresh = p == layer_cache.doc_start
             if maybe_any(fresh):
                 # First token of a document: the state starts from the learned initial state.
-                rec = self.recurrent
-                init_state = rec.initial_state.to(layer_cache.rec_state.dtype).expand_as(layer_cache.rec_state)
-                layer_cache.rec_state = torch.where(fresh[:, None, None], init_state, layer_cache.rec_state)
-                nk, nv = rec.keys_values(layer_cache.rec_state)
-                layer_cache.rec_k = torch.where(fresh[:, None, None, None], nk, layer_cache.rec_k)
-                layer_cache.rec_v = torch.where(fresh[:, None, None, None], nv, layer_cache.rec_v)
+                state = layer_cache.recurrent.state
+                init_state = self.recurrent.initial_state.to(state.dtype).expand_as(state)
+                layer_cache.recurrent.set(init_state, *self.recurrent.keys_values(init_state), rows=fresh)
             q2 = self._cross_query(xn).transpose(1, 2)
             a_cross, cross_weights = self._attend(
-                q2, layer_cache.rec_k.transpose(1, 2), layer_cache.rec_v.transpose(1, 2), None, 0.0, True
+                q2, layer_cache.recurrent.k.transpose(1, 2), layer_cache.recurrent.v.transpose(1, 2), None, 0.0, True
             )
             outputs.append(a_cross.reshape(bsz, 1, heads * hd))
             # At the last token of a block, the state absorbs the previous and current block.
             block_end = (p - layer_cache.doc_start + 1).remainder(w) == 0
             if maybe_any(block_end):
-                rec = self.recurrent
-                new_state = rec.update(
-                    layer_cache.rec_state, layer_cache.k, layer_cache.v, layer_cache.kpos >= 0, self._attend
-                )
-                sel = block_end[:, None, None]
-                layer_cache.rec_state = torch.where(sel, new_state, layer_cache.rec_state)
-                nk, nv = rec.keys_values(layer_cache.rec_state)
-                layer_cache.rec_k = torch.where(sel[..., None], nk, layer_cache.rec_k)
-                layer_cache.rec_v = torch.where(sel[..., None], nv, layer_cache.rec_v)
+                new_state = self.recurrent.update(layer_cache.recurrent.state, ring_k, ring_v, kpos >= 0, self._attend)
+                layer_cache.recurrent.set(new_state, *self.recurrent.keys_values(new_state), rows=block_end)
         attn = self.o_proj(torch.cat(outputs, -1))
         h = self._mlp(hidden_states + attn)
         return (h, self_weights, cross_weights) if output_attentions else h
@@ -975,7 +907,7 @@ class BSTGSSLayer(GradientCheckpointingLayer):
 
     ``u = gelu(x_n W_u)`` (D -> D_s), ``v = gelu(x_n W_v)`` (D -> F), ``y = SSM(u)``,
     ``out = x + ((y W_y) * v) W_o`` with an S4D kernel over D_s channels. Same call contract as
-    [`BSTDecoderLayer`]: full-sequence form, and a recurrent step that reads/writes ``layer_cache.ssm_state``.
+    [`BSTDecoderLayer`]: full-sequence form, and a recurrent step that reads/writes ``layer_cache.ssm``.
     """
 
     def __init__(self, config: BSTConfig, layer_idx: int):
@@ -1010,12 +942,13 @@ class BSTGSSLayer(GradientCheckpointingLayer):
         if layer_cache is not None and positions is not None and hidden_states.shape[1] == 1:
             # Recurrent form
             constants = decode_memo(layer_cache, "ssm", (), self.ssm.parameters(), self.ssm.step_constants)
-            y, layer_cache.ssm_state = self.ssm.step(u[:, 0], layer_cache.ssm_state, constants)  # y (B, 1, Ds)
+            y, state = self.ssm.step(u[:, 0], layer_cache.ssm.state, constants)  # y (B, 1, Ds)
+            layer_cache.ssm.set(state)
         else:
             # Full sequence form
             state0 = None
             if layer_cache is not None and positions is not None:
-                state0 = layer_cache.ssm_state
+                state0 = layer_cache.ssm.state
             if lengths is not None and self.config.bidirectional:
                 u = u * (torch.arange(u.shape[1], device=u.device)[None] < lengths[:, None]).to(u.dtype)[..., None]
             y = self.ssm(u, state0)[:, :, 0]  # (B, T, Ds)
@@ -1023,8 +956,8 @@ class BSTGSSLayer(GradientCheckpointingLayer):
                 bsz, seq_len, _ = u.shape
                 lens = lengths if lengths is not None else torch.full((bsz,), seq_len, device=u.device)
                 idx = torch.arange(seq_len, device=u.device)[None] - (seq_len - lens[:, None])
-                u_right = _gather_rows(u, idx.clamp(min=0)) * (idx >= 0).to(u.dtype)[..., None]
-                layer_cache.ssm_state = self.ssm.final_state(u_right.detach(), state0).detach()
+                u_right = gather_rows(u, idx.clamp(min=0)) * (idx >= 0).to(u.dtype)[..., None]
+                layer_cache.ssm.set(self.ssm.final_state(u_right.detach(), state0).detach())
         gated = self.y_proj(y.to(v.dtype)) * v
         h = hidden_states + self.dropout(self.o_proj(gated))
         return (h, None, None) if output_attentions else h
@@ -1145,14 +1078,14 @@ class _Layout:
     def to_blocks(self, hidden: torch.Tensor) -> torch.Tensor:
         """Caller's layout `(B, T, D)` -> aligned, right-padded `(B, T_pad, D)`; padding positions are zero."""
         if self.mask is not None:
-            hidden = _gather_rows(hidden, self.order) * self.real[..., None].to(hidden.dtype)
+            hidden = gather_rows(hidden, self.order) * self.real[..., None].to(hidden.dtype)
         return F.pad(hidden, (0, 0, 0, self.padded_len - self.seq_len))
 
     def from_blocks(self, hidden: torch.Tensor) -> torch.Tensor:
         """Inverse of [`to_blocks`]: `(B, T_pad, D)` -> `(B, T, D)`; padding positions get zero hidden states."""
         hidden = hidden[:, : self.seq_len]
         if self.mask is not None:
-            hidden = _gather_rows(hidden, self.column_index) * self.mask[..., None].to(hidden.dtype)
+            hidden = gather_rows(hidden, self.column_index) * self.mask[..., None].to(hidden.dtype)
         return hidden
 
 
@@ -1432,7 +1365,7 @@ class BSTModel(BSTPreTrainedModel):
                         outs.append(h_t)
                         if output_attentions and attn is not None:
                             attn = _step_weights_by_column(
-                                attn, layer_cache.kpos, positions + t, cache.seen_tokens + t
+                                attn, layer_cache.attention.pos, positions + t, cache.seen_tokens + t
                             )
                             attns.append(F.pad(attn, (0, seq_len - 1 - t)))
                             crosses.append(cross)

@@ -163,6 +163,8 @@ def memoised_spectrum(module: nn.Module, key: tuple, compute):
     params = list(module.parameters())
     if module.training or (torch.is_grad_enabled() and any(p.requires_grad for p in params)):
         return compute()
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing():
+        return compute()  # the parameter check reads values: not traceable (torch.export, torch.compile)
     return memoised(module.__dict__, "_spectrum_memo", key, params, compute, SPECTRUM_MEMO_BYTES)
 
 

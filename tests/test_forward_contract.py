@@ -195,7 +195,7 @@ def test_output_attentions_under_sdpa_warns_once_and_returns_none(caplog):
 class HostReads(TorchFunctionMode):
     """Records every tensor -> Python read (each one a device sync on an accelerator)."""
 
-    READS = {"__bool__", "__int__", "__float__", "__index__", "item", "tolist"}
+    READS = {"__bool__", "__int__", "__float__", "__index__", "item", "tolist", "equal"}
 
     def __init__(self):
         super().__init__()
@@ -238,7 +238,9 @@ def test_bad_token_id_in_a_decode_step_raises_on_cpu():
 @pytest.mark.parametrize("cls", [BSTModel, BSTForCausalLM], ids=lambda c: c.__name__)
 def test_torch_export(cls):
     torch.manual_seed(0)
-    config = tiny_config(vocab_size=61, context_mode="mf", recurrent_layer_indices=[1])
+    # MF + BRecT for the backbone; SH:unstruct (the kernel-spectrum memo's path) for the LM.
+    variant = dict(context_mode="mf", recurrent_layer_indices=[1]) if cls is BSTModel else dict(ssm_kind="unstruct")
+    config = tiny_config(vocab_size=61, **variant)
     model = cls(config).eval()
     ids = torch.randint(0, 61, (2, 9))
     kwargs = {"use_cache": False}

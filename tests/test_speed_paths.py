@@ -76,12 +76,12 @@ def test_decode_step_with_gradients_writes_cache_out_of_place():
     ids = torch.randint(0, 97, (1, 9))
     with torch.no_grad():
         cache = model(ids, use_cache=True).past_key_values
-    before = cache.layers[0].k.clone()
-    held = cache.layers[0].k
+    before = cache.layers[0].attention.k.clone()
+    held = cache.layers[0].attention.k
     out = model(ids[:, :1], past_key_values=cache, use_cache=True)
     out.logits.sum().backward()
     assert model.model.layers[0].k_proj.weight.grad is not None
-    assert cache.layers[0].k.requires_grad and cache.layers[0].k is not held
+    assert cache.layers[0].attention.k.requires_grad and cache.layers[0].attention.k is not held
     torch.testing.assert_close(held, before, rtol=0, atol=0)  # the old buffer was not written under autograd
 
 
