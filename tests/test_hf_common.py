@@ -43,14 +43,9 @@ AUTO_NAME_TABLES = {
 
 # Inherited tests that fail because of a bug listed in issue #12: test name -> (bug, what fails, variants). Names
 # that the active mixins do not define (the generation tests without $TRANSFORMERS_TESTS_DIR, the stand-in export
-# test with it) are ignored. Bugs 1, 3 and 4 were fixed by 486a303 (their entries went with it).
-KNOWN_BUGS = {
-    "test_torch_export": (
-        "5",
-        "torch.export stops at the kernel-spectrum memo's parameter check (torch.equal in ssm_bst.memoised, eval mode)",
-        ("sh-s4", "mh-s4", "sh-unstruct"),
-    ),
-}
+# test with it) are ignored. Bugs 1, 3 and 4 were fixed by 486a303, bug 5 (torch.export through the kernel-spectrum
+# memo) by 180993d; their entries went with them.
+KNOWN_BUGS = {}
 
 
 def _mixin_test(test_case, name):
