@@ -68,6 +68,10 @@ class BSTConfig(PreTrainedConfig):
         ssm_lr (`float`, defaults to 1e-3): learning rate of SSM parameters (Lambda, B, dt, filter MLP), wd 0.
         unstruct_emb_dim / unstruct_order / unstruct_num_inner_mlps / unstruct_sin_freq: Hyena filter MLP shape.
         unstruct_decay_target / unstruct_decay_fast / unstruct_decay_slow: Hyena exponential-decay envelope.
+        unstruct_finite_filter (`bool`, defaults to `True`): an ``unstruct`` filter has ``max_position_embeddings``
+            taps; longer inputs (the paper evaluates BST:MF:unstruct at 16k and 65k) see it as finite: taps beyond
+            that lag are zero, in the forward, in evaluation and in decoding (which keeps the last
+            ``max_position_embeddings`` inputs). ``False`` refuses longer inputs instead.
         attend_self (`bool`, defaults to `False`): meliad attends to exactly the W previous tokens, not the token
             itself; ``True`` attends to the W most recent tokens including itself.
         attention_query_chunk (`int`, *optional*): queries per call of the sliding-window self-attention. Each
@@ -129,6 +133,7 @@ class BSTConfig(PreTrainedConfig):
         unstruct_decay_target: float = 1e-2,
         unstruct_decay_fast: float = 0.3,
         unstruct_decay_slow: float = 1.5,
+        unstruct_finite_filter: bool = True,
         attend_self: bool = False,
         attention_query_chunk: int | None = None,
         cross_mask: str = "inclusive",
@@ -196,6 +201,7 @@ class BSTConfig(PreTrainedConfig):
         self.unstruct_decay_target = unstruct_decay_target
         self.unstruct_decay_fast = unstruct_decay_fast
         self.unstruct_decay_slow = unstruct_decay_slow
+        self.unstruct_finite_filter = unstruct_finite_filter
         self.attend_self = attend_self
         self.attention_query_chunk = attention_query_chunk
         self.cross_mask = cross_mask
@@ -376,6 +382,8 @@ class BSTConfig(PreTrainedConfig):
                 f"BSTConfig.ssm_dt_min/ssm_dt_max must satisfy 0 < ssm_dt_min <= ssm_dt_max, got "
                 f"{self.ssm_dt_min} and {self.ssm_dt_max}."
             )
+        if not isinstance(self.unstruct_finite_filter, bool):
+            raise ValueError(f"BSTConfig.unstruct_finite_filter must be a bool, got {self.unstruct_finite_filter!r}.")
         for name in ("dropout", "attention_dropout"):
             value = getattr(self, name)
             if not (0.0 <= value < 1.0):

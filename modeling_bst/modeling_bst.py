@@ -206,7 +206,7 @@ class BSTContextStates(nn.Module):
             if not tracing():
                 # Unstruct steps cost O(longest document so far): one read of the position per step.
                 seen = int(rp.max()) + 1
-                if seen > self.config.max_position_embeddings:
+                if seen > self.config.max_position_embeddings and not self.config.unstruct_finite_filter:
                     raise ValueError(
                         f"unstruct BST models generate at most max_position_embeddings="
                         f"{self.config.max_position_embeddings} tokens (the filter has no taps beyond it); use an S4 "
@@ -1173,7 +1173,7 @@ class BSTModel(BSTPreTrainedModel):
 
     def _check_unstruct_length(self, seq_len, cache, continuing):
         cfg = self.config
-        if cfg.ssm_kind != "unstruct" or not cfg.bst_layer_indices:
+        if cfg.ssm_kind != "unstruct" or not cfg.bst_layer_indices or cfg.unstruct_finite_filter:
             return
         done = 0
         if continuing:

@@ -409,7 +409,8 @@ class UnstructFilter(nn.Module):
     """Hyena-style implicit long filter: ``h_t = exp(-alpha t) * FFN(PositionalFeatures(t))`` plus a bias (D term).
 
     The positional feature table (trainable, `(1, Lmax, emb_dim)`) and the time grid are tied to
-    ``max_position_embeddings``, so the filter only exists for sequences of at most that length.
+    ``max_position_embeddings``: the filter has Lmax taps. Longer inputs see it as finite (taps at larger lags are
+    zero: [`spectrum`] pads them, a decoding history keeps the last Lmax inputs).
     """
 
     def __init__(self, channels: int, out_channels: int, config):

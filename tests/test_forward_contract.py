@@ -250,3 +250,37 @@ def test_torch_export(cls):
         got = exported.module()(ids, **kwargs)
     key = "last_hidden_state" if cls is BSTModel else "logits"
     torch.testing.assert_close(got[key], want[key])
+
+
+# -- faithfulness option: the unstruct filter beyond its length -------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["sh-unstruct", "mf-unstruct"])
+def test_unstruct_filter_beyond_its_length_is_finite_causal_and_steps_exactly(variant):
+    """max_position_embeddings = 16 taps, sequences of 3x that: the forward is causal, decoding (history of the last
+    16 inputs) equals the parallel forward, and a layer's SSM output equals a direct convolution with 16 taps."""
+    overrides = dict(context_mode=variant.split("-")[0], ssm_kind="unstruct", max_position_embeddings=16)
+    torch.manual_seed(0)
+    model = BSTForCausalLM(tiny_config(vocab_size=61, **overrides)).double().eval()
+    assert model.config.unstruct_finite_filter
+    ids = torch.randint(1, 61, (2, 48))
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        changed = ids.clone()
+        changed[:, 30] = (changed[:, 30] + 1) % 61
+        torch.testing.assert_close(model(changed, use_cache=False).logits[:, :30], full[:, :30], atol=1e-10, rtol=0)
+        cache = model(ids[:, :5], use_cache=True).past_key_values
+        stepped = [model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(5, 48)]
+        torch.testing.assert_close(torch.cat(stepped, 1), full[:, 5:], atol=1e-9, rtol=0)
+        # A block-aligned chunk continuing a cache past the filter length (full-sequence form over the history).
+        cache = model(ids[:, :20], use_cache=True).past_key_values
+        torch.testing.assert_close(model(ids[:, 20:], past_key_values=cache).logits, full[:, 20:], atol=1e-9, rtol=0)
+        ssm = model.model.layers[0].context.ssm
+        z = torch.randn(2, 48, ssm.channels, dtype=torch.float64)
+        taps = ssm.filters(16)  # (C, Ds, 16)
+        direct = torch.zeros(2, 48, *taps.shape[:2], dtype=torch.float64)
+        for t in range(48):
+            for j in range(min(t + 1, 16)):
+                direct[:, t] += taps[..., j] * z[:, t - j, None, :]
+        direct += ssm.bias * z[:, :, None, :]
+        torch.testing.assert_close(ssm(z), direct, atol=1e-10, rtol=0)

@@ -226,7 +226,8 @@ def limitations(config) -> list[str]:
         "grammatical (judge from the sample, if the run recorded one). It was not trained to follow instructions and "
         "not evaluated for safety or bias.",
     ]
-    if config.ssm_kind == "unstruct" and config.bst_layer_indices:
+    refuses_longer = config.ssm_kind == "unstruct" and not getattr(config, "unstruct_finite_filter", False)
+    if refuses_longer and config.bst_layer_indices:
         items.append(
             f"- `unstruct` (Hyena-style) filters exist only up to `max_position_embeddings` = "
             f"{config.max_position_embeddings} tokens: longer inputs (and generation past that length) raise an error."
@@ -271,8 +272,14 @@ def render_card(
     seq_len = run.get("seq_len")
     summary_file = run.get("summary_file", "train_summary.json")
     trained_at = f"{seq_len} tokens per sequence (from the run's `{summary_file}`)" if seq_len else "not recorded"
-    if config.ssm_kind == "unstruct" and config.bst_layer_indices:
+    if (
+        config.ssm_kind == "unstruct"
+        and config.bst_layer_indices
+        and not getattr(config, "unstruct_finite_filter", False)
+    ):
         limit = f"{config.max_position_embeddings} tokens (unstruct filter length)"
+    elif config.ssm_kind == "unstruct" and config.bst_layer_indices:
+        limit = f"none (the unstruct filter has {config.max_position_embeddings} taps; beyond, they are zero)"
     else:
         limit = "none (S4 kernels are computed for the input length; config `max_position_embeddings` = "
         limit += f"{config.max_position_embeddings})"
