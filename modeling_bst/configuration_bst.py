@@ -89,6 +89,14 @@ class BSTConfig(PreTrainedConfig):
         relative_attention_num_buckets / relative_attention_max_distance: T5 bias buckets (32) and max distance (128).
         logit_scale (`float`, *optional*): multiplier on the output logits; default 1/sqrt(vocab_size) (meliad).
         rms_norm_eps (`float`, defaults to 1e-6), dropout (`float`, 0.05), attention_dropout (`float`, 0.05).
+        final_dropout (`float`, *optional*): dropout on the final hidden states before the logits (meliad's
+            ``final_dropout_rate``); default ``dropout``.
+        mf_context_ids_after_norm (`bool`, defaults to `False`): add the MF context-ID embeddings after the context
+            norm (meliad adds position-like embeddings after its norm) instead of before it; the default keeps the
+            layout that earlier checkpoints were trained with.
+        init_truncation_correction (`bool`, defaults to `True`): truncated-normal initialisation with meliad's
+            variance correction (``variance_scaling(1.0, "fan_in", "truncated_normal")`` divides the std by
+            0.87962566, the std of a unit normal truncated at +-2, so that the weights have variance 1/fan_in).
         initializer_range (`float`, defaults to 1.0): std of the embedding init (meliad N(0, 1)).
         tie_word_embeddings (`bool`, defaults to `True`).
         gss_layer_indices (`list[int]`, defaults to `[]`): layers that are Gated State Space layers (GSS, Mehta et al.
@@ -145,6 +153,9 @@ class BSTConfig(PreTrainedConfig):
         rms_norm_eps: float = 1e-6,
         dropout: float = 0.05,
         attention_dropout: float = 0.05,
+        final_dropout: float | None = None,
+        mf_context_ids_after_norm: bool = False,
+        init_truncation_correction: bool = True,
         initializer_range: float = 1.0,
         use_cache: bool = True,
         tie_word_embeddings: bool = True,
@@ -213,6 +224,9 @@ class BSTConfig(PreTrainedConfig):
         self.rms_norm_eps = rms_norm_eps
         self.dropout = dropout
         self.attention_dropout = attention_dropout
+        self.final_dropout = final_dropout
+        self.mf_context_ids_after_norm = mf_context_ids_after_norm
+        self.init_truncation_correction = init_truncation_correction
         self.initializer_range = initializer_range
         self.use_cache = use_cache
         self.tie_word_embeddings = tie_word_embeddings
@@ -316,6 +330,10 @@ class BSTConfig(PreTrainedConfig):
         return w // 2 if w >= 128 and w % 2 == 0 else w
 
     @property
+    def resolved_final_dropout(self) -> float:
+        return self.dropout if self.final_dropout is None else self.final_dropout
+
+    @property
     def resolved_logit_scale(self) -> float:
         return self.logit_scale if self.logit_scale is not None else 1.0 / math.sqrt(self.vocab_size)
 
@@ -384,9 +402,14 @@ class BSTConfig(PreTrainedConfig):
             )
         if not isinstance(self.unstruct_finite_filter, bool):
             raise ValueError(f"BSTConfig.unstruct_finite_filter must be a bool, got {self.unstruct_finite_filter!r}.")
-        for name in ("dropout", "attention_dropout"):
+        for name in ("mf_context_ids_after_norm", "init_truncation_correction"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"BSTConfig.{name} must be a bool, got {getattr(self, name)!r}.")
+        for name in ("dropout", "attention_dropout", "final_dropout"):
             value = getattr(self, name)
-            if not (0.0 <= value < 1.0):
+            if name == "final_dropout" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 <= value < 1.0):
                 raise ValueError(f"BSTConfig.{name} must be in [0, 1), got {value!r}.")
         for name in ("bst_layer_indices", "recurrent_layer_indices", "gss_layer_indices"):
             indices = getattr(self, name)

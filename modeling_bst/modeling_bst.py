@@ -324,7 +324,10 @@ class MFContextStates(BSTContextStates):
             c = self.initial_context.expand(*batch_shape, -1, -1)
         else:
             c = torch.einsum("...sc,scd->...sd", y_prev.to(self.up_proj.dtype), self.up_proj)
-        c = self.norm(c + self.context_ids.to(c.dtype))
+        if self.config.mf_context_ids_after_norm:
+            c = self.norm(c) + self.context_ids.to(c.dtype)
+        else:
+            c = self.norm(c + self.context_ids.to(c.dtype))
         k, v = self._heads(self.k_proj(c)), self._heads(self.v_proj(c))
         return (l2_normalize(k) if self.config.qk_norm else k), v  # (..., S, H, d_h)
 
@@ -972,6 +975,17 @@ DECODER_LAYER_CLASSES = {
 }
 
 
+# Standard deviation of a unit normal truncated at +-2 (meliad's variance_scaling correction).
+TRUNCATED_NORMAL_STD = 0.87962566103423978
+
+
+def fan_in_std(fan_in: int, config) -> float:
+    """The std of the truncated normal that gives variance 1/fan_in (``init_truncation_correction``), else the
+    uncorrected 1/sqrt(fan_in) (variance ~0.77/fan_in)."""
+    std = 1.0 / math.sqrt(fan_in)
+    return std / TRUNCATED_NORMAL_STD if config.init_truncation_correction else std
+
+
 class BSTPreTrainedModel(PreTrainedModel):
     config: BSTConfig
     config_class = BSTConfig
@@ -994,7 +1008,7 @@ class BSTPreTrainedModel(PreTrainedModel):
     def _init_weights(self, module):
         cfg = self.config
         if isinstance(module, nn.Linear):
-            std = 1.0 / math.sqrt(module.in_features)
+            std = fan_in_std(module.in_features, cfg)
             init.trunc_normal_(module.weight, mean=0.0, std=std, a=-2 * std, b=2 * std)
             if module.bias is not None:
                 init.zeros_(module.bias)
@@ -1020,10 +1034,10 @@ class BSTPreTrainedModel(PreTrainedModel):
             init.normal_(module.bias, 0.0, 1.0)
         elif isinstance(module, BSTContextStates):
             if isinstance(module.up_proj, nn.Parameter):
-                std = 1.0 / math.sqrt(module.up_proj.shape[1])
+                std = fan_in_std(module.up_proj.shape[1], cfg)
                 init.trunc_normal_(module.up_proj, mean=0.0, std=std, a=-2 * std, b=2 * std)
             if isinstance(module.k_proj, nn.Parameter):
-                std = 1.0 / math.sqrt(module.k_proj.shape[1])
+                std = fan_in_std(module.k_proj.shape[1], cfg)
                 init.trunc_normal_(module.k_proj, mean=0.0, std=std, a=-2 * std, b=2 * std)
                 init.trunc_normal_(module.v_proj, mean=0.0, std=std, a=-2 * std, b=2 * std)
             if module.mode == "mf":
@@ -1418,6 +1432,8 @@ class BSTForCausalLM(BSTPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = BSTModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # meliad's final dropout before the logits (``final_dropout``, default ``dropout``).
+        self.final_dropout = nn.Dropout(config.resolved_final_dropout)
         self.post_init()
 
     def get_output_embeddings(self):
@@ -1452,7 +1468,7 @@ class BSTForCausalLM(BSTPreTrainedModel, GenerationMixin):
         )
         hidden = outputs.last_hidden_state
         slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(hidden[:, slice_indices, :]) * self.config.resolved_logit_scale
+        logits = self.lm_head(self.final_dropout(hidden[:, slice_indices, :])) * self.config.resolved_logit_scale
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)

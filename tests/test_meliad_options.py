@@ -1,0 +1,51 @@
+"""Where the paper is silent, meliad's choices as config fields (issue #12): final dropout before the logits, MF
+context-ID embeddings after the norm, truncated-normal init with the variance correction."""
+
+import math
+
+import torch
+from conftest import tiny_config
+
+from modeling_bst import BSTForCausalLM
+
+
+def _lm_head_inputs(model, ids):
+    seen = []
+    hook = model.lm_head.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    model(ids, use_cache=False)
+    hook.remove()
+    return seen[0]
+
+
+def test_final_dropout_before_the_logits():
+    assert tiny_config(dropout=0.1).resolved_final_dropout == 0.1  # default: the model's dropout (meliad)
+    ids = torch.randint(0, 97, (4, 16))
+    torch.manual_seed(0)
+    model = BSTForCausalLM(tiny_config(dropout=0.0, attention_dropout=0.0, final_dropout=0.5)).train()
+    zeros = (_lm_head_inputs(model, ids) == 0).float().mean()
+    assert 0.4 < zeros < 0.6
+    assert (_lm_head_inputs(model.eval(), ids) != 0).all()
+    model.final_dropout.p = 0.0
+    assert (_lm_head_inputs(model.train(), ids) != 0).all()
+
+
+def test_mf_context_ids_before_or_after_the_norm():
+    torch.manual_seed(0)
+    for after in (False, True):
+        model = BSTForCausalLM(tiny_config(context_mode="mf", mf_context_ids_after_norm=after)).double()
+        ctx = model.model.layers[0].context
+        y = torch.randn(2, ctx.up_proj.shape[0], ctx.up_proj.shape[1], dtype=torch.float64)
+        lifted = torch.einsum("bsc,scd->bsd", y, ctx.up_proj)
+        c = ctx.norm(lifted) + ctx.context_ids if after else ctx.norm(lifted + ctx.context_ids)
+        k, v = ctx.mf_context(y, (2,))
+        torch.testing.assert_close(v, ctx.v_proj(c).unflatten(-1, v.shape[-2:]), atol=1e-12, rtol=0)
+
+
+def test_truncated_normal_init_has_variance_one_over_fan_in():
+    for corrected in (True, False):
+        torch.manual_seed(0)
+        config = tiny_config(hidden_size=256, intermediate_size=1024, init_truncation_correction=corrected)
+        weight = BSTForCausalLM(config).model.layers[1].down_proj.weight  # fan_in 1024, 256k samples
+        ratio = weight.std().item() * math.sqrt(1024)
+        assert abs(ratio - (1.0 if corrected else 0.8796)) < 0.01, ratio
+        assert weight.abs().max() <= 2 * (1.0 if not corrected else 1 / 0.8796) / math.sqrt(1024) + 1e-6
