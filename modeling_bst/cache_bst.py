@@ -48,6 +48,7 @@ def cache_signature(config) -> tuple:
         tuple(config.recurrent_layer_indices),
         tuple(getattr(config, "gss_layer_indices", ())),
         config.num_recurrent_states,
+        getattr(config, "mf_independent_filters", False),
         config.max_position_embeddings,
     )
 

@@ -58,6 +58,10 @@ class BSTConfig(PreTrainedConfig):
         ssm_kind (`str`, defaults to `"s4"`): ``"s4"`` (diagonal S4D kernel) or ``"unstruct"`` (Hyena-style filter).
         ssm_state_size (`int`, defaults to 16): S4D state size N (N/2 complex-conjugate modes per channel).
         num_context_states (`int`, defaults to 32): S, number of MF filters / context states per block.
+        mf_independent_filters (`bool`, defaults to `False`): MF over S4 with one SSM per filter (its own Lambda, B
+            and dt) instead of S read-outs (C, D) of one shared state. With a shared state of N/2 complex modes,
+            the S context states of a block span at most N + 1 dimensions per SSM channel (the paper's motivation
+            for MF asks for S distinct filters). Needs ``context_mode="mf"`` and ``ssm_kind="s4"``.
         recurrent_layer_indices (`list[int]`, defaults to `[]`): layers that carry a Block-Recurrent Transformer
             state (BRecT:fixed:skip); must not overlap ``bst_layer_indices``.
         num_recurrent_states (`int`, defaults to 512): number of BRecT recurrent state vectors.
@@ -126,6 +130,7 @@ class BSTConfig(PreTrainedConfig):
         ssm_kind: str = "s4",
         ssm_state_size: int = 16,
         num_context_states: int = 32,
+        mf_independent_filters: bool = False,
         recurrent_layer_indices: list | None = None,
         num_recurrent_states: int = 512,
         bidirectional: bool = False,
@@ -197,6 +202,7 @@ class BSTConfig(PreTrainedConfig):
         self.ssm_kind = ssm_kind
         self.ssm_state_size = ssm_state_size
         self.num_context_states = num_context_states
+        self.mf_independent_filters = mf_independent_filters
         self.recurrent_layer_indices = list(recurrent_layer_indices) if recurrent_layer_indices is not None else []
         self.num_recurrent_states = num_recurrent_states
         self.bidirectional = bidirectional
@@ -402,7 +408,12 @@ class BSTConfig(PreTrainedConfig):
             )
         if not isinstance(self.unstruct_finite_filter, bool):
             raise ValueError(f"BSTConfig.unstruct_finite_filter must be a bool, got {self.unstruct_finite_filter!r}.")
-        for name in ("mf_context_ids_after_norm", "init_truncation_correction"):
+        if self.mf_independent_filters is True and (self.context_mode != "mf" or self.ssm_kind != "s4"):
+            raise ValueError(
+                "BSTConfig.mf_independent_filters=True needs context_mode='mf' and ssm_kind='s4' (unstruct filters "
+                f"are independent already), got context_mode={self.context_mode!r}, ssm_kind={self.ssm_kind!r}."
+            )
+        for name in ("mf_independent_filters", "mf_context_ids_after_norm", "init_truncation_correction"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"BSTConfig.{name} must be a bool, got {getattr(self, name)!r}.")
         for name in ("dropout", "attention_dropout", "final_dropout"):

@@ -42,7 +42,7 @@ from transformers.utils import can_return_tuple, logging
 
 from .cache_bst import MAX_ROLLBACK, BSTCache, BSTLayerCache, cache_signature, gather_rows
 from .configuration_bst import BSTConfig
-from .ssm_bst import S4DKernel, UnstructFilter, memoised
+from .ssm_bst import PerFilterS4D, S4DKernel, UnstructFilter, memoised
 
 
 logger = logging.get_logger(__name__)
@@ -382,10 +382,13 @@ class MFContextStates(BSTContextStates):
 
 
 # The SSM kernel of each ``ssm_kind`` and the context builder of each ``context_mode``.
-SSM_KERNELS = {
-    "s4": lambda channels, out_channels, config: S4DKernel(channels, out_channels, config.ssm_state_size, config),
-    "unstruct": UnstructFilter,
-}
+def _s4_kernel(channels, out_channels, config):
+    """S4D with a state shared by the C read-outs, or (MF, ``mf_independent_filters``) one SSM per filter."""
+    per_filter = config.context_mode == "mf" and config.mf_independent_filters
+    return (PerFilterS4D if per_filter else S4DKernel)(channels, out_channels, config.ssm_state_size, config)
+
+
+SSM_KERNELS = {"s4": _s4_kernel, "unstruct": UnstructFilter}
 CONTEXT_BUILDERS = {"sh": SHContextStates, "mh": MHContextStates, "mf": MFContextStates}
 
 
@@ -1055,7 +1058,7 @@ class BSTPreTrainedModel(PreTrainedModel):
         the state matrix, B and dt of S4D kernels, and the whole implicit filter of unstruct kernels."""
         names = []
         for name, _ in self.named_parameters():
-            if ".ssm." in name and not name.split(".ssm.")[-1].startswith(("C", "D", "bias")):
+            if ".ssm." in name and not name.rsplit(".", 1)[-1].startswith(("C", "D", "bias")):
                 names.append(name)
         return names
 

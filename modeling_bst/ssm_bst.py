@@ -561,3 +561,46 @@ class UnstructFilter(nn.Module):
     def block_end_outputs(self, z: torch.Tensor, block_len: int, state: torch.Tensor | None = None):
         """Outputs at the last token of every block: `(B, nb*W, Ds)` -> `(B, nb, C, Ds)`."""
         return self(z, state)[:, block_len - 1 :: block_len]
+
+
+class PerFilterS4D(nn.Module):
+    """MF with one SSM per filter: each of the S filters has its own ``(Lambda, B, dt)`` (and C, D), instead of S
+    read-outs of one shared state. Same contract as [`S4DKernel`] (``forward``, ``final_state``, ``step``,
+    ``block_end_outputs``: still the exact block-end fast path), computed by one S4D kernel over S * Ds channels that
+    all read the same input; its state is `(B, S * Ds, N2)`.
+
+    With a shared state of N/2 complex modes, the S outputs at a block end span at most N + 1 dimensions per
+    channel; independent filters span S.
+    """
+
+    def __init__(self, channels: int, out_channels: int, state_size: int, config):
+        super().__init__()
+        self.channels, self.out_channels = channels, out_channels
+        self.kernel = S4DKernel(out_channels * channels, 1, state_size, config)
+
+    def _repeat(self, z: torch.Tensor) -> torch.Tensor:
+        """`(..., Ds)` -> `(..., S * Ds)`: every filter reads the same input (filter-major, as ``_split`` expects)."""
+        return z.repeat(*([1] * (z.dim() - 1)), self.out_channels)
+
+    def _split(self, y: torch.Tensor) -> torch.Tensor:
+        """`(..., 1, S * Ds)` -> `(..., S, Ds)`."""
+        return y.squeeze(-2).unflatten(-1, (self.out_channels, self.channels))
+
+    def empty_state(self, batch_size: int, device) -> torch.Tensor:
+        return self.kernel.empty_state(batch_size, device)
+
+    def step_constants(self):
+        return self.kernel.step_constants()
+
+    def forward(self, z: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
+        return self._split(self.kernel(self._repeat(z), state))
+
+    def final_state(self, z: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
+        return self.kernel.final_state(self._repeat(z), state)
+
+    def step(self, z_t: torch.Tensor, state: torch.Tensor, constants=None, seen: int | None = None):
+        y, state = self.kernel.step(self._repeat(z_t), state, constants)
+        return self._split(y), state
+
+    def block_end_outputs(self, z: torch.Tensor, block_len: int, state: torch.Tensor | None = None):
+        return self._split(self.kernel.block_end_outputs(self._repeat(z), block_len, state))

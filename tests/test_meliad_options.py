@@ -49,3 +49,30 @@ def test_truncated_normal_init_has_variance_one_over_fan_in():
         ratio = weight.std().item() * math.sqrt(1024)
         assert abs(ratio - (1.0 if corrected else 0.8796)) < 0.01, ratio
         assert weight.abs().max() <= 2 * (1.0 if not corrected else 1 / 0.8796) / math.sqrt(1024) + 1e-6
+
+
+def test_mf_independent_filters_step_exactly_and_span_more_than_a_shared_state():
+    """MF with one SSM per filter: decoding equals the parallel forward, the block-end fast path equals the FFT path,
+    and the S outputs at block ends span more than the N + 1 dimensions per channel a shared state allows."""
+    overrides = dict(context_mode="mf", num_context_states=8, ssm_state_size=4, ssm_hidden_size=2)
+    torch.manual_seed(0)
+    model = BSTForCausalLM(tiny_config(mf_independent_filters=True, **overrides)).double().eval()
+    ids = torch.randint(0, 97, (2, 18))
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        cache = model(ids[:, :5], use_cache=True).past_key_values
+        stepped = torch.cat([model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(5, 18)], 1)
+        torch.testing.assert_close(stepped, full[:, 5:], atol=1e-9, rtol=0)
+        ranks = {}
+        for independent in (False, True):
+            torch.manual_seed(0)
+            ssm = BSTForCausalLM(tiny_config(mf_independent_filters=independent, **overrides)).double()
+            ssm = ssm.model.layers[0].context.ssm
+            z = torch.randn(64, 16, 2, dtype=torch.float64)
+            ends = ssm.block_end_outputs(z, 4)  # (64, 4, S, Ds)
+            torch.testing.assert_close(ends, ssm(z)[:, 3::4], atol=1e-10, rtol=0)
+            sv = torch.linalg.svdvals(ends[:, -1, :, 0])  # samples x S filters, channel 0
+            ranks[independent] = int((sv > 1e-9 * sv[0]).sum())
+        # A shared state bounds the span by N + 1 = 5 whatever the parameters; independent filters exceed it (at
+        # init their dt differ while Lambda and B start equal, so some directions are small but present).
+        assert ranks[False] <= 5 < ranks[True], ranks
