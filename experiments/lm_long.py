@@ -57,6 +57,7 @@ class Protocol:
     xl_window: int = 256  # Transformer-XL trains on segments of its window (its block_len)
     description: str = ""
     out: Path | None = None  # somewhere else than the repository's docs/ and runs/ (dry runs)
+    corpus: str = CORPUS  # "books" (without the Treasury of David): the corpus ablation
 
     @property
     def tokens_per_step(self) -> int:
@@ -69,7 +70,7 @@ class Protocol:
     @property
     def results(self) -> Path:
         docs = self.out / "docs" if self.out is not None else ROOT / "docs"
-        return docs / "results" / ("lm_long" if self.name == "cpu" else f"lm_long_{self.name}")
+        return docs / "results" / self.section
 
     @property
     def docs(self) -> Path:
@@ -78,11 +79,12 @@ class Protocol:
     @property
     def work(self) -> Path:
         work = self.out / "runs" if self.out is not None else Q.WORK
-        return work / ("long" if self.name == "cpu" else f"long-{self.name}") / CORPUS
+        return work / ("long" if self.name == "cpu" else f"long-{self.name}") / self.corpus
 
     @property
     def section(self) -> str:
-        return "lm_long" if self.name == "cpu" else f"lm_long_{self.name}"
+        name = "lm_long" if self.name == "cpu" else f"lm_long_{self.name}"
+        return name if self.corpus == CORPUS else f"{name}_{self.corpus}"
 
     def model_overrides(self, model: str) -> dict:
         """Config overrides turning the model's tiny preset into this scale's model."""
@@ -196,8 +198,8 @@ def train_command(
         seq_len, batch = proto.seq_len, proto.batch
     cmd = [
         sys.executable, "-m", "training.train", "--config", str(Q.RECIPE), "--model_config", preset,
-        "--tokenizer", str(Q.WORK / "tokenizers" / CORPUS), "--dataset", Q.KIND[CORPUS],
-        "--dataset_path", str(Q.WORK / "data" / CORPUS), "--output_dir", str(run_dir(model, seed, proto)),
+        "--tokenizer", str(Q.WORK / "tokenizers" / proto.corpus), "--dataset", Q.KIND[proto.corpus],
+        "--dataset_path", str(Q.WORK / "data" / proto.corpus), "--output_dir", str(run_dir(model, seed, proto)),
         "--seed", str(seed), "--max_steps", str(steps), "--seq_len", str(seq_len),
         "--per_device_train_batch_size", str(batch), "--save_strategy", "steps",
         "--save_steps", str(min(proto.save_every, steps)), "--logging_steps", str(min(100, steps)),
@@ -215,8 +217,8 @@ def train_command(
 def eval_command(model: str, seed: int, proto: Protocol = CPU, device: str | None = None, eval_tokens=None) -> list:
     d = run_dir(model, seed, proto)
     cmd = [
-        sys.executable, "-m", "training.evaluate", "--model", str(d / "final"), "--dataset", Q.KIND[CORPUS],
-        "--dataset_path", str(Q.WORK / "data" / CORPUS), "--split", "test",
+        sys.executable, "-m", "training.evaluate", "--model", str(d / "final"), "--dataset", Q.KIND[proto.corpus],
+        "--dataset_path", str(Q.WORK / "data" / proto.corpus), "--split", "test",
         "--max_tokens_per_doc", str(eval_tokens or proto.eval_tokens), "--lengths", *map(str, proto.lengths),
         "--output", str(d / "eval.json"),
     ]  # fmt: skip
@@ -226,7 +228,11 @@ def eval_command(model: str, seed: int, proto: Protocol = CPU, device: str | Non
 
 
 def learning_curve(
-    model_dir: Path, length: int = CPU.curve_length, eval_tokens: int = CPU.eval_tokens, device: str = "cpu"
+    model_dir: Path,
+    length: int = CPU.curve_length,
+    eval_tokens: int = CPU.eval_tokens,
+    device: str = "cpu",
+    corpus: str = CORPUS,
 ) -> list[dict]:
     """Test bits per byte / token perplexity at the training length of every checkpoint of a run (cached in
     ``curve.json``, so an interrupted evaluation continues)."""
@@ -240,7 +246,7 @@ def learning_curve(
     torch.set_num_threads(1)
     cache_path = model_dir / "curve.json"
     points = {p["step"]: p for p in json.loads(cache_path.read_text())} if cache_path.exists() else {}
-    texts = list(D.texts_of(D.load_documents("pg19", "test", path=str(Q.WORK / "data" / CORPUS))))
+    texts = list(D.texts_of(D.load_documents("pg19", "test", path=str(Q.WORK / "data" / corpus))))
     summary = json.loads((model_dir / "train_summary.json").read_text())
     tokens_per_step = summary["seq_len"] * summary["train_batch_size"]
     for ckpt in complete_checkpoints(str(model_dir)):
@@ -284,7 +290,7 @@ def run_long(
     train_cmd = train_command(model, seed, steps, bf16, proto, device) + list(train_args or [])
     eval_cmd = eval_command(model, seed, proto, device, eval_tokens)
     curve_cmd = [sys.executable, "-m", "experiments.lm_long", "curve", str(d), "--length", str(proto.curve_length),
-                 "--eval_tokens", str(eval_tokens or proto.eval_tokens), "--device", device]  # fmt: skip
+                 "--eval_tokens", str(eval_tokens or proto.eval_tokens), "--device", device, "--corpus", proto.corpus]  # fmt: skip
     log_dir = proto.work.parent.parent / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -303,7 +309,7 @@ def run_long(
     runtime = [h for h in history if "train_runtime" in h]
     entry = report["models"][0]
     result = {
-        "corpus": CORPUS,
+        "corpus": proto.corpus,
         "model": model,
         "label": Q.LABELS[model],
         "preset": Q.MODELS[model][0],
@@ -465,7 +471,9 @@ def report(results_dir: Path | None = None, docs: Path | None | str = "default",
     rerun = "long" if proto.name == "cpu" else f"long --protocol {proto.name}"
     res = proto.results.relative_to(ROOT).as_posix() if proto.results.is_relative_to(ROOT) else str(proto.results)
     corpus = (
-        f"Corpus `{CORPUS}`: every public-domain book in `../shared/data` (the seven of `books/`, the five of "
+        "Corpus `books` (the ablation): the same books without the Treasury of David (9.6 MB of training text, 8 books; the same test and validation books)."
+        if proto.corpus == "books"
+        else f"Corpus `{CORPUS}`: every public-domain book in `../shared/data` (the seven of `books/`, the five of "
         "`more-books/`), whole books per split: test = Persuasion and The Adventures of Sherlock Holmes, validation = "
         "Northanger Abbey, training = the other nine (21.1 MB of text; 12,392 segments of 512 tokens = 6.3M tokens "
         "under the corpus's 4,096-token byte-level BPE, trained on the training split). "
@@ -479,7 +487,7 @@ def report(results_dir: Path | None = None, docs: Path | None | str = "default",
             corpus,
             "",
             f"Every model ({proto.description}) trained for {r0['steps']} steps ({r0['tokens'] / 1e6:.2f}M tokens) on "
-            f"the `{CORPUS}` corpus with `configs/train/quality-cpu.yaml`; test: {r0['dataset'].get('documents', '?')} "
+            f"the `{proto.corpus}` corpus with `configs/train/quality-cpu.yaml`; test: {r0['dataset'].get('documents', '?')} "
             f"held-out books, first {r0['dataset'].get('max_tokens_per_doc')} tokens of each, scored in windows of L "
             f"tokens. Machine: {machine}. ± is half the spread between seeds; percentages compare the mean bits per "
             f"byte with Slide's. Records (commands, commit, curves): `{res}/*.json`; rerun one with `python -m experiments.lm_quality {rerun} --models M --seeds S`.",
@@ -502,8 +510,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--length", type=int, default=CPU.curve_length)
     p.add_argument("--eval_tokens", type=int, default=CPU.eval_tokens)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--corpus", default=CORPUS)
     args = p.parse_args(argv)
-    learning_curve(Path(args.run_dir), args.length, args.eval_tokens, args.device)
+    learning_curve(Path(args.run_dir), args.length, args.eval_tokens, args.device, args.corpus)
 
 
 if __name__ == "__main__":

@@ -471,8 +471,10 @@ def main(argv: list[str] | None = None) -> None:
             proto = dataclasses.replace(proto, out=Path(args.out).resolve())
         if args.batch_size:
             proto = dataclasses.replace(proto, batch=args.batch_size)
+        if args.corpora:  # the corpus ablation: books without the Treasury of David
+            proto = dataclasses.replace(proto, corpus=args.corpora[0])
         if args.command == "long":
-            prepare(args.data_root, corpora=[lm_long.CORPUS])
+            prepare(args.data_root, corpora=[proto.corpus])
             models = args.models if "--models" in (argv if argv is not None else sys.argv) else lm_long.LONG_MODELS
             failed = lm_long.run_all(
                 models, args.seeds, args.jobs, args.max_steps, args.bf16, proto, device=args.device,
