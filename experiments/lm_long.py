@@ -256,7 +256,8 @@ def learning_curve(
         tokenizer = D.load_tokenizer(ckpt)  # the Trainer saves it with every checkpoint
         model = BSTForCausalLM.from_pretrained(ckpt).to(device)
         row = evaluate_model(model, tokenizer, texts, [length], max_tokens_per_doc=eval_tokens)[0]
-        points[step] = {"step": step, "tokens": step * tokens_per_step, **row}
+        # row["tokens"] counts the scored test tokens; train_tokens the training tokens seen at this checkpoint
+        points[step] = {**row, "step": step, "train_tokens": step * tokens_per_step}
         tmp = cache_path.with_suffix(".tmp")
         tmp.write_text(json.dumps([points[k] for k in sorted(points)], indent=1))
         os.replace(tmp, cache_path)
@@ -400,7 +401,8 @@ def plot(records: list[dict], path: Path, proto: Protocol = CPU) -> None:
         c = colours.setdefault(r["model"], f"C{len(colours)}")
         style = "-" if r["model"].startswith("bst") else "--"
         label = f"{r['label']} s{r['seed']}"
-        pts = [(p["tokens"] / 1e6, p["bits_per_byte"]) for p in r["learning_curve"]]
+        per_step = r["tokens"] / r["steps"]  # records before train_tokens existed: from the step
+        pts = [(p["step"] * per_step / 1e6, p["bits_per_byte"]) for p in r["learning_curve"]]
         ax1.plot(*zip(*pts), style, color=c, marker=".", label=label, alpha=1.0 if r["seed"] == 0 else 0.6)
         gen = [(n, _bpb(r, n)) for n in proto.lengths if _bpb(r, n) is not None]
         ax2.plot(*zip(*gen), style, color=c, marker="o", label=label, alpha=1.0 if r["seed"] == 0 else 0.6)
@@ -486,7 +488,8 @@ def report(results_dir: Path | None = None, docs: Path | None | str = "default",
             "",
             corpus,
             "",
-            f"Every model ({proto.description}) trained for {r0['steps']} steps ({r0['tokens'] / 1e6:.2f}M tokens) on "
+            f"Every model ({proto.description}) trained for {r0['steps']} steps ({r0['tokens'] / 1e6:.2f}M tokens, "
+            f"{'bf16 autocast' if r0.get('bf16') else 'fp32'}) on "
             f"the `{proto.corpus}` corpus with `configs/train/quality-cpu.yaml`; test: {r0['dataset'].get('documents', '?')} "
             f"held-out books, first {r0['dataset'].get('max_tokens_per_doc')} tokens of each, scored in windows of L "
             f"tokens. Machine: {machine}. ± is half the spread between seeds; percentages compare the mean bits per "
