@@ -490,6 +490,10 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
         """``q`` `(N, H, Lq, d)`, ``k``/``v`` `(N, H, Lk, d)`, additive ``mask`` broadcastable -> `(N, Lq, H, d)`
         (and the weights `(N, H, Lq, Lk)` with ``return_weights``: eager attention only)."""
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        if torch.compiler.is_compiling():
+            # Inductor may hand the CPU flash-attention kernel a key whose last dimension is strided (it only keeps the
+            # stride order), for which that kernel returns wrong values; dense inputs cost eager nothing.
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out, weights = interface(self, q, k, v, mask, dropout=dropout, scaling=1.0, is_causal=False)
         return (out, weights) if return_weights else out
 
