@@ -75,7 +75,7 @@ def _fft_conv_op(u: torch.Tensor, k_f: torch.Tensor) -> torch.Tensor:
 
 @_fft_conv_op.register_fake
 def _(u, k_f):
-    return u.new_empty(u.shape[0], k_f.shape[0], *u.shape[1:])
+    return torch.empty((u.shape[0], k_f.shape[0], *u.shape[1:]), dtype=u.dtype, device=u.device)
 
 
 @torch.library.custom_op(f"{_OPS}::fft_conv_backward", mutates_args=())
@@ -92,7 +92,11 @@ def _fft_conv_backward(grad: torch.Tensor, u: torch.Tensor, k_f: torch.Tensor) -
 
 @_fft_conv_backward.register_fake
 def _(grad, u, k_f):
-    return u.new_empty(u.shape), k_f.new_empty(k_f.shape)  # contiguous, as the real outputs
+    # contiguous, as the real outputs (explicitly: a fake ``u`` may be a transposed view)
+    return (
+        torch.empty(u.shape, dtype=u.dtype, device=u.device),
+        torch.empty(k_f.shape, dtype=k_f.dtype, device=k_f.device),
+    )
 
 
 def _fft_conv_setup(ctx, inputs, output):
