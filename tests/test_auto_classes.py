@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import conftest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
@@ -71,22 +72,8 @@ print("RESULT " + __import__("json").dumps(out))
 
 
 def tiny_config(**kw) -> BSTConfig:
-    fields = dict(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        head_dim=8,
-        intermediate_size=48,
-        max_position_embeddings=64,
-        block_len=4,
-        bst_layer_indices=[0],
-        ssm_state_size=4,
-        dropout=0.0,
-        attention_dropout=0.0,
-    )
-    fields.update(kw)
-    return BSTConfig(**fields)
+    """The suite's tiny config, two layers (block + BST) and a 64-token vocabulary."""
+    return conftest.tiny_config(**{"vocab_size": 64, "num_hidden_layers": 2, "bst_layer_indices": [0], **kw})
 
 
 def test_config_auto_map_lists_every_head(tmp_path):

@@ -20,6 +20,7 @@ from modeling_bst import BSTConfig, BSTForCausalLM
 
 FIXTURES = Path(__file__).parent / "fixtures" / "checkpoints"
 
+# Frozen on purpose (not conftest.TINY_DEFAULTS): the fixtures must keep the config they were written with.
 TINY = dict(
     vocab_size=97,
     hidden_size=32,

@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 from urllib.parse import urlparse
 
+import conftest
 import pytest
 import torch
 import yaml
@@ -24,21 +25,8 @@ from training import export as export_mod
 
 def trained_folder(tmp_path: Path, **overrides) -> Path:
     torch.manual_seed(0)
-    fields = dict(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        head_dim=8,
-        intermediate_size=48,
-        max_position_embeddings=64,
-        block_len=4,
-        bst_layer_indices=[0],
-        ssm_state_size=4,
-        dropout=0.0,
-        attention_dropout=0.0,
-    )
-    model = BSTForCausalLM(BSTConfig(**{**fields, **overrides}))
+    overrides = {"vocab_size": 64, "num_hidden_layers": 2, "bst_layer_indices": [0], **overrides}
+    model = BSTForCausalLM(conftest.tiny_config(**overrides))
     model.config.use_cache = False  # what Trainer leaves behind
     folder = tmp_path / "run" / "final"
     model.save_pretrained(folder)
