@@ -1,0 +1,237 @@
+"""The accelerator path (issue #15): every model family on CUDA against the CPU float64 model.
+
+Each test takes the device as a parameter. The ``cuda`` cases carry the ``gpu`` marker (``pytest -m gpu``, run by
+``bash benchmarks/gpu_suite.sh``) and are skipped without a CUDA device; the ``cpu`` cases run the same bodies in the
+default suite (fp32 and bf16 autocast on the CPU against float64), so the comparison logic is exercised everywhere.
+The host-device sync check exists on CUDA only.
+
+Tolerances, as relative errors ``||a - ref|| / ||ref||`` (Frobenius norm over the whole tensor, over all parameter
+gradients together, or over one parameter's gradient) against the CPU float64 model with the same weights; the
+measured worst case over the variants on the CPU (fp32 / bf16 autocast, torch 2.13) in brackets:
+
+* fp32: logits 3e-4 [6e-5, unstruct; 3e-7 the others], loss 2e-5 [5e-7], all gradients 1e-3 [1.7e-4], each
+  parameter's gradient 3e-3 [6e-4];
+* bf16 autocast: logits 2e-2 [7e-3], loss 2e-3 [2e-4], all gradients 0.12 [5.4e-2], each parameter's gradient 0.6
+  [0.35: the scalar gates ``self_scale`` / ``cross_scale``, whose gradients are sums with cancellation]; bf16 keeps 8
+  mantissa bits (a rounding of 4e-3 per matmul operand);
+* decoding token by token == parallel forward on the same device in fp32: max |difference| 1e-4 on logits of
+  magnitude ~1 (CPU float64 holds this at 1e-10 in tests/test_core.py).
+"""
+
+import copy
+
+import pytest
+import torch
+from conftest import VARIANTS, make_model
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from modeling_bst.ssm_bst import PerFilterS4D, S4DKernel, UnstructFilter
+
+
+HAS_CUDA = torch.cuda.is_available()
+NO_CUDA = "no CUDA device: the gpu tests run where torch.cuda.is_available() (pytest -m gpu)"
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA)]),
+]
+
+# The paper's model families on the tiny config of tests/conftest.py (Table 1: Slide, BST:{SH,MH,MF}:S4,
+# BST:{SH,MF}:unstruct, BRecT, GSS-Hybrid, Transformer-XL).
+GPU_VARIANTS = {
+    "slide": VARIANTS["slide"],
+    "sh-s4": VARIANTS["sh-s4"],
+    "mh-s4": VARIANTS["mh-s4"],
+    "mf-s4": VARIANTS["mf-s4"],
+    "sh-unstruct": VARIANTS["sh-unstruct"],
+    "mf-unstruct": VARIANTS["mf-unstruct"],
+    "brect": VARIANTS["brect"],
+    "gss-hybrid": dict(bst_layer_indices=[], gss_layer_indices=[0, 2]),
+    "trsf-xl": VARIANTS["trsf-xl"],
+}
+S4_VARIANTS = ["sh-s4", "mh-s4", "mf-s4", "gss-hybrid"]
+SSM_MODULES = (S4DKernel, UnstructFilter, PerFilterS4D)
+SEQ = 23  # not a multiple of W = 4: six block boundaries (Transformer-XL's window is 18: one)
+DECODE_SEQ = 41  # two Transformer-XL windows, ten blocks of 4
+TOL = {
+    "fp32": dict(logits=3e-4, loss=2e-5, grads=1e-3, grad=3e-3),
+    "bf16": dict(logits=2e-2, loss=2e-3, grads=0.12, grad=0.6),
+}
+
+
+def build(variant: str, device: str, dtype=torch.float32):
+    """The seeded tiny model of ``variant`` in ``dtype`` on ``device`` (the same weights for every call)."""
+    return make_model(None, **GPU_VARIANTS[variant]).to(device=device, dtype=dtype)
+
+
+def tokens(batch: int, length: int, device="cpu", seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 97, (batch, length), generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def autocast(device: str, precision: str):
+    return torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
+def forward_backward(model, ids, device: str, precision: str):
+    """Training-mode logits, loss and parameter gradients (float64 on the CPU) of one LM step."""
+    model.train()  # dropout is 0 in the tiny config: train mode only selects the training code paths
+    model.zero_grad(set_to_none=True)
+    with autocast(device, precision):
+        out = model(ids, labels=ids, use_cache=False)
+    out.loss.backward()
+    grads = {n: p.grad.detach().double().cpu() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logits.detach().double().cpu(), out.loss.detach().double().cpu(), grads
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def compare_with_float64(variant: str, device: str, precision: str) -> dict:
+    """Relative errors of ``variant`` on ``device`` in fp32 / bf16 autocast against the CPU float64 model."""
+    ids = tokens(2, SEQ)
+    ref_logits, ref_loss, ref_grads = forward_backward(build(variant, "cpu", torch.float64), ids, "cpu", "fp32")
+    logits, loss, grads = forward_backward(build(variant, device), ids.to(device), device, precision)
+    assert set(grads) == set(ref_grads), f"parameters with a gradient differ: {set(grads) ^ set(ref_grads)}"
+    per_param = {n: rel_err(grads[n], ref_grads[n]) for n in ref_grads if ref_grads[n].norm() > 0}
+    flat, ref_flat = (torch.cat([g[n].flatten() for n in ref_grads]) for g in (grads, ref_grads))
+    return dict(
+        logits=rel_err(logits, ref_logits), loss=rel_err(loss, ref_loss), grad=per_param, grads=rel_err(flat, ref_flat)
+    )
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("variant", list(GPU_VARIANTS))
+@pytest.mark.parametrize("device", DEVICES)
+def test_forward_backward_equal_cpu_float64(device, variant, precision):
+    err, tol = compare_with_float64(variant, device, precision), TOL[precision]
+    for key in ("logits", "loss", "grads"):
+        assert err[key] <= tol[key], (
+            f"{variant} {precision} on {device}: {key} relative error {err[key]:.2e} > {tol[key]}"
+        )
+    worst = max(err["grad"], key=err["grad"].get)
+    assert err["grad"][worst] <= tol["grad"], (
+        f"{variant} {precision} on {device}: gradient of {worst} relative error {err['grad'][worst]:.2e} > {tol['grad']}"
+    )
+
+
+def decode_token_by_token(model, ids: torch.Tensor, prefix: int) -> torch.Tensor:
+    """Logits of a prefill of ``prefix`` tokens followed by one cached step per remaining token."""
+    with torch.no_grad():
+        out = model(ids[:, :prefix], use_cache=True)
+        cache, logits = out.past_key_values, [out.logits]
+        for t in range(prefix, ids.shape[1]):
+            out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            logits.append(out.logits)
+    return torch.cat(logits, 1)
+
+
+@pytest.mark.parametrize("variant", list(GPU_VARIANTS))
+@pytest.mark.parametrize("device", DEVICES)
+def test_decoding_equals_parallel_forward_on_device(device, variant):
+    model = build(variant, device).eval()
+    ids = tokens(2, DECODE_SEQ, device, seed=1)
+    with torch.no_grad():
+        ref = model(ids).logits
+    for prefix in (1, 7):  # prefill inside a block and at a block's start, then steps across every later boundary
+        diff = (decode_token_by_token(model, ids, prefix) - ref).abs().max().item()
+        assert diff <= 1e-4, f"{variant} on {device}: step logits differ from the parallel forward by {diff:.2e}"
+
+
+def greedy_margin(model, sequences: torch.Tensor, prompt_len: int) -> float:
+    """Smallest gap between the best and the second-best logit over the greedy choices of ``sequences``."""
+    with torch.no_grad():
+        logits = model(sequences.cpu()).logits[:, prompt_len - 1 : -1].double()
+    top2 = logits.topk(2, dim=-1).values
+    return (top2[..., 0] - top2[..., 1]).min().item()
+
+
+@pytest.mark.parametrize("variant", list(GPU_VARIANTS))
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_generate_on_device_equals_cpu(device, variant):
+    cpu_model = build(variant, "cpu", torch.float64)
+    ids = tokens(2, 9, seed=2)
+    kwargs = dict(max_new_tokens=16, do_sample=False, pad_token_id=0)
+    ref = cpu_model.generate(ids, **kwargs)
+    # Precondition (checked in float64 on the CPU): no near-tie among the greedy choices, so fp32 rounding on another
+    # device cannot legitimately pick a different token.
+    margin = greedy_margin(cpu_model, ref, ids.shape[1])
+    assert margin > 1e-4, f"{variant}: greedy choices within {margin:.1e} of a tie; pick another prompt seed"
+    out = build(variant, device).generate(ids.to(device), **kwargs)
+    assert out.device.type == device
+    assert torch.equal(out.cpu(), ref), f"{variant}: greedy tokens on {device} differ from CPU float64"
+
+
+class OpDtypes(TorchDispatchMode):
+    """Records the input dtype of every FFT and matmul op dispatched (below autocast: the dtypes the kernels see)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fft, self.matmul = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__
+        if "fft" in name:
+            self.fft.append((name, args[0].dtype))
+        elif name.split(".")[0] in ("mm", "addmm", "bmm"):
+            self.matmul.append(args[-2].dtype if name.startswith("addmm") else args[0].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("variant", ["sh-s4", "mh-s4", "mf-s4", "sh-unstruct", "mf-unstruct", "gss-hybrid"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_ssm_and_fft_convolution_stay_float32_under_bf16_autocast(device, variant, monkeypatch):
+    """Under bf16 autocast every SSM output is float32 and every FFT runs on float32 / complex64 inputs (MF:S4 takes
+    the block-end states without an FFT: its SSM output is checked), while the matmuls around them run in bf16."""
+    model = build(variant, device)
+    outputs = []
+
+    def record(name, fn):
+        def wrapped(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            outputs.append((name, out.dtype))
+            return out
+
+        return wrapped
+
+    for m in model.modules():
+        if isinstance(m, SSM_MODULES):
+            monkeypatch.setattr(m, "forward", record(type(m).__name__ + ".forward", m.forward))
+            monkeypatch.setattr(m, "block_end_outputs", record(type(m).__name__ + ".block_end", m.block_end_outputs))
+    ids = tokens(2, SEQ, device)
+    with OpDtypes() as ops, torch.autocast(device_type=device, dtype=torch.bfloat16):
+        model(ids, labels=ids, use_cache=False).loss.backward()
+    assert outputs, f"{variant}: no SSM call observed"
+    assert all(dtype == torch.float32 for _, dtype in outputs), f"SSM outputs not float32: {outputs}"
+    assert bool(ops.fft) == (variant != "mf-s4"), f"{variant}: FFT ops seen: {ops.fft}"
+    bad = [(name, dtype) for name, dtype in ops.fft if dtype not in (torch.float32, torch.complex64)]
+    assert not bad, f"{variant}: FFTs ran in reduced precision under bf16 autocast: {bad}"
+    assert torch.bfloat16 in ops.matmul, f"{variant}: no bf16 matmul: autocast was not in effect ({set(ops.matmul)})"
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA)
+@pytest.mark.parametrize("variant", S4_VARIANTS)
+def test_s4_decode_step_has_no_host_device_sync(variant):
+    """One decode step after warm-up runs without a synchronising CUDA call (``.item()``, a device-to-host copy,
+    ``nonzero``...): ``torch.cuda.set_sync_debug_mode("error")`` raises on any."""
+    model = build(variant, "cuda").eval()
+    ids = tokens(2, 10, "cuda")
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        cache = out.past_key_values
+        token = out.logits[:, -1:].argmax(-1)
+        for _ in range(3):  # warm-up: first-step allocations, memoised constants, past a block boundary
+            out = model(token, past_key_values=cache, use_cache=True)
+            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        expected = copy.deepcopy(cache)
+        ref = model(token, past_key_values=expected, use_cache=True).logits
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            logits = model(token, past_key_values=cache, use_cache=True).logits
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.testing.assert_close(logits, ref, rtol=0, atol=0)
