@@ -1,8 +1,11 @@
-"""Shared by the benchmark scripts: the machine's CPU name, allocator tuning, and replacing one marked section of
-docs/benchmarks.md."""
+"""Shared by the benchmark scripts: the machine's CPU name, allocator tuning, device timing, and replacing one marked
+section of docs/benchmarks.md."""
 
 import platform
+import time
 from pathlib import Path
+
+import torch
 
 
 BENCHMARKS_MD = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
@@ -14,6 +17,19 @@ def cpu_name() -> str:
             return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         return platform.processor() or platform.machine()
+
+
+def device_name(device: str) -> str:
+    """The accelerator's name for ``cuda`` (e.g. ``NVIDIA H100 80GB HBM3``), the CPU's otherwise."""
+    return torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else cpu_name()
+
+
+def clock(device: str) -> float:
+    """``time.perf_counter()`` once the device's queued work has finished (CUDA runs asynchronously): the difference
+    of two calls around some work is its wall time on the device, launch overhead included."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def tune_malloc() -> bool:

@@ -6,18 +6,19 @@ For each context N: prefill N random tokens with one forward, then time single-t
     python benchmarks/generation_speed.py [--quick] [--contexts 1024 4096 16384 65536] [--hidden 512 --layers 8]
 
 Prints a table, writes docs/benchmarks/generation_speed.{json,png} and a section of docs/benchmarks.md.
+``--device cuda`` times on the GPU (synchronised) and writes generation_speed_gpu.{json,png} only;
+benchmarks/gpu_suite.py also times compiled decode steps (``measure(..., step_model=torch.compile(...))``).
 Goal (issue #3/#6): BST per-token time flat (64k/1k <= 1.1) and faster than Llama from 4k context on.
 """
 
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 import transformers
-from docs_section import cpu_name, write_section
+from docs_section import clock, cpu_name, device_name, write_section
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MambaConfig, MambaForCausalLM, StaticCache
 
 import modeling_bst  # noqa: F401
@@ -78,16 +79,19 @@ def build(kind: str, hidden: int, layers: int, max_context: int):
 
 
 @torch.no_grad()
-def measure(kind: str, model, context: int, steps: int):
-    ids = torch.randint(0, VOCAB, (1, context))
-    token = torch.randint(0, VOCAB, (1, 1))
+def measure(kind: str, model, context: int, steps: int, device: str = "cpu", step_model=None):
+    """Best ms per decode step after a prefill of ``context`` tokens, and the cache's bytes. ``step_model`` (default
+    ``model``) runs the steps: a compiled ``model`` for example; the prefill always runs on ``model``."""
+    ids = torch.randint(0, VOCAB, (1, context), device=device)
+    token = torch.randint(0, VOCAB, (1, 1), device=device)
+    step_model = model if step_model is None else step_model
     if kind == "bst-recompute":
         seq = ids
         best = float("inf")
         for _ in range(steps):
-            start = time.perf_counter()
+            start = clock(device)
             model(seq, use_cache=False, logits_to_keep=1)
-            best = min(best, time.perf_counter() - start)
+            best = min(best, clock(device) - start)
         return best * 1000, 0
     if kind == "llama-static":
         cache = StaticCache(config=model.config, max_cache_len=context + steps + 8)
@@ -104,20 +108,20 @@ def measure(kind: str, model, context: int, steps: int):
     position = context
     best = float("inf")
     for i in range(steps + 2):
-        start = time.perf_counter()
+        start = clock(device)
         if kind == "mamba":
-            out = model(token, cache_params=cache, use_cache=True)
+            out = step_model(token, cache_params=cache, use_cache=True)
             cache = out.cache_params
         elif kind.startswith("llama"):
-            pos = torch.tensor([[position]])
-            out = model(token, past_key_values=cache, use_cache=True, position_ids=pos)
+            pos = torch.tensor([[position]], device=device)
+            out = step_model(token, past_key_values=cache, use_cache=True, position_ids=pos)
             cache = out.past_key_values
         else:
-            out = model(token, past_key_values=cache, use_cache=True)
+            out = step_model(token, past_key_values=cache, use_cache=True)
             cache = out.past_key_values
         position += 1
         if i >= 2:
-            best = min(best, time.perf_counter() - start)
+            best = min(best, clock(device) - start)
     return best * 1000, tensor_bytes(cache)
 
 
@@ -218,6 +222,7 @@ def main():
         help="largest context for Llama (its full-attention prefill is quadratic)",
     )
     parser.add_argument("--quick", action="store_true", help="hidden 256, 4 layers, contexts 1k/4k/16k")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args()
     if args.quick:
         args.hidden, args.layers, args.contexts = 256, 4, [1024, 4096, 16384]
@@ -226,6 +231,7 @@ def main():
     max_context = max(args.contexts)
     meta = dict(
         cpu=cpu_name(),
+        device=device_name(args.device),
         threads=args.threads,
         torch=torch.__version__,
         transformers=transformers.__version__,
@@ -235,7 +241,9 @@ def main():
         command="python " + " ".join(sys.argv),
     )
     kinds = ["bst-s4", "bst-unstruct", "bst-recompute", "llama-dynamic", "llama-static", "mamba"]
-    models = {k: build(k, args.hidden, args.layers, max_context) for k in kinds if k != "bst-recompute"}
+    models = {
+        k: build(k, args.hidden, args.layers, max_context).to(args.device) for k in kinds if k != "bst-recompute"
+    }
     models["bst-recompute"] = models["bst-s4"]
     rows = []
     print(f"{'model':<15} {'context':>8} {'ms/token':>9} {'cache MiB':>10}")
@@ -247,14 +255,17 @@ def main():
                 continue
             if kind.startswith("llama") and args.llama_max is not None and context > args.llama_max:
                 continue
-            ms, nbytes = measure(kind, models[kind], context, args.steps if kind != "bst-recompute" else 2)
+            steps = args.steps if kind != "bst-recompute" else 2
+            ms, nbytes = measure(kind, models[kind], context, steps, args.device)
             rows.append(dict(model=kind, context=context, ms_per_token=ms, cache_bytes=nbytes))
             print(f"{kind:<15} {context:>8} {ms:>9.2f} {nbytes / 2**20:>10.2f}", flush=True)
     out = ROOT / "docs" / "benchmarks"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "generation_speed.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    plot(rows, out / "generation_speed.png")
-    write_docs(rows, meta, args.contexts)
+    stem = "generation_speed_gpu" if torch.device(args.device).type == "cuda" else "generation_speed"
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    plot(rows, out / f"{stem}.png")
+    if stem == "generation_speed":
+        write_docs(rows, meta, args.contexts)
 
 
 if __name__ == "__main__":

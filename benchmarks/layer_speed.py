@@ -28,6 +28,10 @@ A B C ...) and each contender's minimum kept (the median is stored too). The scr
 otherwise make BST:MH 2-3x slower.
 
     python benchmarks/layer_speed.py [--quick] [--long] [--dtype fp32|bf16|both] [--threads 1] [--rounds 5]
+                                     [--device cpu|cuda]
+
+``--device cuda`` runs the same contenders on the GPU (timed with ``torch.cuda.synchronize`` around each forward;
+the FFT-buffer memory check uses the device's free memory); ``benchmarks/gpu_suite.py`` calls ``time_length`` so.
 
 Prints a table and writes docs/benchmarks/layer_speed.json, docs/benchmarks/layer_speed.png and the
 ``layer_speed`` section of docs/benchmarks.md.
@@ -51,7 +55,7 @@ from modeling_bst import BSTConfig, BSTModel
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from docs_section import tune_malloc  # noqa: E402
+from docs_section import clock, device_name, tune_malloc  # noqa: E402
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,7 +109,7 @@ def warm_up(seconds: float):
 
 
 # -- contenders ------------------------------------------------------------------------------------------------------
-def bst_layer(name: str, seq_len: int, recurrent_states: int):
+def bst_layer(name: str, seq_len: int, recurrent_states: int, device: str = "cpu"):
     common = dict(
         vocab_size=16,
         hidden_size=D,
@@ -131,14 +135,14 @@ def bst_layer(name: str, seq_len: int, recurrent_states: int):
             ssm_hidden_size=D,  # paper's speed setup: SSM input D = 512, no down-projection
             num_context_states=32,
         )
-    model = BSTModel(BSTConfig(**common)).eval()
+    model = BSTModel(BSTConfig(**common)).eval().to(device)
     layer = model.layers[0]
     expected = {"Slide": "block", "BRecT": "recurrent"}.get(name, "bst")
     assert layer.kind == expected, (name, layer.kind)
     return layer, lambda x: layer(x)
 
 
-def lucidrains_layer(seq_len: int, recurrent_states: int):
+def lucidrains_layer(seq_len: int, recurrent_states: int, device: str = "cpu"):
     from block_recurrent_transformer_pytorch import BlockRecurrentTransformer
 
     model = BlockRecurrentTransformer(
@@ -154,14 +158,15 @@ def lucidrains_layer(seq_len: int, recurrent_states: int):
         num_state_vectors=recurrent_states,
         use_flash_attn=True,  # SDPA on CPU (its einsum path measured slower)
     ).eval()
-    tokens = torch.randint(0, 16, (1, seq_len))
+    model.to(device)
+    tokens = torch.randint(0, 16, (1, seq_len), device=device)
     return model, lambda x: model(tokens)
 
 
-def build(name: str, seq_len: int, recurrent_states: int):
+def build(name: str, seq_len: int, recurrent_states: int, device: str = "cpu"):
     if name == "lucidrains":
-        return lucidrains_layer(seq_len, recurrent_states)
-    return bst_layer(name, seq_len, recurrent_states)
+        return lucidrains_layer(seq_len, recurrent_states, device)
+    return bst_layer(name, seq_len, recurrent_states, device)
 
 
 def has_lucidrains() -> bool:
@@ -173,7 +178,9 @@ def has_lucidrains() -> bool:
 
 
 # -- timing ----------------------------------------------------------------------------------------------------------
-def available_memory() -> float:
+def available_memory(device: str = "cpu") -> float:
+    if torch.device(device).type == "cuda":
+        return float(torch.cuda.mem_get_info(device)[0])
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -184,9 +191,9 @@ def available_memory() -> float:
     return float("inf")
 
 
-def autocast_ctx(dtype: str):
+def autocast_ctx(dtype: str, device: str = "cpu"):
     if dtype == "bf16":
-        return torch.autocast("cpu", dtype=torch.bfloat16)
+        return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
@@ -213,36 +220,41 @@ def executed_gflop(fn, x) -> float:
     return counter.get_total_flops() / 1e9
 
 
-def time_length(names, seq_len, dtype, rounds, budget_s, recurrent_states, count_flops=False):
+def time_length(names, seq_len, dtype, rounds, budget_s, recurrent_states, count_flops=False, device="cpu"):
     """Min / median ms per forward for each contender at one length, contenders alternated round by round."""
-    x = torch.randn(1, seq_len, D)
+    x = torch.randn(1, seq_len, D, device=device)
     fns, times, errors, flops = {}, {n: [] for n in names}, {}, {}
     for name in names:
         need = 6 * HEADS * D * 2 * seq_len * 4 if name == "BST:MH:S4" else 0  # ~6 live (16, 512, 2L) fp32 buffers
-        if need > 0.8 * available_memory():
+        if need > 0.8 * available_memory(device):
             errors[name] = f"skipped: needs ~{need / 2**30:.0f} GiB of FFT buffers"
             continue
         try:
-            _, fn = build(name, seq_len, recurrent_states)
-            with torch.no_grad(), autocast_ctx(dtype):
+            _, fn = build(name, seq_len, recurrent_states, device)
+            with torch.no_grad(), autocast_ctx(dtype, device):
                 fn(x)  # warm-up (allocations, kernel selection)
             fns[name] = fn
             if count_flops:
                 flops[name] = executed_gflop(fn, x)
-        except (RuntimeError, MemoryError, ValueError) as exc:
+        except (RuntimeError, MemoryError, ValueError) as exc:  # torch.OutOfMemoryError is a RuntimeError
             errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            fns.pop(name, None)
             gc.collect()
+            if torch.device(device).type == "cuda":
+                torch.cuda.empty_cache()
     start = time.perf_counter()
     for r in range(rounds):
         for name, fn in fns.items():
-            with torch.no_grad(), autocast_ctx(dtype):
-                t0 = time.perf_counter()
+            with torch.no_grad(), autocast_ctx(dtype, device):
+                t0 = clock(device)
                 fn(x)
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(clock(device) - t0)
         if r >= 1 and time.perf_counter() - start > budget_s:
             break
     del fns
     gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
     out = {}
     for name in names:
         if times[name]:
@@ -324,7 +336,7 @@ def flop_rows(results, names):
     return rows
 
 
-def plot(results, names, path: Path):
+def plot(results, names, path: Path, title: str = "CPU 1 thread"):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -343,7 +355,7 @@ def plot(results, names, path: Path):
         ax.set_yscale("log")
         ax.set_xlabel("sequence length L (tokens)")
         ax.set_ylabel("ms per forward (one layer, batch 1)")
-        ax.set_title(f"One-layer forward, CPU 1 thread, {dtype}")
+        ax.set_title(f"One-layer forward, {title}, {dtype}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -466,6 +478,7 @@ def main():
     parser.add_argument("--lengths", type=int, nargs="*", default=None)
     parser.add_argument("--contenders", nargs="*", default=None, choices=CONTENDERS)
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (a GPU: synchronised timing, its free memory)")
     parser.add_argument(
         "--render",
         type=Path,
@@ -505,6 +518,7 @@ def main():
         "mallopt_no_mmap_no_trim": mallopt,
         "recurrent_states": args.recurrent_states,
         "rounds": rounds,
+        "device": device_name(args.device),
         "command": "python benchmarks/layer_speed.py " + " ".join(a for a in sys.argv[1:]),
         "setup": dict(
             hidden=D,
@@ -532,7 +546,14 @@ def main():
         for seq_len in lengths:
             t0 = time.perf_counter()
             results[dtype][str(seq_len)] = time_length(
-                names, seq_len, dtype, rounds, args.budget, args.recurrent_states, count_flops=dtype == dtypes[0]
+                names,
+                seq_len,
+                dtype,
+                rounds,
+                args.budget,
+                args.recurrent_states,
+                count_flops=dtype == dtypes[0],
+                device=args.device,
             )
             row = results[dtype][str(seq_len)]
             print(
@@ -585,15 +606,20 @@ def merge_runs(runs):
 
 
 def render(meta, results, names):
-    """Print the table and write the JSON, the plot and the markdown section."""
+    """Print the table and write the JSON, the plot and the markdown section (CPU runs). A GPU run (meta["device"]
+    is not the CPU) writes layer_speed_gpu.{json,png} and leaves the CPU section of docs/benchmarks.md alone: its
+    summary is benchmarks/gpu_suite.py's."""
     print("\n".join(table_rows(results, names)))
     print("\n" + "\n".join(verdict(results)))
     out = ROOT / "docs" / "benchmarks"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "layer_speed.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
-    plot(results, names, out / "layer_speed.png")
-    write_markdown(meta, results, names, ROOT / "docs" / "benchmarks.md")
-    print(f"wrote {out / 'layer_speed.json'}, {out / 'layer_speed.png'}, docs/benchmarks.md")
+    gpu = meta.get("device", meta["cpu"]) != meta["cpu"]
+    stem = "layer_speed_gpu" if gpu else "layer_speed"
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    plot(results, names, out / f"{stem}.png", title=meta["device"] if gpu else "CPU 1 thread")
+    if not gpu:
+        write_markdown(meta, results, names, ROOT / "docs" / "benchmarks.md")
+    print(f"wrote {out / stem}.json, {out / stem}.png" + ("" if gpu else ", docs/benchmarks.md"))
 
 
 if __name__ == "__main__":

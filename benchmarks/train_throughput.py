@@ -9,20 +9,24 @@ the run's dtype and against the bf16 peak (the issue's yardstick); see ``flops_p
 is the speed-up BST would show if both models ran at the same FLOP rate.
 
     python benchmarks/train_throughput.py [--quick] [--threads 1] [--seq-len 4096] [--rounds 3] [--steps 2]
+                                          [--size 60m|200m] [--device cpu|cuda]
 
-Prints a table and writes docs/benchmarks/train_throughput.{json,png} and a section of docs/benchmarks.md.
+Prints a table and writes docs/benchmarks/train_throughput.{json,png} and a section of docs/benchmarks.md. ``--size
+200m`` is the ~200M preset (configs/models/bst-sh-s4.json's shape: hidden 1024, 12 layers, BST layers {0, 7, 9}) and
+a Llama of the same hidden size, depth and MLP. ``--device cuda`` times on the GPU (synchronised; the peak is the
+GPU's measured matmul rate), adds HF Llama with flash-attention-2 for bf16 where ``flash_attn`` is installed, and
+writes train_throughput_gpu.{json,png} only (benchmarks/gpu_suite.py writes the GPU summary).
 """
 
 import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 import transformers
-from docs_section import cpu_name, tune_malloc, write_section
+from docs_section import clock, cpu_name, device_name, tune_malloc, write_section
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import modeling_bst  # noqa: F401
@@ -32,37 +36,49 @@ from modeling_bst import BSTConfig, BSTForCausalLM
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def matmul_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 8) -> float:
+def matmul_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 8, device: str = "cpu") -> float:
     """Best observed FLOP/s of a square matmul (a canary for the machine's state, and the MFU denominator)."""
-    a = torch.randn(size, size, dtype=dtype)
-    b = torch.randn(size, size, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        size, repeats = 8192, 20  # large enough to saturate the tensor cores
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock(device)
         a @ b
-        best = min(best, time.perf_counter() - start)
+        best = min(best, clock(device) - start)
     return 2 * size**3 / best
 
 
-def build(kind: str, seq_len: int):
-    common = dict(vocab_size=32000, hidden_size=512, num_hidden_layers=8, intermediate_size=2048)
-    if kind == "llama":
+# Model shapes (hidden, depth, MLP, heads x head_dim, BST layers, block length W); both contenders share the first four.
+SIZES = {
+    "60m": dict(hidden=512, layers=8, mlp=2048, heads=8, head_dim=64, bst_layers=[0, 5, 6], block_len=512),
+    "200m": dict(hidden=1024, layers=12, mlp=4096, heads=8, head_dim=128, bst_layers=[0, 7, 9], block_len=512),
+    "tiny": dict(hidden=128, layers=2, mlp=256, heads=2, head_dim=64, bst_layers=[0], block_len=64),  # dry runs
+}
+ATTENTION = {"llama": "sdpa", "llama-flash": "flash_attention_2"}
+
+
+def build(kind: str, seq_len: int, size: str = "60m"):
+    shape = SIZES[size]
+    common = dict(
+        vocab_size=32000,
+        hidden_size=shape["hidden"],
+        num_hidden_layers=shape["layers"],
+        intermediate_size=shape["mlp"],
+        num_attention_heads=shape["heads"],
+        head_dim=shape["head_dim"],
+        max_position_embeddings=seq_len,
+    )
+    if kind in ATTENTION:
         config = LlamaConfig(
-            **common,
-            num_attention_heads=8,
-            num_key_value_heads=8,
-            max_position_embeddings=seq_len,
-            tie_word_embeddings=True,
-            attn_implementation="sdpa",
+            **common, num_key_value_heads=shape["heads"], tie_word_embeddings=True, attn_implementation=ATTENTION[kind]
         )
         return LlamaForCausalLM(config)
-    layers = {"bst": [0, 5, 6], "slide": []}[kind]
+    layers = {"bst": shape["bst_layers"], "slide": []}[kind]
     config = BSTConfig(
         **common,
-        num_attention_heads=8,
-        head_dim=64,
-        max_position_embeddings=seq_len,
-        block_len=512,
+        block_len=shape["block_len"],
         bst_layer_indices=layers,
         dropout=0.0,
         attention_dropout=0.0,
@@ -81,7 +97,7 @@ def flops_per_token(model, kind: str, seq_len: int) -> float:
     dense = sum(p.numel() for p in model.parameters())
     config = model.config
     width = config.num_attention_heads * getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
-    if kind == "llama":
+    if kind in ATTENTION:
         keys = config.num_hidden_layers * (seq_len + 1) / 2
     else:
         w = config.block_len
@@ -92,27 +108,74 @@ def flops_per_token(model, kind: str, seq_len: int) -> float:
 class Contender:
     """A model with its optimiser; ``step()`` times one training step (forward, backward, AdamW)."""
 
-    def __init__(self, kind: str, seq_len: int, dtype: torch.dtype):
+    def __init__(self, kind: str, seq_len: int, dtype: torch.dtype, device: str = "cpu", size: str = "60m"):
         torch.manual_seed(0)
-        self.kind, self.dtype = kind, dtype
-        self.model = build(kind, seq_len)
+        self.kind, self.dtype, self.device = kind, dtype, device
+        self.model = build(kind, seq_len, size).to(device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        self.ids = torch.randint(0, 32000, (1, seq_len))
+        self.ids = torch.randint(0, 32000, (1, seq_len), device=device)
         self.times = []
         self.step(record=False)  # warm-up: optimiser state, allocator, kernel selection
 
     def step(self, record: bool = True):
-        start = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16):
+        start = clock(self.device)
+        device_type = torch.device(self.device).type
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16):
             loss = self.model(input_ids=self.ids, labels=self.ids).loss
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if record:
-            self.times.append(time.perf_counter() - start)
+            self.times.append(clock(self.device) - start)
 
 
-NAMES = {"llama": "HF Llama (sdpa)", "bst": "BST:SH:S4", "slide": "Slide"}
+NAMES = {
+    "llama": "HF Llama (sdpa)",
+    "llama-flash": "HF Llama (flash-attention-2)",
+    "bst": "BST:SH:S4",
+    "slide": "Slide",
+}
+
+
+def measure(kinds, seq_len: int, dtype_name: str, rounds: int, steps: int, peaks: dict, device="cpu", size="60m"):
+    """One row per contender (``kinds``, "llama" among them: the reference), contenders alternated round by round,
+    tokens/s from each one's fastest step. ``peaks``: measured matmul FLOP/s, keys "fp32" and "bf16"."""
+    dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
+    contenders = [Contender(kind, seq_len, dtype, device, size) for kind in kinds]
+    # Alternate contenders and keep each one's best, so a machine-state flip hits all of them.
+    for r in range(rounds):
+        for c in contenders:
+            for _ in range(steps):
+                c.step()
+        print(
+            f"{dtype_name} round {r + 1}/{rounds}: "
+            + "  ".join(f"{c.kind} {seq_len / min(c.times):.0f} tok/s" for c in contenders),
+            flush=True,
+        )
+    tps = {c.kind: seq_len / min(c.times) for c in contenders}
+    fpt = {c.kind: flops_per_token(c.model, c.kind, seq_len) for c in contenders}
+    return [
+        dict(
+            model=NAMES[c.kind],
+            dtype=dtype_name,
+            params=sum(p.numel() for p in c.model.parameters()),
+            flops_per_token=fpt[c.kind],
+            tokens_per_s=tps[c.kind],
+            step_times_s=c.times,
+            vs_llama=tps[c.kind] / tps["llama"],
+            flop_ratio=fpt["llama"] / fpt[c.kind],
+            mfu=fpt[c.kind] * tps[c.kind] / peaks[dtype_name],
+            mfu_bf16=fpt[c.kind] * tps[c.kind] / peaks["bf16"],
+        )
+        for c in contenders
+    ]
+
+
+def has_flash() -> bool:
+    """Whether flash-attention-2 can serve HF Llama here (the ``flash_attn`` package and a CUDA device)."""
+    import importlib.util
+
+    return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
 
 
 def write_docs(rows, meta):
@@ -184,15 +247,20 @@ def main():
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="L=1024, 1 round of 1 step")
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
+    parser.add_argument("--size", choices=list(SIZES), default="60m")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args()
     if args.quick:
         args.seq_len, args.steps, args.rounds = 1024, 1, 1
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     mallopt = tune_malloc()
-    matmul_peak(torch.float32)  # warm-up: the first seconds after start run slower
+    matmul_peak(torch.float32, device=args.device)  # warm-up: the first seconds after start run slower
+    gpu = torch.device(args.device).type == "cuda"
     meta = dict(
         cpu=cpu_name(),
+        device=device_name(args.device),
+        size=args.size,
         threads=args.threads,
         torch=torch.__version__,
         transformers=transformers.__version__,
@@ -201,42 +269,14 @@ def main():
         rounds=args.rounds,
         mallopt="applied" if mallopt else "not available",
         command="python " + " ".join(sys.argv),
-        peak_fp32=matmul_peak(torch.float32),
-        peak_bf16=matmul_peak(torch.bfloat16),
+        peak_fp32=matmul_peak(torch.float32, device=args.device),
+        peak_bf16=matmul_peak(torch.bfloat16, device=args.device),
     )
+    peaks = {"fp32": meta["peak_fp32"], "bf16": meta["peak_bf16"]}
     rows = []
     for dtype_name in args.dtypes:
-        dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
-        peak = meta["peak_bf16"] if dtype == torch.bfloat16 else meta["peak_fp32"]
-        contenders = [Contender(kind, args.seq_len, dtype) for kind in ("llama", "bst", "slide")]
-        # Alternate contenders and keep each one's best, so a machine-state flip hits all of them.
-        for r in range(args.rounds):
-            for c in contenders:
-                for _ in range(args.steps):
-                    c.step()
-            print(
-                f"{dtype_name} round {r + 1}/{args.rounds}: "
-                + "  ".join(f"{c.kind} {args.seq_len / min(c.times):.0f} tok/s" for c in contenders),
-                flush=True,
-            )
-        tps = {c.kind: args.seq_len / min(c.times) for c in contenders}
-        fpt = {c.kind: flops_per_token(c.model, c.kind, args.seq_len) for c in contenders}
-        for c in contenders:
-            rows.append(
-                dict(
-                    model=NAMES[c.kind],
-                    dtype=dtype_name,
-                    params=sum(p.numel() for p in c.model.parameters()),
-                    flops_per_token=fpt[c.kind],
-                    tokens_per_s=tps[c.kind],
-                    step_times_s=c.times,
-                    vs_llama=tps[c.kind] / tps["llama"],
-                    flop_ratio=fpt["llama"] / fpt[c.kind],
-                    mfu=fpt[c.kind] * tps[c.kind] / peak,
-                    mfu_bf16=fpt[c.kind] * tps[c.kind] / meta["peak_bf16"],
-                )
-            )
-        del contenders
+        kinds = ["llama", "bst", "slide"] + (["llama-flash"] if gpu and dtype_name == "bf16" and has_flash() else [])
+        rows += measure(kinds, args.seq_len, dtype_name, args.rounds, args.steps, peaks, args.device, args.size)
     print(f"{'model':<18} {'dtype':<5} {'params':>8} {'tok/s':>8} {'vs Llama':>8} {'FLOP ratio':>10} {'MFU bf16':>8}")
     for r in rows:
         print(
@@ -245,9 +285,11 @@ def main():
         )
     out = ROOT / "docs" / "benchmarks"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "train_throughput.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    plot(rows, out / "train_throughput.png")
-    write_docs(rows, meta)
+    stem = "train_throughput_gpu" if gpu else "train_throughput"
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    plot(rows, out / f"{stem}.png")
+    if not gpu:
+        write_docs(rows, meta)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,566 @@
+"""The GPU suite (issue #15): one command that, on one NVIDIA GPU, runs the ``gpu`` tests and the GPU benchmarks and
+writes one JSON and a markdown summary.
+
+    bash benchmarks/gpu_suite.sh OUTDIR              # = python benchmarks/gpu_suite.py OUTDIR
+    bash benchmarks/gpu_suite.sh OUTDIR --dry-run    # every part with tiny sizes on the CPU (about a minute)
+
+Parts, each in its own process with its own time budget (seconds; ``--budget PART=S`` changes one), killed
+``GRACE`` seconds after it; a part writes its results after every measurement, so a killed part keeps what it
+measured, and within a part a measurement whose estimated time exceeds what is left is skipped and recorded:
+
+* ``tests`` (120 s): ``pytest -m gpu tests/test_gpu.py`` (every model family on CUDA vs CPU float64, step ==
+  parallel, generate, FFT in fp32 under bf16 autocast, no host-device sync in an S4 decode step);
+* ``layer_speed`` (150 s): paper Fig. 3 (left), one layer forward, D = 512, W = 128, N = 16, 16 heads, batch 1,
+  Slide / BST:SH,MH,MF:S4 / BST:SH:unstruct / BRecT at L = 1k..65k, bf16 autocast then fp32
+  (benchmarks/layer_speed.py's ``time_length`` with ``device="cuda"``), executed GFLOP at L = 4096;
+* ``train`` (150 s): training tokens/s and MFU (useful FLOPs / the GPU's measured bf16 matmul rate) of the ~60M and
+  ~200M presets against HF Llama of the same shape with SDPA (and flash-attention-2 where ``flash_attn`` is
+  installed), L = 4096 and 16384, bf16 autocast, batch 1 (benchmarks/train_throughput.py's ``measure``);
+* ``decode`` (120 s): decode ms/token after a prefill of 1k..64k tokens, hidden 512, 8 layers: BST S4 and unstruct
+  (BSTCache), HF Llama with DynamicCache and StaticCache, eager; then BST S4 and Llama StaticCache with
+  ``torch.compile(mode="reduce-overhead")`` (CUDA graphs), checked against eager logits; where compiling fails, the
+  error is recorded and the eager numbers stand (benchmarks/generation_speed.py's ``measure``).
+
+The budgets add up to 540 s, so the suite ends within 10 minutes on an H100 with the processes' start-up. The
+summary states the paper's GPU targets (BST:SH < 2x Slide at L = 4k; BRecT 6-11x slower than BST:SH) next to the
+measured ratios and their executed-FLOP bounds. ``--dry-run`` runs the same parts and writes the same structure
+with tiny sizes on the CPU (tests/test_gpu_suite.py runs it in the default suite).
+"""
+
+import argparse
+import copy
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from docs_section import device_name  # noqa: E402
+
+
+SCHEMA = "bst-gpu-suite/1"
+PARTS = ("tests", "layer_speed", "train", "decode")
+BUDGETS = {"tests": 120, "layer_speed": 150, "train": 150, "decode": 120}
+GRACE = 20  # seconds a part may overrun its budget before it is killed
+LAYER_CONTENDERS = ["Slide", "BST:SH:S4", "BST:MH:S4", "BST:MF:S4", "BST:SH:unstruct", "BRecT"]
+PLANS = {
+    "full": dict(
+        device="cuda",
+        tests=["tests/test_gpu.py"],
+        layer_speed=dict(lengths=[1024, 2048, 4096, 8192, 16384, 32768, 65536], dtypes=["bf16", "fp32"], rounds=5),
+        flop_length=4096,
+        train=dict(sizes=["60m", "200m"], seq_lens=[4096, 16384], dtypes=["bf16"], rounds=2, steps=2, peak_size=8192),
+        decode=dict(
+            hidden=512,
+            layers=8,
+            contexts=[1024, 4096, 16384, 65536],
+            compiled_contexts=[1024, 4096, 16384, 65536],
+            steps=20,
+            compile="reduce-overhead",
+        ),
+    ),
+    "dry": dict(
+        device="cpu",
+        tests=["tests/test_gpu.py"],
+        layer_speed=dict(lengths=[256], dtypes=["fp32", "bf16"], rounds=2),
+        flop_length=256,
+        train=dict(sizes=["tiny"], seq_lens=[128], dtypes=["fp32"], rounds=1, steps=1, peak_size=256),
+        decode=dict(hidden=64, layers=2, contexts=[64, 128], compiled_contexts=[64], steps=2, compile="eager"),
+    ),
+}
+PAPER = {"sh_slide_max": 2.0, "brect_sh": (6.0, 11.0)}
+
+
+# -- budgets and partial results ---------------------------------------------------------------------------------------
+class Part:
+    """A part's results file, rewritten after every measurement, and its time budget."""
+
+    def __init__(self, path: Path, budget_s: float):
+        self.path, self.budget_s, self.start = path, budget_s, time.perf_counter()
+        self.data = {"rows": [], "skipped": [], "errors": []}
+
+    def left(self) -> float:
+        return self.budget_s - (time.perf_counter() - self.start)
+
+    def fits(self, what: str, estimate_s: float) -> bool:
+        """Whether ``estimate_s`` fits in what is left; if not, ``what`` is recorded as skipped."""
+        if estimate_s <= self.left():
+            return True
+        self.data["skipped"].append(f"{what}: estimated {estimate_s:.0f} s > {max(self.left(), 0):.0f} s left")
+        self.save()
+        return False
+
+    def save(self):
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, default=float))
+        tmp.replace(self.path)
+
+
+def empty_device_cache(device: str):
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# -- parts -------------------------------------------------------------------------------------------------------------
+def part_layer_speed(part: Part, plan: dict):
+    import layer_speed as ls
+
+    device, cfg = plan["device"], plan["layer_speed"]
+    part.data.update(results={}, contenders=LAYER_CONTENDERS, setup=dict(hidden=ls.D, block_len=ls.W, heads=ls.HEADS))
+    for dtype in cfg["dtypes"]:
+        last = None  # (length, seconds) of the previous length
+        for seq_len in cfg["lengths"]:
+            estimate = 0.0 if last is None else last[1] * 2.5 * seq_len / last[0]  # FFT and BRecT loop: ~linear
+            if not part.fits(f"layer speed {dtype} L={seq_len}", estimate):
+                break
+            start = time.perf_counter()
+            entries = ls.time_length(
+                LAYER_CONTENDERS,
+                seq_len,
+                dtype,
+                cfg["rounds"],
+                budget_s=max(part.left() / 4, 1.0),
+                recurrent_states=512,
+                count_flops=dtype == cfg["dtypes"][0] and seq_len == plan["flop_length"],
+                device=device,
+            )
+            last = (seq_len, time.perf_counter() - start)
+            part.data["results"].setdefault(dtype, {})[str(seq_len)] = entries
+            part.save()
+            print(f"layer {dtype} L={seq_len}: {last[1]:.1f} s", flush=True)
+
+
+def part_train(part: Part, plan: dict):
+    import train_throughput as tt
+
+    device, cfg = plan["device"], plan["train"]
+    peaks = {
+        "fp32": tt.matmul_peak(torch.float32, size=cfg["peak_size"], device=device),
+        "bf16": tt.matmul_peak(torch.bfloat16, size=cfg["peak_size"], device=device),
+    }
+    part.data.update(peaks=peaks, flash_attn=tt.has_flash())
+    last = None
+    for size in cfg["sizes"]:
+        for seq_len in cfg["seq_lens"]:
+            for dtype in cfg["dtypes"]:
+                kinds = ["llama", "bst", "slide"] + (["llama-flash"] if dtype == "bf16" and tt.has_flash() else [])
+                # Scales with tokens x parameters; attention in Llama grows faster, so round up.
+                estimate = 0.0 if last is None else last[1] * 1.5 * seq_len / last[0]
+                what = f"train {size} L={seq_len} {dtype}"
+                if not part.fits(what, estimate):
+                    continue
+                start = time.perf_counter()
+                try:
+                    rows = tt.measure(kinds, seq_len, dtype, cfg["rounds"], cfg["steps"], peaks, device, size)
+                except torch.OutOfMemoryError as exc:
+                    part.data["errors"].append(f"{what}: out of memory ({str(exc).splitlines()[0][:120]})")
+                    rows = []
+                last = (seq_len, time.perf_counter() - start)
+                for row in rows:
+                    row.update(size=size, seq_len=seq_len)
+                    row.pop("step_times_s", None)
+                part.data["rows"] += rows
+                part.save()
+                empty_device_cache(device)
+                print(f"{what}: {last[1]:.1f} s", flush=True)
+
+
+def compiled_max_diff(kind: str, model, step_model, device: str, context: int = 64, steps: int = 3) -> float:
+    """Largest |logit difference| between ``step_model`` and ``model`` over a few decode steps from the same cache."""
+    import generation_speed as gs
+    from transformers import DynamicCache, StaticCache
+
+    ids = torch.randint(0, gs.VOCAB, (1, context), device=device)
+    with torch.no_grad():
+        if kind == "llama-static":
+            cache = StaticCache(config=model.config, max_cache_len=context + steps + 8)
+        else:
+            cache = DynamicCache(config=model.config) if kind == "llama-dynamic" else None
+        out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        caches = [out.past_key_values, copy.deepcopy(out.past_key_values)]
+        token, diff = out.logits[:, -1:].argmax(-1), 0.0
+        for t in range(steps):
+            extra = {"position_ids": torch.tensor([[context + t]], device=device)} if kind.startswith("llama") else {}
+            a = model(token, past_key_values=caches[0], use_cache=True, **extra).logits
+            b = step_model(token, past_key_values=caches[1], use_cache=True, **extra).logits
+            diff = max(diff, (a.float() - b.float()).abs().max().item())
+            token = a[:, -1:].argmax(-1)
+    return diff
+
+
+def compile_step(model, mode: str):
+    """``torch.compile`` of the model for decode steps: CUDA graphs (``mode="reduce-overhead"``), or dynamo with the
+    eager backend (``mode="eager"``: the dry run's stand-in on the CPU, where there are no graphs to capture)."""
+    if mode == "eager":
+        return torch.compile(model, backend="eager", dynamic=False)
+    return torch.compile(model, mode=mode, dynamic=False)
+
+
+def compile_counters() -> dict:
+    """Dynamo's graph counts and inductor's CUDA-graph skips since the last ``counters.clear()``: why graphs did not
+    help, if not (``unique_graphs`` far above the number of contexts: recompiled on every step)."""
+    from torch._dynamo.utils import counters
+
+    picked = {
+        "unique_graphs": counters["stats"].get("unique_graphs", 0),
+        "graph_breaks": sum(counters["graph_break"].values()),
+    }
+    picked.update({k: v for k, v in counters["inductor"].items() if "cudagraph" in k})
+    return picked
+
+
+def part_decode(part: Part, plan: dict):
+    import generation_speed as gs
+
+    device, cfg = plan["device"], plan["decode"]
+    kinds = ["bst-s4", "bst-unstruct", "llama-dynamic", "llama-static"]
+    max_context = max(cfg["contexts"])
+    models = {k: gs.build(k, cfg["hidden"], cfg["layers"], max_context).to(device) for k in kinds}
+    part.data.update(
+        hidden=cfg["hidden"],
+        layers=cfg["layers"],
+        compile_mode=cfg["compile"],
+        compiled_contexts=cfg["compiled_contexts"],
+        compiled={},
+    )
+    last = None
+    for context in cfg["contexts"]:
+        estimate = 0.0 if last is None else last[1] * 1.5 * context / last[0]
+        if not part.fits(f"decode eager context {context}", estimate):
+            break
+        start = time.perf_counter()
+        for kind in kinds:
+            ms, nbytes = gs.measure(kind, models[kind], context, cfg["steps"], device)
+            part.data["rows"].append(
+                dict(model=kind, mode="eager", context=context, ms_per_token=ms, cache_bytes=nbytes)
+            )
+            part.save()
+        last = (context, time.perf_counter() - start)
+        print(f"decode eager {context}: {last[1]:.1f} s", flush=True)
+        empty_device_cache(device)
+    # Compiled steps, after every eager number is in (a compile can be slow): reduce-overhead = CUDA graphs.
+    from torch._dynamo.utils import counters
+
+    for kind in ("bst-s4", "llama-static"):
+        record = part.data["compiled"].setdefault(kind, {})
+        counters.clear()
+        try:
+            step_model = compile_step(models[kind], cfg["compile"])
+            start = time.perf_counter()
+            record["max_abs_logit_diff_vs_eager"] = compiled_max_diff(kind, models[kind], step_model, device)
+            record["first_check_s"] = time.perf_counter() - start
+            part.save()
+            for context in cfg["compiled_contexts"]:
+                if not part.fits(f"decode compiled {kind} context {context}", 2 * record["first_check_s"]):
+                    break
+                ms, nbytes = gs.measure(kind, models[kind], context, cfg["steps"], device, step_model=step_model)
+                part.data["rows"].append(
+                    dict(model=kind, mode="compiled", context=context, ms_per_token=ms, cache_bytes=nbytes)
+                )
+                part.save()
+        except Exception as exc:  # a compile failure is a result: recorded, the eager numbers stand
+            record["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+        record["counters"] = compile_counters()
+        part.save()
+        torch._dynamo.reset()
+
+
+def run_part(name: str, budget_s: float, result: Path, dry_run: bool):
+    """Entry point of a part's own process."""
+    plan = PLANS["dry" if dry_run else "full"]
+    torch.manual_seed(0)
+    if plan["device"] == "cpu":
+        torch.set_num_threads(1)
+    part = Part(result, budget_s)
+    part.save()
+    {"layer_speed": part_layer_speed, "train": part_train, "decode": part_decode}[name](part, plan)
+    part.data["complete"] = True
+    part.save()
+
+
+# -- orchestration -----------------------------------------------------------------------------------------------------
+def junit_summary(path: Path) -> dict:
+    """Counts and failures from pytest's junit XML."""
+    if not path.exists():
+        return {"error": "no junit report written"}
+    root = ET.parse(path).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    failed, skip_reasons = [], {}
+    for case in suite.iter("testcase"):
+        for tag in ("failure", "error"):
+            node = case.find(tag)
+            if node is not None:
+                failed.append(f"{case.get('name')}: {(node.get('message') or '').splitlines()[0][:200]}")
+        node = case.find("skipped")
+        if node is not None:
+            reason = node.get("message") or ""
+            skip_reasons[reason] = skip_reasons.get(reason, 0) + 1
+    return dict(counts, failed=failed, skip_reasons=skip_reasons)
+
+
+def launch(cmd, timeout_s: float, log: Path) -> tuple[str, float]:
+    """Run ``cmd`` with its output in ``log``; ``(status, seconds)`` with status ok / failed (rc N) / timed out."""
+    start = time.perf_counter()
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            return f"timed out after {timeout_s:.0f} s (partial results kept)", time.perf_counter() - start
+    return ("ok" if rc == 0 else f"failed (rc {rc})"), time.perf_counter() - start
+
+
+def log_tail(log: Path, lines: int = 15) -> list[str]:
+    return log.read_text(errors="replace").splitlines()[-lines:] if log.exists() else []
+
+
+def run_suite(outdir: Path, dry_run: bool, budgets: dict, parts) -> dict:
+    outdir.mkdir(parents=True, exist_ok=True)
+    plan = PLANS["dry" if dry_run else "full"]
+    if plan["device"] == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gpu_suite: no CUDA device (torch.cuda.is_available() is False); use --dry-run on a CPU")
+    meta = dict(
+        device=device_name(plan["device"]),
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        transformers=transformers.__version__,
+        python=platform.python_version(),
+        model_code=subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+        or "unknown",
+        started=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        command="bash benchmarks/gpu_suite.sh " + " ".join(sys.argv[1:]),
+    )
+    report = {"schema": SCHEMA, "dry_run": dry_run, "meta": meta, "budget_s": budgets, "parts": {}}
+    suite_start = time.perf_counter()
+    for name in PARTS:
+        entry = report["parts"][name] = {"budget_s": budgets[name]}
+        if name not in parts:
+            entry.update(status="skipped (not selected)", seconds=0.0)
+            continue
+        log = outdir / f"{name}.log"
+        if name == "tests":
+            xml = outdir / "gpu_tests.xml"
+            cmd = [sys.executable, "-m", "pytest", *plan["tests"], "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider"]
+            status, seconds = launch([*cmd, f"--junitxml={xml}"], budgets[name] + GRACE, log)
+            data = junit_summary(xml)
+            if status == "failed (rc 1)":  # pytest's "some tests failed": the tests ran, their results are data
+                status = "ok"
+        else:
+            result = outdir / f"{name}.json"
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--part", name, "--budget", str(budgets[name])]
+            cmd += ["--result", str(result)] + (["--dry-run"] if dry_run else [])
+            status, seconds = launch(cmd, budgets[name] + GRACE, log)
+            data = json.loads(result.read_text()) if result.exists() else {}
+            result.unlink(missing_ok=True)
+        entry.update(status=status, seconds=round(seconds, 1), data=data)
+        if status != "ok":
+            entry["log_tail"] = log_tail(log)
+        print(f"[gpu_suite] {name}: {status} in {seconds:.0f} s", flush=True)
+    report["seconds"] = round(time.perf_counter() - suite_start, 1)
+    report["targets"] = targets(report)
+    (outdir / "gpu_suite.json").write_text(json.dumps(report, indent=2, default=float) + "\n")
+    (outdir / "gpu_suite.md").write_text("\n".join(markdown(report)) + "\n")
+    return report
+
+
+# -- summary -----------------------------------------------------------------------------------------------------------
+def fmt(v, spec="{:.2f}"):
+    return spec.format(v) if isinstance(v, (int, float)) else "n/a"
+
+
+def layer_ratio(results: dict, dtype: str, num: str, den: str, key="min_ms", seq_len: str = "4096"):
+    cells = results.get(dtype, {}).get(seq_len, {})
+    a, b = cells.get(num, {}).get(key), cells.get(den, {}).get(key)
+    return a / b if a is not None and b else None
+
+
+def targets(report: dict) -> list[dict]:
+    """The paper's GPU targets at L = 4096 (the dry run's length when dry), with measured value and FLOP bound."""
+    data = report["parts"].get("layer_speed", {}).get("data") or {}
+    results = data.get("results", {})
+    seq_len = str(PLANS["dry" if report["dry_run"] else "full"]["flop_length"])
+    flops = {"f": {seq_len: next((per[seq_len] for per in results.values() if seq_len in per), {})}}
+    (lo, hi), sh_max = PAPER["brect_sh"], PAPER["sh_slide_max"]
+    checks = [
+        (f"BST:SH:S4 / Slide < {sh_max:g}x", "BST:SH:S4", "Slide", lambda r: r < sh_max),
+        (f"BRecT / BST:SH:S4 in {lo:g}-{hi:g}x (paper: BRecT slower)", "BRecT", "BST:SH:S4", lambda r: lo <= r <= hi),
+    ]
+    out = []
+    for dtype in results:
+        for label, num, den, met in checks:
+            measured = layer_ratio(results, dtype, num, den, seq_len=seq_len)
+            out.append(
+                dict(
+                    target=label,
+                    dtype=dtype,
+                    length=int(seq_len),
+                    measured=measured,
+                    flop_bound=layer_ratio(flops, "f", num, den, "gflop", seq_len),
+                    met=None if measured is None else met(measured),
+                )
+            )
+    return out
+
+
+def markdown(report: dict) -> list[str]:
+    import layer_speed as ls
+
+    meta, parts = report["meta"], report["parts"]
+    kind = "DRY RUN (CPU, tiny sizes: the numbers mean nothing)" if report["dry_run"] else "GPU run"
+    lines = [
+        f"# BST GPU suite: {kind}",
+        "",
+        "## Machine",
+        "",
+        f"{meta['device']}; torch {meta['torch']} (CUDA {meta['cuda']}), transformers {meta['transformers']}, Python "
+        f"{meta['python']}; model code {meta['model_code']}; started {meta['started']}; {report['seconds']:.0f} s in "
+        f"all. Command: `{meta['command']}`.",
+        "",
+        "| part | status | seconds | budget (s) |",
+        "|---|---|---|---|",
+        *(f"| {n} | {p['status']} | {fmt(p.get('seconds'), '{:.0f}')} | {p['budget_s']} |" for n, p in parts.items()),
+        "",
+        "## Paper targets",
+        "",
+        "Paper (GPU, Fig. 3 setup): BST:SH < 2x Slide at L = 4k; BRecT 6-11x slower than BST:SH. Measured: ratio of "
+        "minimum forward times in one run (contenders alternated); bound: ratio of executed matmul + attention FLOPs "
+        "(`torch.utils.flop_counter`), the time ratio if both ran at the same FLOP rate.",
+        "",
+        "| target | dtype | L | measured | FLOP bound | met |",
+        "|---|---|---|---|---|---|",
+        *(
+            f"| {t['target']} | {t['dtype']} | {t['length']} | {fmt(t['measured'], '{:.2f}x')} | "
+            f"{fmt(t['flop_bound'], '{:.2f}x')} | {'n/a' if t['met'] is None else ('yes' if t['met'] else 'no')} |"
+            for t in report["targets"]
+        ),
+        "",
+        "## gpu tests",
+        "",
+    ]
+    tests = parts["tests"].get("data") or {}
+    if "tests" in tests:
+        lines.append(
+            f"`pytest -m gpu`: {tests['passed']} passed, {tests['failures']} failed, {tests['errors']} errors, "
+            f"{tests['skipped']} skipped."
+        )
+        lines += [f"- FAILED {f}" for f in tests["failed"][:30]]
+        lines += [f"- skipped ({n}): {r}" for r, n in tests["skip_reasons"].items()]
+    else:
+        lines.append(f"No test results: {tests.get('error', parts['tests']['status'])}.")
+    layer = parts["layer_speed"].get("data") or {}
+    lines += ["", "## Layer speed (paper Fig. 3 left)", ""]
+    if layer.get("results"):
+        names = layer["contenders"]
+        lines += ["Milliseconds per one-layer forward (minimum over rounds), batch 1:", ""]
+        lines += ls.table_rows(layer["results"], names)
+        lines += ["", "Executed GFLOP per forward:", "", *ls.flop_rows(layer["results"], names)]
+    else:
+        lines.append("No results.")
+    train = parts["train"].get("data") or {}
+    lines += ["", "## Training throughput", ""]
+    if train.get("rows"):
+        lines += [
+            f"One sequence per step (forward, backward, AdamW), batch 1. MFU = useful FLOPs/token x tokens/s / the "
+            f"measured bf16 matmul rate ({train['peaks']['bf16'] / 1e12:.1f} TFLOP/s; fp32 "
+            f"{train['peaks']['fp32'] / 1e12:.1f}); flash-attention-2 installed: {train['flash_attn']}.",
+            "",
+            "| size | L | model | dtype | params | tokens/s | vs Llama (sdpa) | FLOP ratio Llama/model | MFU (bf16) |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['size']} | {r['seq_len']} | {r['model']} | {r['dtype']} | {r['params'] / 1e6:.1f}M | "
+            f"{r['tokens_per_s']:.0f} | {r['vs_llama']:.2f}x | {r['flop_ratio']:.2f}x | {100 * r['mfu_bf16']:.1f}% |"
+            for r in train["rows"]
+        ]
+    else:
+        lines.append("No results.")
+    decode = parts["decode"].get("data") or {}
+    lines += ["", "## Decode", ""]
+    if decode.get("rows"):
+        contexts = sorted({r["context"] for r in decode["rows"]})
+        lines += [
+            f"ms per decoded token after a prefill of N tokens (best of the timed steps), hidden {decode['hidden']}, "
+            f'{decode["layers"]} layers, batch 1, fp32; compiled = `torch.compile(mode="{decode["compile_mode"]}")` '
+            "of the model for the steps.",
+            "",
+            "| model | mode | " + " | ".join(f"N = {c}" for c in contexts) + " |",
+            "|---|---|" + "---|" * len(contexts),
+        ]
+        table = {(r["model"], r["mode"], r["context"]): r["ms_per_token"] for r in decode["rows"]}
+        for model, mode in dict.fromkeys((r["model"], r["mode"]) for r in decode["rows"]):
+            cells = [fmt(table.get((model, mode, c)), "{:.2f}") for c in contexts]
+            lines.append(f"| {model} | {mode} | " + " | ".join(cells) + " |")
+        for kind, rec in decode.get("compiled", {}).items():
+            state = f"failed, eager numbers stand: {rec['error']}" if "error" in rec else "ran"
+            graphs = rec.get("counters", {}).get("unique_graphs", 0)
+            if graphs > 2 * len(decode.get("compiled_contexts", [])) + 2:
+                state += f" but compiled {graphs} graphs (recompiles on every step: the compiled numbers include them)"
+            lines.append(
+                f"- compiled {kind}: {state}; max |logit - eager| "
+                f"{fmt(rec.get('max_abs_logit_diff_vs_eager'), '{:.1e}')}; counters {rec.get('counters', {})}"
+            )
+    else:
+        lines.append("No results.")
+    lines += ["", "## Skipped and errors", ""]
+    notes = []
+    for name, p in parts.items():
+        data = p.get("data") or {}
+        if name != "tests":  # the tests' "skipped" is pytest's count (their reasons are listed above)
+            notes += [f"- {name}: skipped {s}" for s in data.get("skipped", [])]
+            notes += [f"- {name}: {e}" for e in data.get("errors", [])]
+        if p["status"] != "ok":
+            notes.append(f"- {name}: {p['status']}" + (f"; log: {' / '.join(p.get('log_tail', [])[-3:])}"))
+        for seq_len_entries in (data.get("results") or {}).values():
+            for seq_len, entries in seq_len_entries.items():
+                notes += [f"- {name} L={seq_len} {n}: {e['error']}" for n, e in entries.items() if "error" in e]
+    lines += notes or ["None."]
+    return lines
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
+    parser.add_argument("outdir", type=Path, nargs="?", help="where gpu_suite.json, gpu_suite.md and the logs go")
+    parser.add_argument("--dry-run", action="store_true", help="every part with tiny sizes on the CPU")
+    parser.add_argument("--budget", action="append", default=[], help="PART=SECONDS (repeatable); a part: SECONDS")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--part", choices=PARTS[1:], help=argparse.SUPPRESS)  # a part's own process
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.part:
+        run_part(args.part, float(args.budget[0]), args.result, args.dry_run)
+        return
+    if args.outdir is None:
+        parser.error("OUTDIR is required")
+    budgets = dict(BUDGETS)
+    for item in args.budget:
+        name, _, seconds = item.partition("=")
+        if name not in budgets or not seconds:
+            parser.error(f"--budget takes PART=SECONDS with PART one of {', '.join(PARTS)}; got {item!r}")
+        budgets[name] = float(seconds)
+    report = run_suite(args.outdir, args.dry_run, budgets, args.parts)
+    print(f"[gpu_suite] wrote {args.outdir / 'gpu_suite.json'} and {args.outdir / 'gpu_suite.md'}")
+    print("\n".join(markdown(report)[:40]))
+
+
+if __name__ == "__main__":
+    main()
