@@ -25,11 +25,12 @@ Departures from the paper / meliad, each a config field (see docs/paper-mapping.
 """
 
 import math
+import re
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
@@ -392,11 +393,26 @@ SSM_KERNELS = {"s4": _s4_kernel, "unstruct": UnstructFilter}
 CONTEXT_BUILDERS = {"sh": SHContextStates, "mh": MHContextStates, "mf": MFContextStates}
 
 
+def attention(module, q, k, v, mask, dropout, return_weights: bool = False):
+    """The attention backend of ``module.config._attn_implementation`` (eager or SDPA), unscaled (queries carry the
+    learned scale). ``q`` `(N, H, Lq, d)`, ``k``/``v`` `(N, H, Lk, d)`, additive ``mask`` broadcastable ->
+    `(N, Lq, H, d)`, and with ``return_weights`` the weights `(N, H, Lq, Lk)` (eager attention only; None under SDPA).
+    """
+    interface = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation, eager_attention_forward)
+    if torch.compiler.is_compiling():
+        # Inductor may hand the CPU flash-attention kernel a key whose last dimension is strided (it only keeps the
+        # stride order), for which that kernel returns wrong values; dense inputs cost eager nothing.
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out, weights = interface(module, q, k, v, mask, dropout=dropout, scaling=1.0, is_causal=False)
+    return (out, weights) if return_weights else out
+
+
 class BSTRecurrentState(nn.Module):
-    """BRecT:fixed:skip recurrent state (meliad ``recurrent_gate_type="bias"``, ``recurrent_skip_ffn=True``).
+    """BRecT:fixed:skip recurrent cell (meliad ``recurrent_gate_type="bias"``, ``recurrent_skip_ffn=True``).
 
     Per block: ``z = [attn(Qr, Kr, Vr) ; attn(Q2r, K_tokens, V_tokens)] Wo_r`` over the previous and current block's
     token keys/values, then ``s' = g * s + (1 - g) * z`` with a learned input-independent gate ``g = sigmoid(b)``.
+    ``update`` is one block (the recurrent form), ``sequence`` runs it over all blocks of a sequence.
     """
 
     def __init__(self, config: BSTConfig):
@@ -427,7 +443,7 @@ class BSTRecurrentState(nn.Module):
             k = l2_normalize(k)
         return k, self._heads(self.v_proj(sn))
 
-    def update(self, state, token_k, token_v, token_valid, attend, state_kv=None):
+    def update(self, state, token_k, token_v, token_valid, state_kv=None):
         """Next state. ``token_k``/``token_v`` `(B, 2W, H, d_h)` (already normalised), ``token_valid`` `(B, 2W)`;
         ``state_kv``: the state's keys/values if already computed (``keys_values(state)``)."""
         cfg = self.config
@@ -439,65 +455,234 @@ class BSTRecurrentState(nn.Module):
             q, q2 = l2_normalize(q), l2_normalize(q2)
         q = q * self.self_scale.to(q.dtype)[:, None]
         q2 = q2 * self.cross_scale.to(q2.dtype)[:, None]
-        r_self = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, 0.0)
+        r_self = attention(self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, 0.0)
         mask = additive_mask(token_valid, q2.dtype)[:, None, None, :]
-        r_cross = attend(q2.transpose(1, 2), token_k.transpose(1, 2), token_v.transpose(1, 2), mask, 0.0)
+        r_cross = attention(self, q2.transpose(1, 2), token_k.transpose(1, 2), token_v.transpose(1, 2), mask, 0.0)
         r_cross = r_cross * token_valid.any(-1).to(r_cross.dtype)[:, None, None, None]
         z = self.o_proj(torch.cat([r_self.flatten(-2), r_cross.flatten(-2)], -1))
         gate = torch.sigmoid(upcast(self.gate_bias)).to(state.dtype)
         return gate * state + (1 - gate) * z.to(state.dtype)
 
+    def sequence(self, state, kb, vb, previous):
+        """The recurrence over the blocks of a sequence (the package's only sequential loop).
 
-class BSTDecoderLayer(GradientCheckpointingLayer):
-    """One layer: a Block-Transformer cell, with context states (BST layer) or a recurrent state (BRecT layer).
+        ``state`` `(B, S, D)` before block 0; ``kb``/``vb`` `(B, nb, W, H, d_h)` the blocks' token keys/values;
+        ``previous``: the block before block 0 ``(k, v, valid)`` (`(B, W, H, d_h)` x 2, `(B, W)`).
+        Returns the states before and after every block `(B, nb + 1, S, D)` and the keys/values that block b's
+        tokens read from the state before it, `(B, nb, S, H, d_h)` x 2.
+        """
+        bsz, nb, w = kb.shape[:3]
+        prev_k, prev_v, prev_valid = previous
+        cur_valid = torch.ones(bsz, w, dtype=torch.bool, device=kb.device)
+        states, state_keys, state_values = [state], [], []
+        for b in range(nb):
+            kcat = torch.cat([prev_k if b == 0 else kb[:, b - 1], kb[:, b]], 1)
+            vcat = torch.cat([prev_v if b == 0 else vb[:, b - 1], vb[:, b]], 1)
+            valid = torch.cat([prev_valid if b == 0 else cur_valid, cur_valid], 1)
+            # The state's keys/values serve both its own update and the tokens of block b: computed once.
+            state_kv = self.keys_values(states[-1])
+            state_keys.append(state_kv[0])
+            state_values.append(state_kv[1])
+            states.append(self.update(states[-1], kcat, vcat, valid, state_kv))
+        return torch.stack(states, 1), torch.stack(state_keys, 1), torch.stack(state_values, 1)
 
-    Full-sequence form (training, prefill, aligned chunk continuation) and recurrent form (one token) share all
-    parameters; ``forward`` dispatches once on ``hidden_states.shape[1] == 1`` with a filled cache.
+
+class BSTBlockSelfAttention(nn.Module):
+    """Block self-attention (paper Sec. 3.1, meliad's windowed attention): every token attends over exactly the W
+    previous tokens (the W most recent with ``attend_self``), with a T5 relative bias (one table per layer),
+    L2-normalised queries/keys and a learned per-head scale applied after the bias is added.
+
+    * ``forward``: full-sequence form. All blocks in one batched call over ``[previous block ; own block]`` keys
+      (query-chunked with ``attention_query_chunk``); the first block sees the cached previous block or none;
+      bidirectional models see the previous, own and next block; with ``output_attentions`` one dense `(T, K)`
+      matrix per head (eager) whose weights are returned.
+    * ``step``: recurrent form for one token over the attention ring of the cache.
     """
 
-    def __init__(self, config: BSTConfig, layer_idx: int):
+    def __init__(self, config: BSTConfig, ring: int):
         super().__init__()
         self.config = config
-        self.layer_idx = layer_idx
-        self.kind = config.layer_kind(layer_idx)
-        self.is_causal = False
-        d, heads, hd = config.hidden_size, config.num_attention_heads, config.head_dim
         self.block_len = config.block_len
-        self.ring = 2 * config.block_len if self.kind == "recurrent" else config.block_len + 1
-        self.input_norm = BSTRMSNorm(d, config.rms_norm_eps)
+        self.ring = ring
+        d, heads, hd = config.hidden_size, config.num_attention_heads, config.head_dim
         self.q_proj = nn.Linear(d, heads * hd, bias=False)
         self.k_proj = nn.Linear(d, heads * hd, bias=False)
         self.v_proj = nn.Linear(d, heads * hd, bias=False)
-        self.self_scale = nn.Parameter(torch.empty(heads))
+        self.scale = nn.Parameter(torch.empty(heads))
         self.relative_bias = nn.Embedding(config.relative_attention_num_buckets, heads)
-        has_cross = self.kind != "block"
-        if has_cross:
-            self.q2_proj = nn.Linear(d, heads * hd, bias=False)
-            self.cross_scale = nn.Parameter(torch.empty(heads))
-        self.o_proj = nn.Linear((2 if has_cross else 1) * heads * hd, d, bias=False)
-        self.context = CONTEXT_BUILDERS[config.context_mode](config) if self.kind == "bst" else None
-        self.recurrent = BSTRecurrentState(config) if self.kind == "recurrent" else None
-        self.post_attention_norm = BSTRMSNorm(d, config.rms_norm_eps)
-        self.up_proj = nn.Linear(d, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, d, bias=False)
-        self.dropout = nn.Dropout(config.dropout)
+        self.is_causal = False
 
-    # -- helpers -------------------------------------------------------------------------------------------------
     def _heads(self, x):
         return x.unflatten(-1, (self.config.num_attention_heads, self.config.head_dim))
 
-    def _attend(self, q, k, v, mask, dropout, return_weights: bool = False):
-        """``q`` `(N, H, Lq, d)`, ``k``/``v`` `(N, H, Lk, d)`, additive ``mask`` broadcastable -> `(N, Lq, H, d)`
-        (and the weights `(N, H, Lq, Lk)` with ``return_weights``: eager attention only)."""
-        interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
-        if torch.compiler.is_compiling():
-            # Inductor may hand the CPU flash-attention kernel a key whose last dimension is strided (it only keeps the
-            # stride order), for which that kernel returns wrong values; dense inputs cost eager nothing.
-            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out, weights = interface(self, q, k, v, mask, dropout=dropout, scaling=1.0, is_causal=False)
-        return (out, weights) if return_weights else out
+    def project(self, xn):
+        """Queries (scaled), keys, values `(B, T, H, d_h)` of the normalised input ``xn`` `(B, T, D)`."""
+        q = self._heads(self.q_proj(xn))
+        k = self._heads(self.k_proj(xn))
+        v = self._heads(self.v_proj(xn))
+        if self.config.qk_norm:
+            q, k = l2_normalize(q), l2_normalize(k)
+        return q * self.scale.to(q.dtype)[:, None], k, v
 
-    def _dense_self_attention(self, q, k, v, num_positions, lengths, previous, dropout):
+    def bias(self, relative_position):
+        """T5 bias for relative positions `(...)` -> `(..., H)`."""
+        cfg = self.config
+        bucket = t5_relative_bucket(
+            relative_position,
+            cfg.bidirectional,
+            cfg.relative_attention_num_buckets,
+            cfg.relative_attention_max_distance,
+        )
+        return self.relative_bias(bucket)
+
+    def window_valid(self, relative_position):
+        """Causal sliding window on ``key_pos - query_pos``: exactly W previous tokens (or W most recent with self)."""
+        w = self.block_len
+        if self.config.attend_self:
+            return (relative_position <= 0) & (relative_position > -w)
+        return (relative_position < 0) & (relative_position >= -w)
+
+    def block_mask(self, num_queries: int, key_start: int, key_end: int, dtype, device):
+        """Additive mask `(1, H, Q, K)`: T5 bias and sliding window of queries at positions 0 .. Q-1 over keys at
+        positions ``key_start`` .. ``key_end`` - 1 (relative to the first query)."""
+        q_pos = torch.arange(num_queries, device=device)[:, None]
+        k_pos = torch.arange(key_start, key_end, device=device)[None]
+        rel = k_pos - q_pos  # (Q, K)
+        # Bias and mask depend only on the distance: build them for the distinct distances, then gather
+        # (4x cheaper in backward than an embedding lookup per (query, key) pair).
+        lowest = key_start - (num_queries - 1)
+        distances = torch.arange(lowest, key_end, device=device)  # (n,)
+        per_distance = self.bias(distances).to(dtype) * self.scale.to(dtype)  # (n, H)
+        if not self.config.bidirectional:
+            valid = self.window_valid(distances)[:, None]
+            per_distance = torch.where(valid, per_distance, masked_fill_value(dtype))
+        bias = per_distance.t()[:, rel - lowest]  # (H, Q, K)
+        # 4-D (1, H, Q, K): SDPA on CPU takes its fused path only for 4-D masks (3-D falls back to ~4x slower math).
+        return bias.unsqueeze(0)
+
+    def previous_block(self, layer_cache: BSTLayerCache, positions):
+        """The cached block before ``positions``: keys, values `(B, W, H, d)`, which are held (else masked)."""
+        return layer_cache.attention.window(positions, self.block_len)
+
+    def write_cache(self, layer_cache: BSTLayerCache, k, v, lengths, positions):
+        """Keep the keys/values `(B, T, H, d)` of each row's real tokens in the attention ring."""
+        bsz, seq_len = k.shape[:2]
+        lens = lengths if lengths is not None else torch.full((bsz,), seq_len, device=k.device)
+        layer_cache.attention.fill(k.detach(), v.detach(), lens, self.ring, positions)
+
+    # -- full-sequence form --------------------------------------------------------------------------------------
+    def forward(self, q, k, v, lengths=None, layer_cache=None, positions=None, num_positions=None, weights=False):
+        """
+        Args:
+            q, k, v (`torch.Tensor` of shape `(B, T, H, d_h)`): from [`project`]; T is a multiple of W.
+            lengths (`torch.LongTensor` of shape `(B,)`, *optional*): real tokens per row (right padding).
+            layer_cache, positions: a continued sequence (rows block-aligned) sees the cached previous block.
+            num_positions (`int`, *optional*): leading positions the returned weights cover.
+            weights (`bool`): also return the attention weights `(B, H, T, K)` (eager; the dense form).
+
+        Returns:
+            the attention output `(B, T, H * d_h)` and the weights (None unless ``weights``).
+        """
+        cfg = self.config
+        bsz, seq_len, heads, hd = q.shape
+        w = self.block_len
+        nb = seq_len // w
+        continued = layer_cache is not None and positions is not None
+        drop = cfg.attention_dropout if self.training else 0.0
+        if weights:
+            previous = self.previous_block(layer_cache, positions) if continued and not cfg.bidirectional else None
+            n_out = seq_len if num_positions is None else num_positions
+            out, probs = self.dense(q, k, v, n_out, lengths, previous, drop)
+            return out.reshape(bsz, seq_len, heads * hd), probs
+        qb = q.view(bsz * nb, w, heads, hd).transpose(1, 2)
+        kb, vb = k.view(bsz, nb, w, heads, hd), v.view(bsz, nb, w, heads, hd)
+        if cfg.bidirectional:
+            out = self.bidirectional(qb, kb, vb, lengths, drop)
+        else:
+            out = self.windowed(qb, kb, vb, layer_cache, positions, drop)
+        return out.reshape(bsz, seq_len, heads * hd), None
+
+    def windowed(self, qb, kb, vb, layer_cache, positions, drop):
+        """Causal block attention: queries `(B*nb, H, W, d)`, keys/values `(B, nb, W, H, d)` -> `(B, nb, W, H, d)`."""
+        bsz, nb, w, heads, hd = kb.shape
+        if layer_cache is not None and positions is not None:
+            prev_k, prev_v, prev_valid = self.previous_block(layer_cache, positions)  # (B, W, H, d)
+            # Rows that start a new document (BSTCache.reset_rows) have no previous block.
+            continued_all = not maybe_any(~prev_valid)
+        else:
+            prev_k = prev_v = torch.zeros_like(kb[:, 0])
+            prev_valid, continued_all = None, False
+        kprev = torch.cat([prev_k[:, None], kb[:, :-1]], 1)
+        vprev = torch.cat([prev_v[:, None], vb[:, :-1]], 1)
+        kcat = torch.cat([kprev, kb], 2).view(bsz * nb, 2 * w, heads, hd).transpose(1, 2)
+        vcat = torch.cat([vprev, vb], 2).view(bsz * nb, 2 * w, heads, hd).transpose(1, 2)
+        # One call over all blocks; unless every row continues a cached block, block 0 (whose previous block is
+        # absent or partly masked) is recomputed below and replaces the first block of the output.
+        out = self.chunked(qb, kcat, vcat, drop)
+        if continued_all:
+            return out
+        q_blocks = qb.view(bsz, nb, heads, w, hd)
+        k_blocks = kcat.view(bsz, nb, heads, 2 * w, hd)
+        v_blocks = vcat.view(bsz, nb, heads, 2 * w, hd)
+        if prev_valid is None:
+            # The first block has no previous block: attend over its own keys only.
+            own_mask = self.block_mask(w, 0, w, qb.dtype, qb.device)  # (1, H, W, W)
+            a_first = attention(self, q_blocks[:, 0], k_blocks[:, 0, :, w:], v_blocks[:, 0, :, w:], own_mask, drop)
+            empty_first = torch.ones(bsz, dtype=torch.bool, device=qb.device)
+        else:
+            mask = self.block_mask(w, -w, w, qb.dtype, qb.device)  # (1, H, W, 2W)
+            key_ok = torch.cat([prev_valid, torch.ones_like(prev_valid)], 1)  # (B, 2W)
+            first_mask = mask + additive_mask(key_ok, mask.dtype)[:, None, None, :]
+            a_first = attention(self, q_blocks[:, 0], k_blocks[:, 0], v_blocks[:, 0], first_mask, drop)
+            empty_first = ~prev_valid.any(-1)
+        if not self.config.attend_self:
+            # The first token of a document has no previous token: zero output (meliad safe softmax).
+            keep = (~empty_first).to(a_first.dtype)[:, None, None, None]
+            a_first = torch.cat([a_first[:, :1] * keep, a_first[:, 1:]], 1)
+        return torch.cat([a_first[:, None], out.view(bsz, nb, w, heads, hd)[:, 1:]], 1)
+
+    def chunked(self, qb, kcat, vcat, drop):
+        """Sliding-window attention of every block's W queries over its 2W keys (previous + own block).
+
+        Each query sees only W of the 2W keys: with ``config.attention_query_chunk`` c < W, the queries are split
+        into W/c chunks that attend over the W + c keys their windows can reach (slices, no copies), which skips
+        (W - c) / 2W of the attention work. The keys left out are masked for those queries, so the result is the
+        same. Every chunk has the same relative layout, so one (c, W + c) bias/mask serves all of them.
+        """
+        w = self.block_len
+        chunk = min(self.config.resolved_attention_query_chunk, w)
+        mask = self.block_mask(chunk, -w, chunk, qb.dtype, qb.device)  # (1, H, c, W + c)
+        if chunk == w:
+            return attention(self, qb, kcat, vcat, mask, drop)
+        parts = []
+        for start in range(0, w, chunk):
+            keys = slice(start, start + w + chunk)
+            parts.append(
+                attention(self, qb[:, :, start : start + chunk], kcat[:, :, keys], vcat[:, :, keys], mask, drop)
+            )
+        return torch.cat(parts, 1)
+
+    def bidirectional(self, qb, kb, vb, lengths, drop):
+        """Bidirectional blocks attend to the previous, own and next block (no causal mask; padding masked)."""
+        bsz, nb, w, heads, hd = kb.shape
+        zeros = torch.zeros_like(kb[:, :1])
+        kcat = torch.cat([torch.cat([zeros, kb[:, :-1]], 1), kb, torch.cat([kb[:, 1:], zeros], 1)], 2)
+        vcat = torch.cat([torch.cat([zeros, vb[:, :-1]], 1), vb, torch.cat([vb[:, 1:], zeros], 1)], 2)
+        key_pos = (torch.arange(nb, device=kb.device)[:, None] * w) + torch.arange(-w, 2 * w, device=kb.device)
+        lens = lengths if lengths is not None else torch.full((bsz,), nb * w, device=kb.device)
+        valid = (key_pos[None] >= 0) & (key_pos[None] < lens[:, None, None])  # (B, nb, 3W)
+        bias = self.block_mask(w, -w, 2 * w, qb.dtype, qb.device)  # (1, H, W, 3W)
+        mask = bias[None] + additive_mask(valid, qb.dtype)[:, :, None, None]
+        return attention(
+            self,
+            qb,
+            kcat.reshape(bsz * nb, 3 * w, heads, hd).transpose(1, 2),
+            vcat.reshape(bsz * nb, 3 * w, heads, hd).transpose(1, 2),
+            mask.reshape(bsz * nb, heads, w, 3 * w),
+            drop,
+        )
+
+    def dense(self, q, k, v, num_positions, lengths, previous, dropout):
         """Self-attention of the first ``num_positions`` queries over all keys at once, returning its weights.
 
         The form used with ``output_attentions`` (eager): the same window, bias and masks as the block form, written
@@ -524,9 +709,9 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
             if lengths is not None:
                 key_ok = k_pos[None] < lengths[:, None]
         else:
-            valid = self._window_valid(rel)
+            valid = self.window_valid(rel)
         ok = valid[None] if key_ok is None else valid[None] & key_ok[:, None, :]  # (B or 1, T, K)
-        bias = (self._bias(rel).to(q.dtype) * self.self_scale.to(q.dtype)).permute(2, 0, 1)  # (H, T, K)
+        bias = (self.bias(rel).to(q.dtype) * self.scale.to(q.dtype)).permute(2, 0, 1)  # (H, T, K)
         logits = torch.matmul(q.transpose(1, 2), k.transpose(1, 2).transpose(-1, -2)) + bias  # (B, H, T, K)
         logits = logits.masked_fill(~ok[:, None], masked_fill_value(logits.dtype))
         weights = torch.softmax(upcast(logits), dim=-1).to(q.dtype)
@@ -536,82 +721,322 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
         out = torch.matmul(weights, v.transpose(1, 2)).transpose(1, 2)  # (B, T, H, d)
         return F.pad(out, (0, 0, 0, 0, 0, padded_len - n)), weights
 
-    def _bias(self, relative_position):
-        """T5 bias for relative positions `(...)` -> `(..., H)`."""
-        cfg = self.config
-        bucket = t5_relative_bucket(
-            relative_position,
-            cfg.bidirectional,
-            cfg.relative_attention_num_buckets,
-            cfg.relative_attention_max_distance,
-        )
-        return self.relative_bias(bucket)
+    # -- recurrent form ------------------------------------------------------------------------------------------
+    def step(self, q, k, v, layer_cache: BSTLayerCache, positions, weights=False):
+        """One token per row at ``positions`` `(B,)`: writes its key/value into the ring, then attends over the W
+        previous (or most recent) tokens. ``q``/``k``/``v`` `(B, 1, H, d_h)` from [`project`].
 
-    def _window_valid(self, relative_position):
-        """Causal sliding window on ``key_pos - query_pos``: exactly W previous tokens (or W most recent with self)."""
-        w = self.block_len
-        if self.config.attend_self:
-            return (relative_position <= 0) & (relative_position > -w)
-        return (relative_position < 0) & (relative_position >= -w)
-
-    def _self_mask(self, num_queries: int, key_start: int, key_end: int, dtype, device):
-        """Additive mask `(1, H, Q, K)`: T5 bias and sliding window of queries at positions 0 .. Q-1 over keys at
-        positions ``key_start`` .. ``key_end`` - 1 (relative to the first query)."""
-        q_pos = torch.arange(num_queries, device=device)[:, None]
-        k_pos = torch.arange(key_start, key_end, device=device)[None]
-        rel = k_pos - q_pos  # (Q, K)
-        # Bias and mask depend only on the distance: build them for the distinct distances, then gather
-        # (4x cheaper in backward than an embedding lookup per (query, key) pair).
-        lowest = key_start - (num_queries - 1)
-        distances = torch.arange(lowest, key_end, device=device)  # (n,)
-        per_distance = self._bias(distances).to(dtype) * self.self_scale.to(dtype)  # (n, H)
-        if not self.config.bidirectional:
-            valid = self._window_valid(distances)[:, None]
-            per_distance = torch.where(valid, per_distance, masked_fill_value(dtype))
-        bias = per_distance.t()[:, rel - lowest]  # (H, Q, K)
-        # 4-D (1, H, Q, K): SDPA on CPU takes its fused path only for 4-D masks (3-D falls back to ~4x slower math).
-        return bias.unsqueeze(0)
-
-    def _window_attend(self, qb, kcat, vcat, dropout):
-        """Sliding-window attention of every block's W queries over its 2W keys (previous + own block).
-
-        Each query sees only W of the 2W keys: with ``config.attention_query_chunk`` c < W, the queries are split
-        into W/c chunks that attend over the W + c keys their windows can reach (slices, no copies), which skips
-        (W - c) / 2W of the attention work. The keys left out are masked for those queries, so the result is the
-        same. Every chunk has the same relative layout, so one (c, W + c) bias/mask serves all of them.
+        Returns the output `(B, 1, H * d_h)`, the weights `(B, H, 1, R)` over the ring (None unless ``weights``)
+        and the ring ``(keys, values, key positions)`` after the write (a BRecT cell reads them at block ends).
         """
-        w = self.block_len
-        chunk = min(self.config.resolved_attention_query_chunk, w)
-        mask = self._self_mask(chunk, -w, chunk, qb.dtype, qb.device)  # (1, H, c, W + c)
-        if chunk == w:
-            return self._attend(qb, kcat, vcat, mask, dropout)
-        parts = []
-        for start in range(0, w, chunk):
-            keys = slice(start, start + w + chunk)
-            parts.append(
-                self._attend(qb[:, :, start : start + chunk], kcat[:, :, keys], vcat[:, :, keys], mask, dropout)
+        p = positions
+        bsz, _, heads, hd = q.shape
+        ring_k, ring_v, kpos = layer_cache.attention.write(p, k[:, 0], v[:, 0])
+        rel = kpos - p[:, None]  # (B, R)
+        valid = (kpos >= 0) & self.window_valid(rel)
+        # The ring holds distances 0 .. R-1 only: gather the scaled T5 bias from a per-distance table.
+        table = self.step_bias_table(layer_cache, q.dtype)  # (H, R), column j = distance j
+        bias = table[:, (-rel).clamp(0, self.ring - 1)].permute(1, 0, 2)  # (B, H, R)
+        mask = torch.where(valid[:, None], bias, masked_fill_value(q.dtype))[:, :, None, :]  # (B, H, 1, R)
+        out, probs = attention(
+            self, q.transpose(1, 2), ring_k.transpose(1, 2), ring_v.transpose(1, 2), mask, 0.0, True
+        )
+        any_key = valid.any(-1).to(out.dtype)[:, None, None, None]
+        out = out * any_key
+        probs = probs * any_key if weights else None
+        return out.reshape(bsz, 1, heads * hd), probs, (ring_k, ring_v, kpos)
+
+    def step_bias_table(self, layer_cache, dtype):
+        """Scaled T5 bias per distance 0 .. R-1, `(H, R)`; memoised in the cache while the parameters are unchanged."""
+
+        def compute():
+            distances = -torch.arange(self.ring, device=self.scale.device)
+            return (self.bias(distances).to(dtype) * self.scale.to(dtype)).t().contiguous()
+
+        params = (self.relative_bias.weight, self.scale)
+        return decode_memo(layer_cache, "bias", (dtype,), params, compute)
+
+
+class BSTCrossAttention(nn.Module):
+    """The second attention of a BST or BRecT layer: its own queries (``q_proj``, L2-normalised, learned per-head
+    scale) over keys/values that are not the tokens' (context states, or the recurrent state)."""
+
+    def __init__(self, config: BSTConfig):
+        super().__init__()
+        self.config = config
+        self.block_len = config.block_len
+        d, heads, hd = config.hidden_size, config.num_attention_heads, config.head_dim
+        self.q_proj = nn.Linear(d, heads * hd, bias=False)
+        self.scale = nn.Parameter(torch.empty(heads))
+        self.is_causal = False
+
+    def query(self, xn):
+        """Scaled queries `(B, T, H, d_h)` of the normalised input ``xn`` `(B, T, D)`."""
+        cfg = self.config
+        q = self.q_proj(xn).unflatten(-1, (cfg.num_attention_heads, cfg.head_dim))
+        if cfg.qk_norm:
+            q = l2_normalize(q)
+        return q * self.scale.to(q.dtype)[:, None]
+
+
+class BSTContextCrossAttention(BSTCrossAttention):
+    """BST cross-attention (paper Sec. 3.2): every block's tokens attend to that block's context states, built by
+    the SH / MH / MF builder of ``context_mode`` (``self.context``, from [`CONTEXT_BUILDERS`]) over the SSM."""
+
+    def __init__(self, config: BSTConfig):
+        super().__init__(config)
+        self.context = CONTEXT_BUILDERS[config.context_mode](config)
+
+    def forward(
+        self, xn, lengths=None, layer_cache=None, positions=None, fill_cache=False, num_positions=None, weights=False
+    ):
+        """Full-sequence form: ``xn`` `(B, T, D)`, T a multiple of W (the context builder runs the SSM over it and,
+        with ``fill_cache``, writes its state). Returns `(B, T, H * d_h)` and the weights `(B, H, T, S_c)` (None
+        unless ``weights``)."""
+        cfg = self.config
+        bsz, seq_len, _ = xn.shape
+        w, heads, hd = self.block_len, cfg.num_attention_heads, cfg.head_dim
+        nb = seq_len // w
+        ctx_k, ctx_v, ctx_mask, zero_first = self.context.sequence(xn, lengths, layer_cache, positions, fill_cache)
+        q2 = self.query(xn).view(bsz * nb, w, heads, hd).transpose(1, 2)
+        s_c = ctx_k.shape[2]
+        ck = ctx_k.reshape(bsz * nb, s_c, heads, hd).transpose(1, 2)
+        cv = ctx_v.reshape(bsz * nb, s_c, heads, hd).transpose(1, 2)
+        drop = cfg.attention_dropout if self.training else 0.0
+        chunk = min(cfg.resolved_attention_query_chunk, w)
+        probs = None
+        if weights:
+            out, cw = attention(self, q2, ck, cv, ctx_mask, drop, return_weights=True)  # cw (B*nb, H, W, S_c)
+            if zero_first:
+                cw = torch.cat([torch.zeros_like(cw[:, :, :1]), cw[:, :, 1:]], 2)
+            probs = cw.view(bsz, nb, heads, w, s_c).transpose(1, 2).reshape(bsz, heads, seq_len, s_c)
+            probs = probs[:, :, : seq_len if num_positions is None else num_positions]
+        elif ctx_mask is not None and chunk < w:
+            # Triangular SH/MH mask: queries of a chunk see only the context states up to the chunk's end.
+            out = torch.cat(
+                [
+                    attention(
+                        self,
+                        q2[:, :, i : i + chunk],
+                        ck[:, :, : i + chunk],
+                        cv[:, :, : i + chunk],
+                        ctx_mask[i : i + chunk, : i + chunk],
+                        drop,
+                    )
+                    for i in range(0, w, chunk)
+                ],
+                1,
             )
-        return torch.cat(parts, 1)
+        else:
+            out = attention(self, q2, ck, cv, ctx_mask, drop)  # (B*nb, W, H, d)
+        if zero_first:
+            out = torch.cat([torch.zeros_like(out[:, :1]), out[:, 1:]], 1)
+        return out.reshape(bsz, seq_len, heads * hd), probs
 
-    def _project(self, xn):
-        q = self._heads(self.q_proj(xn))
-        k = self._heads(self.k_proj(xn))
-        v = self._heads(self.v_proj(xn))
-        if self.config.qk_norm:
-            q, k = l2_normalize(q), l2_normalize(k)
-        return q * self.self_scale.to(q.dtype)[:, None], k, v
+    def step(self, xn, layer_cache: BSTLayerCache, positions, weights=False):
+        """Recurrent form for one token ``xn`` `(B, 1, D)`: the context builder advances the SSM and context state in
+        ``layer_cache``. Returns `(B, 1, H * d_h)` and the weights `(B, H, 1, S_c)` (None unless ``weights``)."""
+        bsz = xn.shape[0]
+        ctx_k, ctx_v, ctx_mask, any_valid = self.context.step(xn, layer_cache, positions)
+        q2 = self.query(xn).transpose(1, 2)  # (B, H, 1, d)
+        out, probs = attention(self, q2, ctx_k.transpose(1, 2), ctx_v.transpose(1, 2), ctx_mask, 0.0, True)
+        if any_valid is not None:
+            keep = any_valid.to(out.dtype)[:, None, None, None]
+            out = out * keep
+            if weights:
+                probs = probs * keep
+        return out.reshape(bsz, 1, -1), probs if weights else None
 
-    def _cross_query(self, xn):
-        q2 = self._heads(self.q2_proj(xn))
-        if self.config.qk_norm:
-            q2 = l2_normalize(q2)
-        return q2 * self.cross_scale.to(q2.dtype)[:, None]
 
-    def _mlp(self, h):
+class BSTRecurrentCrossAttention(BSTCrossAttention):
+    """BRecT cross-attention: every block's tokens attend to the recurrent state before that block; the state
+    (``self.recurrent``, a [`BSTRecurrentState`]) absorbs each block's tokens at its end."""
+
+    def __init__(self, config: BSTConfig):
+        super().__init__(config)
+        self.recurrent = BSTRecurrentState(config)
+
+    def forward(
+        self,
+        xn,
+        k,
+        v,
+        previous,
+        lengths=None,
+        layer_cache=None,
+        positions=None,
+        fill_cache=False,
+        num_positions=None,
+        weights=False,
+    ):
+        """Full-sequence form. ``xn`` `(B, T, D)`; ``k``/``v`` `(B, T, H, d_h)` the tokens' self-attention keys/values;
+        ``previous`` the cached block before the sequence ``(k, v, valid)`` or None. With ``fill_cache`` the state
+        after each row's real tokens goes into ``layer_cache``. Returns `(B, T, H * d_h)` and the weights
+        `(B, H, T, S)` (None unless ``weights``)."""
+        cfg = self.config
+        bsz, seq_len, heads, hd = k.shape
+        w = self.block_len
+        nb = seq_len // w
+        rec = self.recurrent
+        kb, vb = k.view(bsz, nb, w, heads, hd), v.view(bsz, nb, w, heads, hd)
+        if previous is not None:
+            state = layer_cache.recurrent.state.to(kb.dtype)
+            fresh = (positions == layer_cache.doc_start)[:, None, None]
+            state = torch.where(fresh, rec.initial_state.to(kb.dtype), state)
+        else:
+            state = rec.initial_state.to(kb.dtype).expand(bsz, -1, -1)
+            zeros = torch.zeros_like(kb[:, 0])
+            previous = (zeros, zeros, torch.zeros(bsz, w, dtype=torch.bool, device=kb.device))
+        all_states, sk, sv = rec.sequence(state, kb, vb, previous)  # (B, nb+1, S, D), (B, nb, S, H, d) x 2
+        s = sk.shape[2]
+        q2 = self.query(xn).view(bsz * nb, w, heads, hd).transpose(1, 2)
+        out, probs = attention(
+            self,
+            q2,
+            sk.reshape(bsz * nb, s, heads, hd).transpose(1, 2),
+            sv.reshape(bsz * nb, s, heads, hd).transpose(1, 2),
+            None,
+            cfg.attention_dropout if self.training else 0.0,
+            return_weights=True,
+        )
+        if fill_cache:
+            lens = lengths if lengths is not None else torch.full((bsz,), nb * w, device=kb.device)
+            rows = torch.arange(bsz, device=kb.device)
+            new_state = all_states[rows, lens // w].detach()
+            layer_cache.recurrent.set(new_state, *(t.detach() for t in rec.keys_values(new_state)))
+        if weights:
+            probs = probs.view(bsz, nb, heads, w, s).transpose(1, 2).reshape(bsz, heads, nb * w, s)
+            probs = probs[:, :, : seq_len if num_positions is None else num_positions]
+        return out.reshape(bsz, seq_len, heads * hd), probs if weights else None
+
+    def step(self, xn, ring, layer_cache: BSTLayerCache, positions, weights=False):
+        """Recurrent form for one token ``xn`` `(B, 1, D)`; ``ring``: the self-attention ring after this token's
+        write ``(keys, values, key positions)``. Returns `(B, 1, H * d_h)` and the weights `(B, H, 1, S)`."""
+        p = positions
+        rec = self.recurrent
+        fresh = p == layer_cache.doc_start
+        if maybe_any(fresh):
+            # First token of a document: the state starts from the learned initial state.
+            state = layer_cache.recurrent.state
+            init_state = rec.initial_state.to(state.dtype).expand_as(state)
+            layer_cache.recurrent.set(init_state, *rec.keys_values(init_state), rows=fresh)
+        q2 = self.query(xn).transpose(1, 2)
+        out, probs = attention(
+            self, q2, layer_cache.recurrent.k.transpose(1, 2), layer_cache.recurrent.v.transpose(1, 2), None, 0.0, True
+        )
+        # At the last token of a block, the state absorbs the previous and current block.
+        block_end = (p - layer_cache.doc_start + 1).remainder(self.block_len) == 0
+        if maybe_any(block_end):
+            ring_k, ring_v, kpos = ring
+            new_state = rec.update(layer_cache.recurrent.state, ring_k, ring_v, kpos >= 0)
+            layer_cache.recurrent.set(new_state, *rec.keys_values(new_state), rows=block_end)
+        return out.reshape(xn.shape[0], 1, -1), probs if weights else None
+
+
+class BSTMLP(nn.Module):
+    """ReLU MLP (meliad): ``down(relu(up(x)))``."""
+
+    def __init__(self, config: BSTConfig):
+        super().__init__()
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
         # In-place ReLU on the fresh up_proj output (its backward needs only the ReLU output).
-        return h + self.dropout(self.down_proj(F.relu(self.up_proj(self.post_attention_norm(h)), inplace=True)))
+        return self.down_proj(F.relu(self.up_proj(x), inplace=True))
 
-    # -- forward ---------------------------------------------------------------------------------------------------
+
+# Parameter names of the layout before core v2 (one flat decoder layer) -> names now, per layer kind; used by the
+# load hooks (``BSTDecoderLayer`` for ``load_state_dict``, ``legacy_key_mapping`` for ``from_pretrained``).
+LEGACY_PARAMETER_NAMES = {
+    "block": {
+        "q_proj.": "self_attn.q_proj.",
+        "k_proj.": "self_attn.k_proj.",
+        "v_proj.": "self_attn.v_proj.",
+        "self_scale": "self_attn.scale",
+        "relative_bias.": "self_attn.relative_bias.",
+        "up_proj.": "mlp.up_proj.",
+        "down_proj.": "mlp.down_proj.",
+    },
+}
+LEGACY_PARAMETER_NAMES["bst"] = {
+    **LEGACY_PARAMETER_NAMES["block"],
+    "q2_proj.": "cross_attn.q_proj.",
+    "cross_scale": "cross_attn.scale",
+    "context.": "cross_attn.context.",
+}
+LEGACY_PARAMETER_NAMES["recurrent"] = {
+    **LEGACY_PARAMETER_NAMES["block"],
+    "q2_proj.": "cross_attn.q_proj.",
+    "cross_scale": "cross_attn.scale",
+    "recurrent.": "cross_attn.recurrent.",
+}
+
+
+def legacy_name(kind: str, name: str) -> str:
+    """The current name of parameter ``name`` (relative to a layer of ``kind``) written by the pre-core-v2 layout;
+    ``name`` unchanged if it is not such a name."""
+    for old, new in LEGACY_PARAMETER_NAMES.get(kind, {}).items():
+        if name == old or (old.endswith(".") and name.startswith(old)):
+            return new + name[len(old) :]
+    return name
+
+
+def legacy_key_mapping(config: BSTConfig) -> dict[str, str]:
+    """``from_pretrained``'s ``key_mapping`` (regex -> replacement) that loads checkpoints of the pre-core-v2 layout.
+
+    Per layer kind, because a bare name is ambiguous: ``layers.N.v_proj`` is a self-attention projection in an
+    attention layer but the gate projection of a GSS layer."""
+    mapping = {}
+    for kind, names in LEGACY_PARAMETER_NAMES.items():
+        indices = [str(i) for i in range(config.num_hidden_layers) if config.layer_kind(i) == kind]
+        if not indices:
+            continue
+        layers = rf"layers\.({'|'.join(indices)})\."
+        for old, new in names.items():
+            if old.endswith("."):
+                mapping[layers + re.escape(old)] = rf"layers.\1.{new}"
+            else:
+                mapping[layers + re.escape(old) + "$"] = rf"layers.\1.{new}"
+    return mapping
+
+
+class BSTDecoderLayer(GradientCheckpointingLayer):
+    """One layer, Llama-shaped: norm -> block self-attention -> context (BST) or recurrent (BRecT) cross-attention ->
+    concat -> one projection -> residual -> MLP (a "block" layer, Slide, has no cross-attention).
+
+    Full-sequence form (training, prefill, aligned chunk continuation) and recurrent form (one token) share all
+    parameters; each sub-module has both. ``forward`` dispatches once on ``hidden_states.shape[1] == 1`` with a
+    filled cache.
+    """
+
+    cross_attention_classes = {"bst": BSTContextCrossAttention, "recurrent": BSTRecurrentCrossAttention}
+
+    def __init__(self, config: BSTConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.kind = config.layer_kind(layer_idx)
+        d, heads, hd = config.hidden_size, config.num_attention_heads, config.head_dim
+        ring = 2 * config.block_len if self.kind == "recurrent" else config.block_len + 1
+        self.input_norm = BSTRMSNorm(d, config.rms_norm_eps)
+        self.self_attn = BSTBlockSelfAttention(config, ring)
+        cross = self.cross_attention_classes.get(self.kind)
+        self.cross_attn = cross(config) if cross is not None else None
+        self.o_proj = nn.Linear((1 if cross is None else 2) * heads * hd, d, bias=False)
+        self.post_attention_norm = BSTRMSNorm(d, config.rms_norm_eps)
+        self.mlp = BSTMLP(config)
+        self.dropout = nn.Dropout(config.dropout)
+        self.register_load_state_dict_pre_hook(BSTDecoderLayer._rename_legacy_keys)
+
+    @staticmethod
+    def _rename_legacy_keys(module, state_dict, prefix, *args):
+        """``load_state_dict`` of a state dict of the pre-core-v2 layout: rename this layer's keys in place."""
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            new = legacy_name(module.kind, key[len(prefix) :])
+            if prefix + new != key:
+                state_dict[prefix + new] = state_dict.pop(key)
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -638,278 +1063,42 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
             ``hidden_states`` `(B, T, D)`; with ``output_attentions`` the tuple ``(hidden_states,
             self_attention_weights, cross_attention_weights)`` (cross: None for a block layer).
         """
-        if layer_cache is not None and positions is not None and hidden_states.shape[1] == 1:
-            return self.step(hidden_states, layer_cache, positions, output_attentions)
-        return self.forward_sequence(
-            hidden_states, lengths, layer_cache, positions, fill_cache, num_positions, output_attentions
-        )
-
-    def forward_sequence(
-        self, hidden_states, lengths, layer_cache, positions, fill_cache, num_positions=None, output_attentions=False
-    ):
-        cfg = self.config
-        bsz, seq_len, _ = hidden_states.shape
-        w, heads, hd = self.block_len, cfg.num_attention_heads, cfg.head_dim
-        nb = seq_len // w
-        # A continued sequence (cache filled, rows block-aligned) sees the cached previous block and SSM state.
-        continued = layer_cache is not None and positions is not None
-        xn = self.dropout(self.input_norm(hidden_states))
-
-        # 1. SSM over the sequence -> context keys/values per block
-        cross = None
-        if self.kind == "bst":
-            cross = self.context.sequence(xn, lengths, layer_cache, positions, fill_cache)
-
-        # 2. Block self-attention over the W previous tokens, all blocks in one call
-        q, k, v = self._project(xn)  # (B, T, H, d)
-        qb = q.view(bsz * nb, w, heads, hd).transpose(1, 2)
-        kb, vb = k.view(bsz, nb, w, heads, hd), v.view(bsz, nb, w, heads, hd)
-        self_weights = cross_weights = None
-        n_out = seq_len if num_positions is None else num_positions
-        drop = cfg.attention_dropout if self.training else 0.0
-        if output_attentions:
-            previous = None
-            if continued and not cfg.bidirectional:
-                previous = self._cached_previous_block(layer_cache, positions)
-            a_self, self_weights = self._dense_self_attention(q, k, v, n_out, lengths, previous, drop)
-        elif cfg.bidirectional:
-            a_self = self._bidirectional_self_attention(qb, kb, vb, lengths, bsz, nb)
+        step = layer_cache is not None and positions is not None and hidden_states.shape[1] == 1
+        xn = self.input_norm(hidden_states)
+        if step:
+            # Recurrent form: one token per row at ``positions``; the cache advances in place.
+            q, k, v = self.self_attn.project(xn)  # (B, 1, H, d)
+            a_self, self_w, ring = self.self_attn.step(q, k, v, layer_cache, positions, output_attentions)
+            if isinstance(self.cross_attn, BSTRecurrentCrossAttention):
+                cross = self.cross_attn.step(xn, ring, layer_cache, positions, output_attentions)
+            elif self.cross_attn is not None:
+                cross = self.cross_attn.step(xn, layer_cache, positions, output_attentions)
         else:
-            if continued:
-                prev_k, prev_v, prev_valid = self._cached_previous_block(layer_cache, positions)  # (B, W, H, d)
-                # Rows that start a new document (BSTCache.reset_rows) have no previous block.
-                continued_all = not maybe_any(~prev_valid)
-            else:
-                prev_k = prev_v = torch.zeros_like(kb[:, 0])
-                prev_valid, continued_all = None, False
-            kprev = torch.cat([prev_k[:, None], kb[:, :-1]], 1)
-            vprev = torch.cat([prev_v[:, None], vb[:, :-1]], 1)
-            kcat = torch.cat([kprev, kb], 2).view(bsz * nb, 2 * w, heads, hd).transpose(1, 2)
-            vcat = torch.cat([vprev, vb], 2).view(bsz * nb, 2 * w, heads, hd).transpose(1, 2)
-            drop = cfg.attention_dropout if self.training else 0.0
-            # One SDPA call over all blocks; unless every row continues a cached block, block 0 (whose previous
-            # block is absent or partly masked) is recomputed below and replaces the first block of the output.
-            a_self = self._window_attend(qb, kcat, vcat, drop)
-            if not continued_all:
-                q_blocks = qb.view(bsz, nb, heads, w, hd)
-                k_blocks = kcat.view(bsz, nb, heads, 2 * w, hd)
-                v_blocks = vcat.view(bsz, nb, heads, 2 * w, hd)
-                if prev_valid is None:
-                    # The first block has no previous block: attend over its own keys only.
-                    own_mask = self._self_mask(w, 0, w, q.dtype, q.device)  # (1, H, W, W)
-                    a_first = self._attend(
-                        q_blocks[:, 0], k_blocks[:, 0, :, w:], v_blocks[:, 0, :, w:], own_mask, drop
-                    )
-                    empty_first = torch.ones(bsz, dtype=torch.bool, device=q.device)
-                else:
-                    mask = self._self_mask(w, -w, w, q.dtype, q.device)  # (1, H, W, 2W)
-                    key_ok = torch.cat([prev_valid, torch.ones_like(prev_valid)], 1)  # (B, 2W)
-                    first_mask = mask + additive_mask(key_ok, mask.dtype)[:, None, None, :]
-                    a_first = self._attend(q_blocks[:, 0], k_blocks[:, 0], v_blocks[:, 0], first_mask, drop)
-                    empty_first = ~prev_valid.any(-1)
-                if not cfg.attend_self:
-                    # The first token of a document has no previous token: zero output (meliad safe softmax).
-                    keep = (~empty_first).to(a_first.dtype)[:, None, None, None]
-                    a_first = torch.cat([a_first[:, :1] * keep, a_first[:, 1:]], 1)
-                a_self = torch.cat([a_first[:, None], a_self.view(bsz, nb, w, heads, hd)[:, 1:]], 1)
-        a_self = a_self.reshape(bsz, seq_len, heads * hd)
-
-        # 3. Cross-attention to context states (BST) or to the recurrent state (BRecT)
-        outputs = [a_self]
-        if self.kind == "bst":
-            ctx_k, ctx_v, ctx_mask, zero_first = cross
-            q2 = self._cross_query(xn).view(bsz * nb, w, heads, hd).transpose(1, 2)
-            s_c = ctx_k.shape[2]
-            ck = ctx_k.reshape(bsz * nb, s_c, heads, hd).transpose(1, 2)
-            cv = ctx_v.reshape(bsz * nb, s_c, heads, hd).transpose(1, 2)
-            chunk = min(cfg.resolved_attention_query_chunk, w)
-            if output_attentions:
-                a_cross, cw = self._attend(q2, ck, cv, ctx_mask, drop, return_weights=True)  # cw (B*nb, H, W, S_c)
-                if zero_first:
-                    cw = torch.cat([torch.zeros_like(cw[:, :, :1]), cw[:, :, 1:]], 2)
-                cross_weights = cw.view(bsz, nb, heads, w, s_c).transpose(1, 2).reshape(bsz, heads, seq_len, s_c)
-                cross_weights = cross_weights[:, :, :n_out]
-            elif ctx_mask is not None and chunk < w:
-                # Triangular SH/MH mask: queries of a chunk see only the context states up to the chunk's end.
-                a_cross = torch.cat(
-                    [
-                        self._attend(
-                            q2[:, :, i : i + chunk],
-                            ck[:, :, : i + chunk],
-                            cv[:, :, : i + chunk],
-                            ctx_mask[i : i + chunk, : i + chunk],
-                            drop,
-                        )
-                        for i in range(0, w, chunk)
-                    ],
-                    1,
+            # Full-sequence form. A continued sequence (cache filled, rows block-aligned) sees the cached previous
+            # block and the cached SSM / recurrent state.
+            xn = self.dropout(xn)
+            q, k, v = self.self_attn.project(xn)  # (B, T, H, d)
+            a_self, self_w = self.self_attn(q, k, v, lengths, layer_cache, positions, num_positions, output_attentions)
+            if isinstance(self.cross_attn, BSTRecurrentCrossAttention):
+                continued = layer_cache is not None and positions is not None
+                previous = self.self_attn.previous_block(layer_cache, positions) if continued else None
+                cross = self.cross_attn(
+                    xn, k, v, previous, lengths, layer_cache, positions, fill_cache, num_positions, output_attentions
                 )
-            else:
-                a_cross = self._attend(q2, ck, cv, ctx_mask, drop)  # (B*nb, W, H, d)
-            if zero_first:
-                a_cross = torch.cat([torch.zeros_like(a_cross[:, :1]), a_cross[:, 1:]], 1)
-            outputs.append(a_cross.reshape(bsz, seq_len, heads * hd))
-        elif self.kind == "recurrent":
-            a_rec, cross_weights = self._recurrent_sequence(
-                xn, kb, vb, bsz, nb, lengths, layer_cache, positions, fill_cache, output_attentions
-            )
-            outputs.append(a_rec)
-            if cross_weights is not None:
-                cross_weights = cross_weights[:, :, :n_out]
-        attn = self.o_proj(torch.cat(outputs, -1))
-
-        # 4. Residual and MLP
-        h = self._mlp(hidden_states + self.dropout(attn))
-
-        if fill_cache:
-            lens = lengths if lengths is not None else torch.full((bsz,), seq_len, device=h.device)
-            layer_cache.attention.fill(k.detach(), v.detach(), lens, self.ring, positions)
-        return (h, self_weights, cross_weights) if output_attentions else h
-
-    def _cached_previous_block(self, layer_cache, positions):
-        """The cached block before ``positions``: keys, values `(B, W, H, d)`, which are held (else masked)."""
-        return layer_cache.attention.window(positions, self.block_len)
-
-    def _bidirectional_self_attention(self, qb, kb, vb, lengths, bsz, nb):
-        """Bidirectional blocks attend to the previous, own and next block (no causal mask; padding masked)."""
-        cfg = self.config
-        w, heads, hd = self.block_len, cfg.num_attention_heads, cfg.head_dim
-        zeros = torch.zeros_like(kb[:, :1])
-        kcat = torch.cat([torch.cat([zeros, kb[:, :-1]], 1), kb, torch.cat([kb[:, 1:], zeros], 1)], 2)
-        vcat = torch.cat([torch.cat([zeros, vb[:, :-1]], 1), vb, torch.cat([vb[:, 1:], zeros], 1)], 2)
-        key_pos = (torch.arange(nb, device=kb.device)[:, None] * w) + torch.arange(-w, 2 * w, device=kb.device)
-        lens = lengths if lengths is not None else torch.full((bsz,), nb * w, device=kb.device)
-        valid = (key_pos[None] >= 0) & (key_pos[None] < lens[:, None, None])  # (B, nb, 3W)
-        bias = self._self_mask(w, -w, 2 * w, qb.dtype, qb.device)  # (1, H, W, 3W)
-        mask = bias[None] + additive_mask(valid, qb.dtype)[:, :, None, None]
-        out = self._attend(
-            qb,
-            kcat.reshape(bsz * nb, 3 * w, heads, hd).transpose(1, 2),
-            vcat.reshape(bsz * nb, 3 * w, heads, hd).transpose(1, 2),
-            mask.reshape(bsz * nb, heads, w, 3 * w),
-            cfg.attention_dropout if self.training else 0.0,
-        )
-        return out.view(bsz, nb, w, heads, hd)
-
-    def _recurrent_sequence(
-        self, xn, kb, vb, bsz, nb, lengths, layer_cache, positions, fill_cache, output_attentions=False
-    ):
-        """BRecT: the state recurrence over blocks (the package's only sequential loop), then token cross-attention."""
-        cfg = self.config
-        w, heads, hd = self.block_len, cfg.num_attention_heads, cfg.head_dim
-        rec = self.recurrent
-        continued = layer_cache is not None and positions is not None
-        if continued:
-            state = layer_cache.recurrent.state.to(kb.dtype)
-            fresh = (positions == layer_cache.doc_start)[:, None, None]
-            state = torch.where(fresh, rec.initial_state.to(kb.dtype), state)
-            prev_k, prev_v, prev_valid = self._cached_previous_block(layer_cache, positions)
-        else:
-            state = rec.initial_state.to(kb.dtype).expand(bsz, -1, -1)
-            prev_k, prev_v = torch.zeros_like(kb[:, 0]), torch.zeros_like(vb[:, 0])
-            prev_valid = torch.zeros(bsz, w, dtype=torch.bool, device=kb.device)
-        cur_valid = torch.ones(bsz, w, dtype=torch.bool, device=kb.device)
-        states, state_keys, state_values = [state], [], []
-        for b in range(nb):
-            kcat = torch.cat([prev_k if b == 0 else kb[:, b - 1], kb[:, b]], 1)
-            vcat = torch.cat([prev_v if b == 0 else vb[:, b - 1], vb[:, b]], 1)
-            valid = torch.cat([prev_valid if b == 0 else cur_valid, cur_valid], 1)
-            # The state's keys/values serve both its own update and the tokens of block b: computed once.
-            state_kv = rec.keys_values(states[-1])
-            state_keys.append(state_kv[0])
-            state_values.append(state_kv[1])
-            states.append(rec.update(states[-1], kcat, vcat, valid, self._attend, state_kv))
-        all_states = torch.stack(states, 1)  # (B, nb+1, S, D)
-        sk, sv = torch.stack(state_keys, 1), torch.stack(state_values, 1)  # (B, nb, S, H, d)
-        s = sk.shape[2]
-        q2 = self._cross_query(xn).view(bsz * nb, w, heads, hd).transpose(1, 2)
-        out, weights = self._attend(
-            q2,
-            sk.reshape(bsz * nb, s, heads, hd).transpose(1, 2),
-            sv.reshape(bsz * nb, s, heads, hd).transpose(1, 2),
-            None,
-            cfg.attention_dropout if self.training else 0.0,
-            return_weights=True,
-        )
-        if fill_cache:
-            lens = lengths if lengths is not None else torch.full((bsz,), nb * w, device=kb.device)
-            rows = torch.arange(bsz, device=kb.device)
-            new_state = all_states[rows, lens // w].detach()
-            layer_cache.recurrent.set(new_state, *(t.detach() for t in rec.keys_values(new_state)))
-        if output_attentions:
-            weights = weights.view(bsz, nb, heads, w, s).transpose(1, 2).reshape(bsz, heads, nb * w, s)
-        return out.reshape(bsz, nb * w, heads * hd), weights if output_attentions else None
-
-    # -- recurrent form ------------------------------------------------------------------------------------------
-    def step(self, hidden_states, layer_cache: BSTLayerCache, positions: torch.Tensor, output_attentions=False):
-        """One token per row at per-row positions ``positions`` `(B,)`; updates ``layer_cache`` in place."""
-        cfg = self.config
-        bsz = hidden_states.shape[0]
-        w, heads, hd = self.block_len, cfg.num_attention_heads, cfg.head_dim
-        p = positions
-        xn = self.input_norm(hidden_states)  # (B, 1, D)
-        q, k, v = self._project(xn)  # (B, 1, H, d)
-
-        # 1. Write this token's key/value into the ring, then attend over the W previous (or most recent) tokens
-        ring_k, ring_v, kpos = layer_cache.attention.write(p, k[:, 0], v[:, 0])
-        rel = kpos - p[:, None]  # (B, R)
-        valid = (kpos >= 0) & self._window_valid(rel)
-        # The ring holds distances 0 .. R-1 only: gather the scaled T5 bias from a per-distance table.
-        table = self._step_bias_table(layer_cache, q.dtype)  # (H, R), column j = distance j
-        bias = table[:, (-rel).clamp(0, self.ring - 1)].permute(1, 0, 2)  # (B, H, R)
-        mask = torch.where(valid[:, None], bias, masked_fill_value(q.dtype))[:, :, None, :]  # (B, H, 1, R)
-        a_self, self_weights = self._attend(
-            q.transpose(1, 2), ring_k.transpose(1, 2), ring_v.transpose(1, 2), mask, 0.0, True
-        )
-        any_key = valid.any(-1).to(a_self.dtype)
-        a_self = a_self * any_key[:, None, None, None]
-        cross_weights = None
-        if output_attentions:
-            self_weights = self_weights * any_key[:, None, None, None]  # (B, H, 1, R) over the ring
-        outputs = [a_self.reshape(bsz, 1, heads * hd)]
-
-        # 2. Context states (BST) / recurrent state (BRecT)
-        if self.kind == "bst":
-            ctx_k, ctx_v, ctx_mask, any_valid = self.context.step(xn, layer_cache, p)
-            q2 = self._cross_query(xn).transpose(1, 2)  # (B, H, 1, d)
-            a_cross, cross_weights = self._attend(
-                q2, ctx_k.transpose(1, 2), ctx_v.transpose(1, 2), ctx_mask, 0.0, True
-            )
-            if any_valid is not None:
-                a_cross = a_cross * any_valid.to(a_cross.dtype)[:, None, None, None]
-                if output_attentions:
-                    cross_weights = cross_weights * any_valid.to(cross_weights.dtype)[:, None, None, None]
-            outputs.append(a_cross.reshape(bsz, 1, heads * hd))
-        elif self.kind == "recurrent":
-            fresh = p == layer_cache.doc_start
-            if maybe_any(fresh):
-                # First token of a document: the state starts from the learned initial state.
-                state = layer_cache.recurrent.state
-                init_state = self.recurrent.initial_state.to(state.dtype).expand_as(state)
-                layer_cache.recurrent.set(init_state, *self.recurrent.keys_values(init_state), rows=fresh)
-            q2 = self._cross_query(xn).transpose(1, 2)
-            a_cross, cross_weights = self._attend(
-                q2, layer_cache.recurrent.k.transpose(1, 2), layer_cache.recurrent.v.transpose(1, 2), None, 0.0, True
-            )
-            outputs.append(a_cross.reshape(bsz, 1, heads * hd))
-            # At the last token of a block, the state absorbs the previous and current block.
-            block_end = (p - layer_cache.doc_start + 1).remainder(w) == 0
-            if maybe_any(block_end):
-                new_state = self.recurrent.update(layer_cache.recurrent.state, ring_k, ring_v, kpos >= 0, self._attend)
-                layer_cache.recurrent.set(new_state, *self.recurrent.keys_values(new_state), rows=block_end)
-        attn = self.o_proj(torch.cat(outputs, -1))
-        h = self._mlp(hidden_states + attn)
-        return (h, self_weights, cross_weights) if output_attentions else h
-
-    def _step_bias_table(self, layer_cache, dtype):
-        """Scaled T5 bias per distance 0 .. R-1, `(H, R)`; memoised in the cache while the parameters are unchanged."""
-
-        def compute():
-            distances = -torch.arange(self.ring, device=self.self_scale.device)
-            return (self._bias(distances).to(dtype) * self.self_scale.to(dtype)).t().contiguous()
-
-        params = (self.relative_bias.weight, self.self_scale)
-        return decode_memo(layer_cache, "bias", (dtype,), params, compute)
+            elif self.cross_attn is not None:
+                cross = self.cross_attn(
+                    xn, lengths, layer_cache, positions, fill_cache, num_positions, output_attentions
+                )
+            if fill_cache:
+                self.self_attn.write_cache(layer_cache, k, v, lengths, positions)
+        cross_w = None
+        if self.cross_attn is not None:
+            a_cross, cross_w = cross
+            a_self = torch.cat([a_self, a_cross], -1)  # (B, T, 2 H d_h)
+        attn = self.o_proj(a_self)
+        h = hidden_states + (attn if step else self.dropout(attn))
+        h = h + self.dropout(self.mlp(self.post_attention_norm(h)))
+        return (h, self_w, cross_w) if output_attentions else h
 
 
 class BSTGSSLayer(GradientCheckpointingLayer):
@@ -982,6 +1171,18 @@ DECODER_LAYER_CLASSES = {
 }
 
 
+# from_pretrained arguments that locate a checkpoint's config (the rest are the model's).
+_HUB_KWARGS = (
+    "cache_dir",
+    "force_download",
+    "local_files_only",
+    "token",
+    "revision",
+    "subfolder",
+    "proxies",
+)
+
+
 # Standard deviation of a unit normal truncated at +-2 (meliad's variance_scaling correction).
 TRUNCATED_NORMAL_STD = 0.87962566103423978
 
@@ -1029,10 +1230,8 @@ class BSTPreTrainedModel(PreTrainedModel):
                 init.normal_(module.weight, 0.0, cfg.initializer_range)
         elif isinstance(module, BSTRMSNorm):
             init.ones_(module.weight)
-        if isinstance(module, BSTDecoderLayer):
-            init.constant_(module.self_scale, cfg.resolved_attn_scale_init)
-            if hasattr(module, "cross_scale"):
-                init.constant_(module.cross_scale, cfg.resolved_attn_scale_init)
+        if isinstance(module, (BSTBlockSelfAttention, BSTCrossAttention)):
+            init.constant_(module.scale, cfg.resolved_attn_scale_init)
         elif isinstance(module, S4DKernel):
             module.reset_parameters()
         elif isinstance(module, UnstructFilter):
@@ -1056,6 +1255,25 @@ class BSTPreTrainedModel(PreTrainedModel):
             init.normal_(module.gate_bias, 0.0, 0.1)
             init.constant_(module.self_scale, cfg.resolved_attn_scale_init)
             init.constant_(module.cross_scale, cfg.resolved_attn_scale_init)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """[`PreTrainedModel.from_pretrained`]; checkpoints of the layout before core v2 (issue #12: one flat
+        decoder layer) load through a ``key_mapping`` built from their config's layer types ([`legacy_key_mapping`]),
+        unless the caller passes one."""
+        if kwargs.get("key_mapping") is None and pretrained_model_name_or_path is not None:
+            config = kwargs.get("config")
+            if not isinstance(config, PreTrainedConfig):
+                hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
+                config = BSTConfig.from_pretrained(config or pretrained_model_name_or_path, **hub)
+            kwargs["key_mapping"] = legacy_key_mapping(config)
+        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+
+    def save_pretrained(self, save_directory, *args, save_original_format: bool = False, **kwargs):
+        """[`PreTrainedModel.save_pretrained`], writing the current parameter names: a model loaded from an old
+        checkpoint is saved in the new layout (transformers' default, ``save_original_format=True``, would write the
+        names the checkpoint was loaded from)."""
+        return super().save_pretrained(save_directory, *args, save_original_format=save_original_format, **kwargs)
 
     def ssm_parameter_names(self) -> list[str]:
         """Parameters that train with their own learning rate (``config.ssm_lr``) and no weight decay (S4 practice):

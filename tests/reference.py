@@ -146,12 +146,12 @@ def block_self_attention_reference(layer, xn: torch.Tensor, length: int | None =
     def proj(linear):
         return (xn @ linear.weight.detach().double().t()).view(bsz, seq, heads, hd)
 
-    q, k, v = proj(layer.q_proj), proj(layer.k_proj), proj(layer.v_proj)
+    q, k, v = proj(layer.self_attn.q_proj), proj(layer.self_attn.k_proj), proj(layer.self_attn.v_proj)
     if cfg.qk_norm:
         q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
         k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-    table = layer.relative_bias.weight.detach().double()  # (buckets, H)
-    scale = layer.self_scale.detach().double()
+    table = layer.self_attn.relative_bias.weight.detach().double()  # (buckets, H)
+    scale = layer.self_attn.scale.detach().double()
     out = torch.zeros(bsz, seq, heads, hd, dtype=torch.float64)
     num_blocks = -(-length // w)
     for b in range(num_blocks):

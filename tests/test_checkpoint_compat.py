@@ -75,6 +75,38 @@ def test_old_checkpoint_loads_with_identical_logits(name):
     torch.testing.assert_close(logits, expected["logits"], atol=1e-12, rtol=1e-12)
 
 
+@pytest.mark.parametrize("name", ["sh-s4", "brect", "gss"])
+def test_old_checkpoint_resaves_with_current_names(name, tmp_path):
+    """``save_pretrained`` of a model loaded from an old checkpoint writes the current names (not the old layout),
+    and the resaved folder loads with the same logits."""
+    folder = FIXTURES / name
+    model = BSTForCausalLM.from_pretrained(folder).eval()
+    model.save_pretrained(tmp_path)
+    saved = set(load_file(str(tmp_path / "model.safetensors")))
+    current = set(model.state_dict()) - {"lm_head.weight"}  # tied to the embeddings
+    assert saved == current
+    old = set(load_file(str(folder / "model.safetensors")))
+    assert name == "gss" or saved != old  # the attention layers' names did change
+    expected = load_file(str(folder / "expected.safetensors"))
+    with torch.no_grad():
+        logits = BSTForCausalLM.from_pretrained(tmp_path).eval().double()(expected["input_ids"]).logits
+    torch.testing.assert_close(logits, expected["logits"], atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["mf-s4", "brect", "gss"])
+def test_old_state_dict_loads_with_load_state_dict(name):
+    """``load_state_dict`` (a training resume) of an old-layout state dict: the decoder layers' load hook renames."""
+    folder = FIXTURES / name
+    model = BSTForCausalLM(BSTConfig.from_pretrained(folder)).eval()
+    state = load_file(str(folder / "model.safetensors"))
+    result = model.load_state_dict(state, strict=False)
+    assert result.unexpected_keys == [] and result.missing_keys == ["lm_head.weight"]
+    expected = load_file(str(folder / "expected.safetensors"))
+    with torch.no_grad():
+        logits = model.double()(expected["input_ids"]).logits
+    torch.testing.assert_close(logits, expected["logits"], atol=1e-12, rtol=1e-12)
+
+
 if __name__ == "__main__":
     if "--write" not in sys.argv:
         sys.exit("usage: python tests/test_checkpoint_compat.py --write  (overwrites the fixtures)")

@@ -193,9 +193,9 @@ def test_block_attention_matches_per_token_window_reference(query_chunk):
         out = layer(torch.nn.functional.pad(x, (0, 0, 0, 3)))[:, :13]
         xn = layer.input_norm(x)
         heads, hd, w = 2, 8, config.block_len
-        q = layer.q_proj(xn).view(13, heads, hd)
-        k = layer.k_proj(xn).view(13, heads, hd)
-        v = layer.v_proj(xn).view(13, heads, hd)
+        q = layer.self_attn.q_proj(xn).view(13, heads, hd)
+        k = layer.self_attn.k_proj(xn).view(13, heads, hd)
+        v = layer.self_attn.v_proj(xn).view(13, heads, hd)
         # meliad's key/query normalisation: x / sqrt(sum x^2 + 1e-6)
         q = q / (q.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
         k = k / (k.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
@@ -209,12 +209,12 @@ def test_block_attention_matches_per_token_window_reference(query_chunk):
                 for j in keys:
                     n = t - j
                     bucket = n if n < 16 else min(31, 16 + int(math.log(n / 16) / math.log(128 / 16) * 16))
-                    bias = layer.relative_bias.weight[bucket, h]
-                    logits.append((q[t, h] @ k[j, h] + bias) * layer.self_scale[h])
+                    bias = layer.self_attn.relative_bias.weight[bucket, h]
+                    logits.append((q[t, h] @ k[j, h] + bias) * layer.self_attn.scale[h])
                 p = torch.softmax(torch.stack(logits), 0)
                 attn[t, h] = (p[:, None] * v[keys, h]).sum(0)
         h = x + layer.o_proj(attn.reshape(1, 13, heads * hd))
-        ref = h + layer.down_proj(torch.relu(layer.up_proj(layer.post_attention_norm(h))))
+        ref = h + layer.mlp.down_proj(torch.relu(layer.mlp.up_proj(layer.post_attention_norm(h))))
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
 
 

@@ -275,7 +275,7 @@ def test_unstruct_filter_beyond_its_length_is_finite_causal_and_steps_exactly(va
         # A block-aligned chunk continuing a cache past the filter length (full-sequence form over the history).
         cache = model(ids[:, :20], use_cache=True).past_key_values
         torch.testing.assert_close(model(ids[:, 20:], past_key_values=cache).logits, full[:, 20:], atol=1e-9, rtol=0)
-        ssm = model.model.layers[0].context.ssm
+        ssm = model.model.layers[0].cross_attn.context.ssm
         z = torch.randn(2, 48, ssm.channels, dtype=torch.float64)
         taps = ssm.filters(16)  # (C, Ds, 16)
         direct = torch.zeros(2, 48, *taps.shape[:2], dtype=torch.float64)

@@ -32,7 +32,9 @@ def test_a_model_built_from_layer_types_equals_one_built_from_index_fields():
     a = BSTForCausalLM(by_indices)
     torch.manual_seed(0)
     b = BSTForCausalLM(by_types)
-    assert isinstance(b.model.layers[0].context, MFContextStates) and isinstance(b.model.layers[2], BSTGSSLayer)
+    assert isinstance(b.model.layers[0].cross_attn.context, MFContextStates) and isinstance(
+        b.model.layers[2], BSTGSSLayer
+    )
     for (name_a, p_a), (name_b, p_b) in zip(a.state_dict().items(), b.state_dict().items()):
         assert name_a == name_b and torch.equal(p_a, p_b)
 

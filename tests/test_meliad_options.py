@@ -33,7 +33,7 @@ def test_mf_context_ids_before_or_after_the_norm():
     torch.manual_seed(0)
     for after in (False, True):
         model = BSTForCausalLM(tiny_config(context_mode="mf", mf_context_ids_after_norm=after)).double()
-        ctx = model.model.layers[0].context
+        ctx = model.model.layers[0].cross_attn.context
         y = torch.randn(2, ctx.up_proj.shape[0], ctx.up_proj.shape[1], dtype=torch.float64)
         lifted = torch.einsum("bsc,scd->bsd", y, ctx.up_proj)
         c = ctx.norm(lifted) + ctx.context_ids if after else ctx.norm(lifted + ctx.context_ids)
@@ -45,7 +45,7 @@ def test_truncated_normal_init_has_variance_one_over_fan_in():
     for corrected in (True, False):
         torch.manual_seed(0)
         config = tiny_config(hidden_size=256, intermediate_size=1024, init_truncation_correction=corrected)
-        weight = BSTForCausalLM(config).model.layers[1].down_proj.weight  # fan_in 1024, 256k samples
+        weight = BSTForCausalLM(config).model.layers[1].mlp.down_proj.weight  # fan_in 1024, 256k samples
         ratio = weight.std().item() * math.sqrt(1024)
         assert abs(ratio - (1.0 if corrected else 0.8796)) < 0.01, ratio
         assert weight.abs().max() <= 2 * (1.0 if not corrected else 1 / 0.8796) / math.sqrt(1024) + 1e-6
@@ -67,7 +67,7 @@ def test_mf_independent_filters_step_exactly_and_span_more_than_a_shared_state()
         for independent in (False, True):
             torch.manual_seed(0)
             ssm = BSTForCausalLM(tiny_config(mf_independent_filters=independent, **overrides)).double()
-            ssm = ssm.model.layers[0].context.ssm
+            ssm = ssm.model.layers[0].cross_attn.context.ssm
             z = torch.randn(64, 16, 2, dtype=torch.float64)
             ends = ssm.block_end_outputs(z, 4)  # (64, 4, S, Ds)
             torch.testing.assert_close(ends, ssm(z)[:, 3::4], atol=1e-10, rtol=0)

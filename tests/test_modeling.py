@@ -145,7 +145,7 @@ def test_mf_context_of_block_b_ignores_block_b(kind):
     model = make_model(
         None, dtype=torch.float64, num_hidden_layers=1, bst_layer_indices=[0], context_mode="mf", ssm_kind=kind
     )
-    ctx = model.model.layers[0].context
+    ctx = model.model.layers[0].cross_attn.context
     w, nb = model.config.block_len, 5
     ids = random_ids(1, w * nb)
 
@@ -264,9 +264,7 @@ def test_every_parameter_gets_a_nonzero_gradient(variant):
         expected = [
             n
             for n, _ in model.named_parameters()
-            if n.endswith(("self_scale", "q_proj.weight", "k_proj.weight", "relative_bias.weight"))
-            and ".recurrent." not in n
-            and ".context." not in n
+            if ".self_attn." in n and n.endswith(("scale", "q_proj.weight", "k_proj.weight", "relative_bias.weight"))
         ]
     assert missing == expected, f"no gradient: {sorted(set(missing) - set(expected))}"
     assert not non_finite, f"non-finite gradient: {non_finite}"

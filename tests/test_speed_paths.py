@@ -59,15 +59,15 @@ def test_step_memos_follow_parameter_edits():
     model, layer, layer_cache = decoded_one_token("sh-s4")
     with torch.no_grad():
         assert {"ssm", "bias"} <= set(layer_cache.step_memo)
-        layer.relative_bias.weight.data.add_(0.25)
-        layer.context.ssm.log_dt.data.add_(0.1)
-        table = layer._step_bias_table(layer_cache, torch.float64)
-        constants = layer.context.step_constants(layer_cache)
+        layer.self_attn.relative_bias.weight.data.add_(0.25)
+        layer.cross_attn.context.ssm.log_dt.data.add_(0.1)
+        table = layer.self_attn.step_bias_table(layer_cache, torch.float64)
+        constants = layer.cross_attn.context.step_constants(layer_cache)
         # Reference: computed without any memo.
-        distances = -torch.arange(layer.ring)
-        expected = (layer._bias(distances) * layer.self_scale).t()
+        distances = -torch.arange(layer.self_attn.ring)
+        expected = (layer.self_attn.bias(distances) * layer.self_attn.scale).t()
         torch.testing.assert_close(table, expected, rtol=0, atol=0)
-        for got, want in zip(constants, layer.context.ssm.step_constants()):
+        for got, want in zip(constants, layer.cross_attn.context.ssm.step_constants()):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
@@ -80,7 +80,7 @@ def test_decode_step_with_gradients_writes_cache_out_of_place():
     held = cache.layers[0].attention.k
     out = model(ids[:, :1], past_key_values=cache, use_cache=True)
     out.logits.sum().backward()
-    assert model.model.layers[0].k_proj.weight.grad is not None
+    assert model.model.layers[0].self_attn.k_proj.weight.grad is not None
     assert cache.layers[0].attention.k.requires_grad and cache.layers[0].attention.k is not held
     torch.testing.assert_close(held, before, rtol=0, atol=0)  # the old buffer was not written under autograd
 
@@ -138,7 +138,7 @@ def test_unstruct_step_taps_follow_parameter_edits():
     model, layer, layer_cache = decoded_one_token("sh-unstruct")
     with torch.no_grad():
         assert "ssm" in layer_cache.step_memo
-        ssm = layer.context.ssm
+        ssm = layer.cross_attn.context.ssm
         ssm.out.weight.data.mul_(-2.0)
         expected = ssm.reverse_taps(ssm.filters(model.config.max_position_embeddings))
-        torch.testing.assert_close(layer.context.step_constants(layer_cache), expected, rtol=0, atol=0)
+        torch.testing.assert_close(layer.cross_attn.context.step_constants(layer_cache), expected, rtol=0, atol=0)
