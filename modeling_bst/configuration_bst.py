@@ -4,11 +4,25 @@ One config class describes every model of the paper's Table 1: BST (SH / MH / MF
 "unstruct" SSM kernels), and the baselines Slide (no BST layers), Transformer-XL (one window as long as the
 segment) and the Block-Recurrent Transformer (``recurrent_layer_indices``). See ``docs/paper-mapping.md`` for how
 each field maps onto the paper and which ambiguities were decided how.
+
+``BSTConfig`` is a ``@strict`` dataclass like transformers' in-tree configs (``LlamaConfig``): every field is an
+annotated, defaulted class attribute. Its type and its own range (a positive width, a dropout rate in [0, 1), one
+of the context modes, ...) are checked whenever the field is set, by ``__init__``, by ``from_dict`` /
+``from_pretrained`` and by assignment; the checks that relate fields (an index below ``num_hidden_layers``, a query
+chunk dividing ``block_len``, ...) are the ``validate_*`` methods, which ``__init__``, ``from_dict`` and
+``save_pretrained`` run through ``validate()``. Every error is a [`BSTConfigError`] naming the field.
 """
 
 import math
+from dataclasses import fields
+from typing import Literal, Union, get_args, get_origin
 
-from huggingface_hub.dataclasses import StrictDataclassClassValidationError
+from huggingface_hub.dataclasses import strict, validated_field
+from huggingface_hub.errors import (
+    StrictDataclassClassValidationError,
+    StrictDataclassError,
+    StrictDataclassFieldValidationError,
+)
 from transformers import PreTrainedConfig
 
 
@@ -21,6 +35,8 @@ CROSS_MASKS = ("inclusive", "strict")
 LAYER_TYPES = ("block", "bst", "recurrent", "gss")
 # The per-kind index fields, still accepted, and what config.json stores: each lists the layers of one type.
 LAYER_INDEX_FIELDS = {"bst": "bst_layer_indices", "recurrent": "recurrent_layer_indices", "gss": "gss_layer_indices"}
+# ``bst_layer_indices`` when neither it nor ``layer_types`` is given.
+DEFAULT_BST_LAYER_INDICES = (0, 7, 9)
 
 # Every Auto class the package offers, as written into a saved ``config.json``: a folder written by
 # ``save_pretrained`` (which copies these files next to the weights) then loads with any of them and
@@ -34,6 +50,113 @@ AUTO_MAP = {
 }
 
 
+class BSTConfigError(StrictDataclassError, ValueError):
+    """An invalid [`BSTConfig`] value; the message names the field.
+
+    A ``ValueError`` (what ``BSTConfig`` raised before it became a strict dataclass, and what the training CLI and
+    most callers catch) and a ``StrictDataclassError`` (what transformers' ``@strict`` configs raise)."""
+
+
+# -- per-field checks: ``validated_field`` validators, run by ``@strict`` after the type check on every assignment --
+# Each gets a value of the annotated type and raises ``ValueError`` with a message that ``_errors_name_the_field``
+# prefixes with ``BSTConfig.<field>``.
+def _positive(value):
+    if value <= 0:
+        raise ValueError(f"must be a positive integer, got {value!r}.")
+
+
+def _positive_or_none(value):
+    if value is not None:
+        _positive(value)
+
+
+def _non_negative(value):
+    if value < 0:
+        raise ValueError(f"must be an integer >= 0, got {value!r}.")
+
+
+def _positive_even(value):
+    _positive(value)
+    if value % 2:
+        raise ValueError(f"must be even (N/2 complex-conjugate modes), got {value!r}.")
+
+
+def _odd_at_least_3(value):
+    if value < 3 or value % 2 == 0:
+        raise ValueError(f"must be odd and >= 3, got {value!r}.")
+
+
+def _rate(value):
+    if value is not None and not 0.0 <= value < 1.0:
+        raise ValueError(f"must be in [0, 1), got {value!r}.")
+
+
+def _layer_indices(value):
+    if value is None:
+        return
+    negative = [i for i in value if i < 0]
+    if negative:
+        raise ValueError(f"entries must be layer indices >= 0, got {negative} in {list(value)}.")
+    if len(set(value)) != len(value):
+        raise ValueError(f"has repeated entries: {list(value)}.")
+
+
+def _layer_type_entries(value):
+    if value is not None and not all(t in LAYER_TYPES for t in value):
+        raise ValueError(f"entries must be in {LAYER_TYPES}, got {list(value)!r}.")
+
+
+def _checked(validator, default):
+    return validated_field(validator, default=default)
+
+
+def _describe(annotation) -> str:
+    """A field annotation in words, for error messages: ``float | int`` -> "float or int"."""
+    origin = get_origin(annotation)
+    if origin is Literal:
+        return f"one of {get_args(annotation)}"
+    if origin is Union or type(annotation).__name__ == "UnionType":
+        return " or ".join(_describe(arg) for arg in get_args(annotation))
+    if annotation is type(None):
+        return "None"
+    if origin is not None:
+        return str(annotation)
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _errors_name_the_field(cls):
+    """Re-raise ``@strict``'s field and class validation errors as [`BSTConfigError`], naming the field.
+
+    Applied on top of ``@strict``: it wraps the ``__setattr__`` (type check + field validators) and ``validate``
+    (class validators) that ``@strict`` installs."""
+    strict_setattr, strict_validate = cls.__setattr__, cls.validate
+    annotations = {f.name: f.type for f in fields(cls)}
+
+    def __setattr__(self, name, value):
+        try:
+            strict_setattr(self, name, value)
+        except StrictDataclassFieldValidationError as e:
+            cause = e.__cause__
+            if isinstance(cause, TypeError):
+                message = f"{cls.__name__}.{name} must be {_describe(annotations.get(name))}, got {value!r}."
+            else:
+                message = f"{cls.__name__}.{name} {cause}"
+            raise BSTConfigError(message) from cause
+
+    def validate(self):
+        """Run the class validators (``validate_*``); raise [`BSTConfigError`] naming the field."""
+        try:
+            strict_validate(self)
+        except StrictDataclassClassValidationError as e:
+            raise BSTConfigError(str(e.__cause__)) from e.__cause__
+
+    validate.__is_defined_by_strict_decorator__ = True  # a subclass may be ``@strict`` again
+    cls.__setattr__, cls.validate = __setattr__, validate
+    return cls
+
+
+@_errors_name_the_field
+@strict
 class BSTConfig(PreTrainedConfig):
     r"""Configuration for [`BSTModel`], [`BSTForCausalLM`] and [`BSTForSequenceClassification`].
 
@@ -114,173 +237,134 @@ class BSTConfig(PreTrainedConfig):
     model_type = "bst"
     keys_to_ignore_at_inference = ["past_key_values"]
 
-    def __init__(
-        self,
-        vocab_size: int = 32000,
-        hidden_size: int = 1024,
-        num_hidden_layers: int = 12,
-        layer_types: list | None = None,
-        num_attention_heads: int = 8,
-        head_dim: int = 128,
-        intermediate_size: int = 4096,
-        max_position_embeddings: int = 4096,
-        block_len: int = 512,
-        bst_layer_indices: list | None = None,
-        context_mode: str = "sh",
-        ssm_kind: str = "s4",
-        ssm_state_size: int = 16,
-        num_context_states: int = 32,
-        mf_independent_filters: bool = False,
-        recurrent_layer_indices: list | None = None,
-        num_recurrent_states: int = 512,
-        bidirectional: bool = False,
-        ssm_hidden_size: int | None = None,
-        ssm_init: str = "lin",
-        ssm_dt_min: float = 1e-3,
-        ssm_dt_max: float = 1e-1,
-        ssm_lr: float = 1e-3,
-        unstruct_emb_dim: int = 33,
-        unstruct_order: int = 64,
-        unstruct_num_inner_mlps: int = 2,
-        unstruct_sin_freq: float = 14.0,
-        unstruct_decay_target: float = 1e-2,
-        unstruct_decay_fast: float = 0.3,
-        unstruct_decay_slow: float = 1.5,
-        unstruct_finite_filter: bool = True,
-        attend_self: bool = False,
-        attention_query_chunk: int | None = None,
-        cross_mask: str = "inclusive",
-        qk_norm: bool = True,
-        attn_scale_init: float | None = None,
-        relative_attention_num_buckets: int = 32,
-        relative_attention_max_distance: int = 128,
-        logit_scale: float | None = None,
-        rms_norm_eps: float = 1e-6,
-        dropout: float = 0.05,
-        attention_dropout: float = 0.05,
-        final_dropout: float | None = None,
-        mf_context_ids_after_norm: bool = False,
-        init_truncation_correction: bool = True,
-        initializer_range: float = 1.0,
-        use_cache: bool = True,
-        tie_word_embeddings: bool = True,
-        num_s4_head_layers: int = 0,
-        gss_layer_indices: list | None = None,
-        gss_expansion: int = 3,
-        pad_token_id: int | None = None,
-        bos_token_id: int | None = None,
-        eos_token_id: int | None = None,
-        **kwargs,
-    ):
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.num_hidden_layers = num_hidden_layers
-        self.num_attention_heads = num_attention_heads
-        self.head_dim = head_dim
-        self.intermediate_size = intermediate_size
-        self.max_position_embeddings = max_position_embeddings
-        self.block_len = block_len
-        if layer_types is not None:
-            indices = self._indices_from_types(layer_types)
-            if len(layer_types) != num_hidden_layers:
-                raise ValueError(
-                    f"BSTConfig.layer_types must have num_hidden_layers={num_hidden_layers} entries, got "
-                    f"{len(layer_types)}: {list(layer_types)}."
+    vocab_size: int = _checked(_positive, 32000)
+    hidden_size: int = _checked(_positive, 1024)
+    num_hidden_layers: int = _checked(_positive, 12)
+    layer_types: list[str] | tuple[str, ...] | None = _checked(_layer_type_entries, None)
+    num_attention_heads: int = _checked(_positive, 8)
+    head_dim: int = _checked(_positive, 128)
+    intermediate_size: int = _checked(_positive, 4096)
+    max_position_embeddings: int = _checked(_positive, 4096)
+    block_len: int = _checked(_positive, 512)
+    bst_layer_indices: list[int] | tuple[int, ...] | None = _checked(_layer_indices, None)
+    context_mode: Literal[CONTEXT_MODES] = "sh"
+    ssm_kind: Literal[SSM_KINDS] = "s4"
+    ssm_state_size: int = _checked(_positive_even, 16)
+    num_context_states: int = _checked(_positive, 32)
+    mf_independent_filters: bool = False
+    recurrent_layer_indices: list[int] | tuple[int, ...] | None = _checked(_layer_indices, None)
+    num_recurrent_states: int = _checked(_positive, 512)
+    bidirectional: bool = False
+    ssm_hidden_size: int | None = _checked(_positive_or_none, None)
+    ssm_init: Literal[SSM_INITS] = "lin"
+    ssm_dt_min: float | int = 1e-3
+    ssm_dt_max: float | int = 1e-1
+    ssm_lr: float | int = 1e-3
+    unstruct_emb_dim: int = _checked(_odd_at_least_3, 33)
+    unstruct_order: int = _checked(_positive, 64)
+    unstruct_num_inner_mlps: int = 2
+    unstruct_sin_freq: float | int = 14.0
+    unstruct_decay_target: float | int = 1e-2
+    unstruct_decay_fast: float | int = 0.3
+    unstruct_decay_slow: float | int = 1.5
+    unstruct_finite_filter: bool = True
+    attend_self: bool = False
+    attention_query_chunk: int | None = _checked(_positive_or_none, None)
+    cross_mask: Literal[CROSS_MASKS] = "inclusive"
+    qk_norm: bool = True
+    attn_scale_init: float | int | None = None
+    relative_attention_num_buckets: int = _checked(_positive, 32)
+    relative_attention_max_distance: int = _checked(_positive, 128)
+    logit_scale: float | int | None = None
+    rms_norm_eps: float | int = 1e-6
+    dropout: float | int = _checked(_rate, 0.05)
+    attention_dropout: float | int = _checked(_rate, 0.05)
+    final_dropout: float | int | None = _checked(_rate, None)
+    mf_context_ids_after_norm: bool = False
+    init_truncation_correction: bool = True
+    initializer_range: float | int = 1.0
+    use_cache: bool = True
+    tie_word_embeddings: bool = True
+    num_s4_head_layers: int = _checked(_non_negative, 0)
+    gss_layer_indices: list[int] | tuple[int, ...] | None = _checked(_layer_indices, None)
+    gss_expansion: int = _checked(_positive, 3)
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self, **kwargs):
+        """Resolve ``layer_types`` and the index fields into one assignment, then the base class's handling of the
+        remaining keyword arguments (``num_labels``, ``dtype``, unknown keys kept as attributes)."""
+        given = {kind: getattr(self, field) for kind, field in LAYER_INDEX_FIELDS.items()}
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise BSTConfigError(
+                    f"BSTConfig.layer_types must have num_hidden_layers={self.num_hidden_layers} entries, got "
+                    f"{len(self.layer_types)}: {list(self.layer_types)}."
                 )
-            given = {"bst": bst_layer_indices, "recurrent": recurrent_layer_indices, "gss": gss_layer_indices}
+            indices = self._indices_from_types(self.layer_types)
             for kind, field in LAYER_INDEX_FIELDS.items():
                 if given[kind] is not None and sorted(given[kind]) != indices[kind]:
-                    raise ValueError(
-                        f"BSTConfig: {field}={list(given[kind])} disagrees with layer_types={list(layer_types)}; "
-                        "give one of them."
+                    raise BSTConfigError(
+                        f"BSTConfig: {field}={list(given[kind])} disagrees with layer_types="
+                        f"{list(self.layer_types)}; give one of them."
                     )
-            bst_layer_indices = indices["bst"]
-            recurrent_layer_indices = indices["recurrent"]
-            gss_layer_indices = indices["gss"]
-        self.bst_layer_indices = list(bst_layer_indices) if bst_layer_indices is not None else [0, 7, 9]
-        self.context_mode = context_mode
-        self.ssm_kind = ssm_kind
-        self.ssm_state_size = ssm_state_size
-        self.num_context_states = num_context_states
-        self.mf_independent_filters = mf_independent_filters
-        self.recurrent_layer_indices = list(recurrent_layer_indices) if recurrent_layer_indices is not None else []
-        self.num_recurrent_states = num_recurrent_states
-        self.bidirectional = bidirectional
-        self.ssm_hidden_size = ssm_hidden_size
-        self.ssm_init = ssm_init
-        self.ssm_dt_min = ssm_dt_min
-        self.ssm_dt_max = ssm_dt_max
-        self.ssm_lr = ssm_lr
-        self.unstruct_emb_dim = unstruct_emb_dim
-        self.unstruct_order = unstruct_order
-        self.unstruct_num_inner_mlps = unstruct_num_inner_mlps
-        self.unstruct_sin_freq = unstruct_sin_freq
-        self.unstruct_decay_target = unstruct_decay_target
-        self.unstruct_decay_fast = unstruct_decay_fast
-        self.unstruct_decay_slow = unstruct_decay_slow
-        self.unstruct_finite_filter = unstruct_finite_filter
-        self.attend_self = attend_self
-        self.attention_query_chunk = attention_query_chunk
-        self.cross_mask = cross_mask
-        self.qk_norm = qk_norm
-        self.attn_scale_init = attn_scale_init
-        self.relative_attention_num_buckets = relative_attention_num_buckets
-        self.relative_attention_max_distance = relative_attention_max_distance
-        self.logit_scale = logit_scale
-        self.rms_norm_eps = rms_norm_eps
-        self.dropout = dropout
-        self.attention_dropout = attention_dropout
-        self.final_dropout = final_dropout
-        self.mf_context_ids_after_norm = mf_context_ids_after_norm
-        self.init_truncation_correction = init_truncation_correction
-        self.initializer_range = initializer_range
-        self.use_cache = use_cache
-        self.tie_word_embeddings = tie_word_embeddings
-        self.num_s4_head_layers = num_s4_head_layers
-        self.gss_layer_indices = list(gss_layer_indices) if gss_layer_indices is not None else []
-        self.gss_expansion = gss_expansion
-        super().__init__(
-            pad_token_id=pad_token_id,
-            bos_token_id=bos_token_id,
-            eos_token_id=eos_token_id,
-            tie_word_embeddings=tie_word_embeddings,
-            **kwargs,
-        )
+                setattr(self, field, indices[kind])
+        else:
+            for kind, field in LAYER_INDEX_FIELDS.items():
+                if given[kind] is None:
+                    setattr(self, field, list(DEFAULT_BST_LAYER_INDICES) if kind == "bst" else [])
+            # None while the index fields are invalid (out of range, overlapping): ``validate_bst`` names the field.
+            self.layer_types = self._types_from_indices()
+        super().__post_init__(**kwargs)
         # Entries already present (a loaded config.json; on the Hub "org/name--module.Class") are kept.
         self.auto_map = {**AUTO_MAP, **(getattr(self, "auto_map", None) or {})}
-        # Set after PreTrainedConfig.__init__, whose validator accepts only attention kinds in ``layer_types``.
-        self.layer_types = self._types_from_indices()
-        self.validate_bst()
+        # From here on, setting ``layer_types`` or an index field updates the other view (``__setattr__``).
+        self.__dict__["_layer_views_ready"] = True
 
     # -- layer types: ``layer_types`` and the index fields stay two views of one assignment ---------------------------
     @staticmethod
     def _indices_from_types(layer_types) -> dict:
-        if not isinstance(layer_types, (list, tuple)) or not all(t in LAYER_TYPES for t in layer_types):
-            raise ValueError(f"BSTConfig.layer_types entries must be in {LAYER_TYPES}, got {layer_types!r}.")
         return {kind: [i for i, t in enumerate(layer_types) if t == kind] for kind in LAYER_INDEX_FIELDS}
 
     def _types_from_indices(self):
         """``layer_types`` from the index fields; None while they are invalid (``validate_bst`` names the field)."""
-        try:
-            types = ["block"] * self.num_hidden_layers
-            for kind, field in LAYER_INDEX_FIELDS.items():
-                for i in getattr(self, field):
-                    if types[i] != "block" or not 0 <= i:
-                        return None
-                    types[i] = kind
-            return types
-        except (TypeError, IndexError, AttributeError):
-            return None
+        types = ["block"] * self.num_hidden_layers
+        for kind, field in LAYER_INDEX_FIELDS.items():
+            for i in getattr(self, field) or ():
+                if not 0 <= i < len(types) or types[i] != "block":
+                    return None
+                types[i] = kind
+        return types
 
     def __setattr__(self, name, value):
-        super().__setattr__(name, value)
-        if "layer_types" not in self.__dict__:  # still in __init__
+        # Runs after ``@strict`` has checked the value against the field's annotation and validators.
+        if name == "layer_types" or name in LAYER_INDEX_FIELDS.values():
+            if isinstance(value, tuple):
+                value = list(value)
+            if value is None and name != "layer_types" and self.__dict__.get("_layer_views_ready"):
+                raise BSTConfigError(
+                    f"BSTConfig.{name} must be a list of layer indices (None selects the default only when the "
+                    "config is made); use [] for no such layers."
+                )
+        if not self.__dict__.get("_layer_views_ready"):  # still in __init__: __post_init__ reconciles the views
+            super().__setattr__(name, value)
             return
         if name == "layer_types":
+            if value is None:  # as at construction: the types follow the index fields
+                value = self._types_from_indices()
+            elif len(value) != self.num_hidden_layers:
+                raise BSTConfigError(
+                    f"BSTConfig.layer_types must have num_hidden_layers={self.num_hidden_layers} entries, got "
+                    f"{len(value)}: {value}."
+                )
+            super().__setattr__(name, value)
             if value is not None:
                 for kind, indices in self._indices_from_types(value).items():
                     super().__setattr__(LAYER_INDEX_FIELDS[kind], indices)
-        elif name in LAYER_INDEX_FIELDS.values() or name == "num_hidden_layers":
+            return
+        super().__setattr__(name, value)
+        if name in LAYER_INDEX_FIELDS.values() or name == "num_hidden_layers":
             super().__setattr__("layer_types", self._types_from_indices())
 
     def to_dict(self):
@@ -289,22 +373,16 @@ class BSTConfig(PreTrainedConfig):
         rejects BST's layer types), and ``layer_types`` is rebuilt from them on load."""
         output = super().to_dict()
         output.pop("layer_types", None)
+        output.pop("_layer_views_ready", None)
         return output
 
-    def validate(self):
-        """transformers' config validators (run by ``save_pretrained``), then [`validate_bst`].
-
-        transformers' ``validate_layer_type`` accepts only its attention kinds in ``layer_types``; BST's layer
-        types are checked by ``validate_bst`` instead.
-        """
-        for validator in PreTrainedConfig.__class_validators__:
-            if validator.__name__ == "validate_layer_type":
-                continue
-            try:
-                validator(self)
-            except (ValueError, TypeError) as e:
-                raise StrictDataclassClassValidationError(validator=validator.__name__, cause=e) from e
-        self.validate_bst()
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        """transformers' ``from_dict`` (also behind ``from_pretrained``), then ``validate()``: keyword overrides
+        such as ``from_pretrained(path, bst_layer_indices=[7])`` are set after construction and checked here."""
+        result = super().from_dict(config_dict, **kwargs)
+        (result[0] if isinstance(result, tuple) else result).validate()
+        return result
 
     # Derived values. Properties, so they never go stale and are not written into config.json.
     @property
@@ -347,119 +425,53 @@ class BSTConfig(PreTrainedConfig):
         """``layer_types[layer_idx]``: ``"bst"``, ``"recurrent"``, ``"gss"`` or ``"block"`` (plain Slide layer)."""
         return self.layer_types[layer_idx]
 
-    def validate_bst(self):
-        """Raise ``ValueError`` naming the field for any invalid or incompatible value."""
-
-        def positive_int(name):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"BSTConfig.{name} must be a positive integer, got {value!r}.")
-
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "head_dim",
-            "intermediate_size",
-            "max_position_embeddings",
-            "block_len",
-            "ssm_state_size",
-            "num_context_states",
-            "num_recurrent_states",
-            "relative_attention_num_buckets",
-            "relative_attention_max_distance",
-            "unstruct_emb_dim",
-            "unstruct_order",
-            "gss_expansion",
-        ):
-            positive_int(name)
-        if self.ssm_hidden_size is not None:
-            positive_int("ssm_hidden_size")
-        if isinstance(self.num_s4_head_layers, bool) or not isinstance(self.num_s4_head_layers, int):
-            raise ValueError(f"BSTConfig.num_s4_head_layers must be an integer >= 0, got {self.num_s4_head_layers!r}.")
-        if self.num_s4_head_layers < 0:
-            raise ValueError(f"BSTConfig.num_s4_head_layers must be >= 0, got {self.num_s4_head_layers}.")
-        if self.attention_query_chunk is not None:
-            positive_int("attention_query_chunk")
-            if self.block_len % self.attention_query_chunk:
-                raise ValueError(
-                    f"BSTConfig.attention_query_chunk={self.attention_query_chunk} must divide "
-                    f"block_len={self.block_len}."
-                )
-        if self.context_mode not in CONTEXT_MODES:
-            raise ValueError(f"BSTConfig.context_mode must be one of {CONTEXT_MODES}, got {self.context_mode!r}.")
-        if self.ssm_kind not in SSM_KINDS:
-            raise ValueError(f"BSTConfig.ssm_kind must be one of {SSM_KINDS}, got {self.ssm_kind!r}.")
-        if self.ssm_init not in SSM_INITS:
-            raise ValueError(f"BSTConfig.ssm_init must be one of {SSM_INITS}, got {self.ssm_init!r}.")
-        if self.cross_mask not in CROSS_MASKS:
-            raise ValueError(f"BSTConfig.cross_mask must be one of {CROSS_MASKS}, got {self.cross_mask!r}.")
-        if self.ssm_state_size % 2:
-            raise ValueError(
-                f"BSTConfig.ssm_state_size must be even (N/2 complex-conjugate modes), got {self.ssm_state_size}."
-            )
-        if self.unstruct_emb_dim < 3 or self.unstruct_emb_dim % 2 == 0:
-            raise ValueError(f"BSTConfig.unstruct_emb_dim must be odd and >= 3, got {self.unstruct_emb_dim}.")
-        if not (0 < self.ssm_dt_min <= self.ssm_dt_max):
-            raise ValueError(
-                f"BSTConfig.ssm_dt_min/ssm_dt_max must satisfy 0 < ssm_dt_min <= ssm_dt_max, got "
-                f"{self.ssm_dt_min} and {self.ssm_dt_max}."
-            )
-        if not isinstance(self.unstruct_finite_filter, bool):
-            raise ValueError(f"BSTConfig.unstruct_finite_filter must be a bool, got {self.unstruct_finite_filter!r}.")
-        if self.mf_independent_filters is True and (self.context_mode != "mf" or self.ssm_kind != "s4"):
-            raise ValueError(
-                "BSTConfig.mf_independent_filters=True needs context_mode='mf' and ssm_kind='s4' (unstruct filters "
-                f"are independent already), got context_mode={self.context_mode!r}, ssm_kind={self.ssm_kind!r}."
-            )
-        for name in ("mf_independent_filters", "mf_context_ids_after_norm", "init_truncation_correction"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"BSTConfig.{name} must be a bool, got {getattr(self, name)!r}.")
-        for name in ("dropout", "attention_dropout", "final_dropout"):
-            value = getattr(self, name)
-            if name == "final_dropout" and value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 <= value < 1.0):
-                raise ValueError(f"BSTConfig.{name} must be in [0, 1), got {value!r}.")
-        for name in ("bst_layer_indices", "recurrent_layer_indices", "gss_layer_indices"):
-            indices = getattr(self, name)
-            if not isinstance(indices, (list, tuple)) or not all(
-                isinstance(i, int) and not isinstance(i, bool) for i in indices
-            ):
-                raise ValueError(f"BSTConfig.{name} must be a list of integers, got {indices!r}.")
-            bad = [i for i in indices if not 0 <= i < self.num_hidden_layers]
-            if bad:
-                raise ValueError(
-                    f"BSTConfig.{name} entries must be in [0, num_hidden_layers={self.num_hidden_layers}), "
-                    f"got out-of-range {bad}."
-                )
-            if len(set(indices)) != len(indices):
-                raise ValueError(f"BSTConfig.{name} has repeated entries: {indices}.")
-        kinds = {
-            "bst_layer_indices": self.bst_layer_indices,
-            "recurrent_layer_indices": self.recurrent_layer_indices,
-            "gss_layer_indices": self.gss_layer_indices,
-        }
-        names = list(kinds)
-        for i, first in enumerate(names):
-            for second in names[i + 1 :]:
-                overlap = sorted(set(kinds[first]) & set(kinds[second]))
-                if overlap:
-                    raise ValueError(
-                        f"BSTConfig: layers {overlap} are in both {first} and {second}; a layer has one kind."
-                    )
+    # -- class validators: ``@strict`` runs every ``validate_*`` method in ``validate()`` ------------------------------
+    def validate_layer_type(self):
+        """Replaces transformers' check, which accepts only its attention kinds in ``layer_types``."""
         if self.layer_types is None or len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
                 f"BSTConfig.layer_types must have num_hidden_layers={self.num_hidden_layers} entries in "
                 f"{LAYER_TYPES}, got {self.layer_types!r}."
             )
+        _layer_type_entries(self.layer_types)
+
+    def validate_bst(self):
+        """The checks that relate fields (each field's own type and range are checked whenever it is set); raise
+        ``ValueError`` naming the field."""
+        if self.attention_query_chunk is not None and self.block_len % self.attention_query_chunk:
+            raise ValueError(
+                f"BSTConfig.attention_query_chunk={self.attention_query_chunk} must divide block_len={self.block_len}."
+            )
+        if not (0 < self.ssm_dt_min <= self.ssm_dt_max):
+            raise ValueError(
+                f"BSTConfig.ssm_dt_min/ssm_dt_max must satisfy 0 < ssm_dt_min <= ssm_dt_max, got "
+                f"{self.ssm_dt_min} and {self.ssm_dt_max}."
+            )
+        if self.mf_independent_filters and (self.context_mode != "mf" or self.ssm_kind != "s4"):
+            raise ValueError(
+                "BSTConfig.mf_independent_filters=True needs context_mode='mf' and ssm_kind='s4' (unstruct filters "
+                f"are independent already), got context_mode={self.context_mode!r}, ssm_kind={self.ssm_kind!r}."
+            )
+        for name in LAYER_INDEX_FIELDS.values():
+            bad = [i for i in getattr(self, name) if not 0 <= i < self.num_hidden_layers]
+            if bad:
+                raise ValueError(
+                    f"BSTConfig.{name} entries must be in [0, num_hidden_layers={self.num_hidden_layers}), "
+                    f"got out-of-range {bad}."
+                )
+        names = list(LAYER_INDEX_FIELDS.values())
+        for i, first in enumerate(names):
+            for second in names[i + 1 :]:
+                overlap = sorted(set(getattr(self, first)) & set(getattr(self, second)))
+                if overlap:
+                    raise ValueError(
+                        f"BSTConfig: layers {overlap} are in both {first} and {second}; a layer has one kind."
+                    )
+        self.validate_layer_type()
         if self.bidirectional and self.recurrent_layer_indices:
             raise ValueError(
                 "BSTConfig: bidirectional=True is incompatible with recurrent_layer_indices (BRecT is causal)."
             )
-        if self.ssm_kind == "unstruct" and self.bst_layer_indices and self.max_position_embeddings < 1:
-            raise ValueError("BSTConfig.max_position_embeddings sets the unstruct filter length and must be >= 1.")
 
 
-__all__ = ["AUTO_MAP", "BSTConfig", "LAYER_TYPES"]
+__all__ = ["AUTO_MAP", "BSTConfig", "BSTConfigError", "LAYER_TYPES"]

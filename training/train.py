@@ -275,8 +275,9 @@ def apply_model_overrides(config, overrides: dict, source: str = "--model_overri
         if accepted and not (isinstance(value, accepted) and (bool in accepted or not isinstance(value, bool))):
             names = " or ".join("null" if t is type(None) else t.__name__ for t in accepted)
             raise ValueError(f"{source}: {type(config).__name__}.{name} must be {names}, got {value!r}")
-        setattr(config, name, value)
     try:
+        for name, value in overrides.items():
+            setattr(config, name, value)  # a strict config checks each field's own range here
         if hasattr(config, "validate_bst"):
             config.validate_bst()
         config.validate()
@@ -295,8 +296,8 @@ def _accepted_types(param, current) -> tuple:
     else:
         return ()
     accepted = tuple(typing.get_origin(t) or t for t in hints)
-    accepted = tuple(t for t in accepted if isinstance(t, type))
-    return accepted + (int,) if float in accepted else accepted
+    accepted = tuple(dict.fromkeys(t for t in accepted if isinstance(t, type)))
+    return accepted + (int,) if float in accepted and int not in accepted else accepted
 
 
 def build_config(model_args: ModelArguments, tokenizer=None):
