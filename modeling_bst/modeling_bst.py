@@ -638,6 +638,8 @@ class BSTBlockSelfAttention(nn.Module):
       (query-chunked with ``attention_query_chunk``); the first block sees the cached previous block or none;
       bidirectional models see the previous, own and next block; with ``output_attentions`` one dense `(T, K)`
       matrix per head (eager) whose weights are returned.
+    * ``flex_forward``: the same under ``attn_implementation="flex_attention"``, one FlexAttention call over the
+      whole sequence (window as a ``BlockMask``, T5 bias as a ``score_mod``).
     * ``step``: recurrent form for one token over the attention ring of the cache.
     """
 
