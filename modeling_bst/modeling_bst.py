@@ -30,8 +30,10 @@ import re
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel
 from transformers import initialization as init
+from transformers.integrations.flex_attention import compile_friendly_flex_attention
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPastAndCrossAttentions,
@@ -397,14 +399,154 @@ def attention(module, q, k, v, mask, dropout, return_weights: bool = False):
     """The attention backend of ``module.config._attn_implementation`` (eager or SDPA), unscaled (queries carry the
     learned scale). ``q`` `(N, H, Lq, d)`, ``k``/``v`` `(N, H, Lk, d)`, additive ``mask`` broadcastable ->
     `(N, Lq, H, d)`, and with ``return_weights`` the weights `(N, H, Lq, Lk)` (eager attention only; None under SDPA).
+
+    Under ``flex_attention`` this is SDPA: the full-sequence forms call [`flex_attention`] themselves (see
+    [`use_flex`]); what comes here are one-query decode steps, the BRecT state update and the fallbacks.
     """
-    interface = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation, eager_attention_forward)
+    implementation = module.config._attn_implementation
+    if implementation == "flex_attention":
+        implementation = "sdpa"
+    interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
     if torch.compiler.is_compiling():
         # Inductor may hand the CPU flash-attention kernel a key whose last dimension is strided (it only keeps the
         # stride order), for which that kernel returns wrong values; dense inputs cost eager nothing.
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out, weights = interface(module, q, k, v, mask, dropout=dropout, scaling=1.0, is_causal=False)
     return (out, weights) if return_weights else out
+
+
+# -- FlexAttention (attn_implementation="flex_attention") ----------------------------------------------------------
+# The full-sequence forms of the block self-attention and of both cross-attentions run as one FlexAttention call over
+# the whole sequence: the window / block structure is a ``BlockMask`` whose tiles are derived analytically
+# ([`tiled_block_mask`]), row-dependent masks (cached previous block, padding) and the T5 bias are ``mask_mod`` /
+# ``score_mod`` functions. Everything else (decode steps, the BRecT state update) stays on SDPA; see
+# docs/paper-mapping.md "Attention backends".
+
+FLEX_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def use_flex(module, q: torch.Tensor, dropout: float, *tensors: torch.Tensor) -> bool:
+    """Whether a full-sequence attention of ``module`` runs on FlexAttention: ``attn_implementation="flex_attention"``
+    and nothing flex cannot do here, else the SDPA path (same result):
+
+    * attention dropout (flex has no dropout);
+    * a dtype flex's CPU kernel lacks (float64);
+    * a backward on CPU (torch implements flex's backward on accelerators only): with gradients enabled and any of
+      ``q``, ``tensors`` or the module's parameters requiring them, a CPU forward takes SDPA.
+    """
+    if module.config._attn_implementation != "flex_attention" or dropout > 0:
+        return False
+    if q.device.type != "cpu":
+        return True
+    if q.dtype not in FLEX_DTYPES:
+        return False
+    if torch.is_grad_enabled():
+        needs_grad = any(t.requires_grad for t in (q, *tensors)) or any(p.requires_grad for p in module.parameters())
+        if needs_grad:
+            logger.warning_once(
+                "BST: flex_attention has no backward on CPU; full-sequence attention with gradients runs on SDPA."
+            )
+            return False
+    return True
+
+
+_COMPILED_FLEX = {}
+
+
+def flex_kernel(device_type: str):
+    """``flex_attention`` compiled once per device type (uncompiled inside a compiled region, which compiles it).
+
+    On accelerators transformers' [`compile_friendly_flex_attention`] (dynamic shapes after the first recompile).
+    On CPU with static shapes, one compilation per input shape: in torch 2.13 inductor's CPU FlexAttention template
+    emits C++ that does not compile for dynamic shapes (``'cur_kvSplitSize7' was not declared``)."""
+    if torch.compiler.is_compiling():
+        return flex_attention
+    if device_type != "cpu":
+        return compile_friendly_flex_attention
+    if "cpu" not in _COMPILED_FLEX:
+        _COMPILED_FLEX["cpu"] = torch.compile(flex_attention, dynamic=False)
+    compiled = _COMPILED_FLEX["cpu"]
+    return lambda q, k, v, training=False, **kwargs: compiled(q, k, v, **kwargs)
+
+
+def flex(module, q, k, v, block_mask, score_mod=None):
+    """FlexAttention ([`flex_kernel`]), unscaled (queries carry the learned scale). ``q`` `(B, H, Lq, d)`,
+    ``k``/``v`` `(B, H, Lk, d)` -> `(B, Lq, H, d)`; a query without any key gets zeros."""
+    kernel = flex_kernel(q.device.type)
+    out = kernel(q, k, v, training=module.training, score_mod=score_mod, block_mask=block_mask, scale=1.0)
+    return out.transpose(1, 2)
+
+
+def tiled_block_mask(mask_mod, q_len: int, kv_len: int, bands, device, keys_partial=None, tile: int = 128):
+    """The ``BlockMask`` of ``mask_mod`` built from its band structure instead of evaluating it on all pairs.
+
+    ``bands``: constraints ``(f, g, lo, hi)`` that ``mask_mod`` implies, each ``lo <= g(kv) - f(q) <= hi`` with
+    ``f``/``g`` non-decreasing integer maps of index tensors (positions, block indices). A `tile x tile` tile is
+    skipped if some band excludes all its pairs and is "full" (no ``mask_mod`` call) if every band includes all its
+    pairs and no key of it is in ``keys_partial`` (a bool tensor `(kv_len,)` of keys that ``mask_mod`` also masks
+    per row: cached-block validity, padding); all other tiles are partial and ``mask_mod`` decides per pair, so the
+    mask is exactly ``mask_mod`` whenever ``mask_mod`` implies the bands. Costs O((q_len / tile) x (kv_len / tile)).
+    """
+    nq, nk = -(-q_len // tile), -(-kv_len // tile)
+    q_first = torch.arange(nq, device=device) * tile
+    k_first = torch.arange(nk, device=device) * tile
+    q_last = (q_first + tile).clamp(max=q_len) - 1
+    k_last = (k_first + tile).clamp(max=kv_len) - 1
+    any_pair = torch.ones(nq, nk, dtype=torch.bool, device=device)
+    all_pairs = torch.ones(nq, nk, dtype=torch.bool, device=device)
+    for f, g, lo, hi in bands:
+        low = g(k_first)[None] - f(q_last)[:, None]  # (nq, nk): the band quantity's range over the tile
+        high = g(k_last)[None] - f(q_first)[:, None]
+        any_pair &= (high >= lo) & (low <= hi)
+        all_pairs &= (low >= lo) & (high <= hi)
+    if keys_partial is not None:
+        tiles_partial = F.pad(keys_partial, (0, nk * tile - kv_len)).view(nk, tile).any(-1)
+        all_pairs &= ~tiles_partial[None]
+    partial = any_pair & ~all_pairs
+
+    def blocks(selected):
+        # Indices of the selected kv tiles first (stable order), their count per query tile.
+        order = torch.argsort((~selected).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return selected.sum(-1, dtype=torch.int32)[None, None], order[None, None]
+
+    kv_num, kv_idx = blocks(partial)
+    full_num, full_idx = blocks(all_pairs)
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tile, mask_mod=mask_mod, seq_lengths=(q_len, kv_len)
+    )
+
+
+def positions_of(offset: int = 0):
+    """Band map: index -> index - ``offset``."""
+    return lambda idx: idx - offset
+
+
+def groups_of(size: int, offset: int = 0):
+    """Band map: index -> (index - ``offset``) // ``size`` (block of a token, group of a context state)."""
+    return lambda idx: torch.div(idx - offset, size, rounding_mode="floor")
+
+
+def grouped_flex(module, q, k, v, q_group: int, kv_group: int, causal_within: str | None = None):
+    """Flex attention of query block ``i // q_group`` over key group ``j // kv_group``: every block's queries see only
+    their own block's keys (context states, recurrent state keys). ``q`` `(B, T, H, d)`, ``k``/``v``
+    `(B, S_total, H, d)` -> `(B, T, H, d)`. ``causal_within``: ``"inclusive"`` (key j <= query i) or ``"strict"``
+    (j < i) for one key per token (SH/MH, ``q_group == kv_group``); None: the whole group."""
+    q_len, kv_len = q.shape[1], k.shape[1]
+    bands = [(groups_of(q_group), groups_of(kv_group), 0, 0)]
+    if causal_within is None:
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return kv_idx // kv_group == q_idx // q_group
+
+    else:
+        upper = 0 if causal_within == "inclusive" else -1
+        bands.append((positions_of(), positions_of(), -(q_group - 1), upper))
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx // kv_group == q_idx // q_group) & (kv_idx - q_idx <= upper)
+
+    block_mask = tiled_block_mask(mask_mod, q_len, kv_len, bands, q.device)
+    return flex(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask)
 
 
 class BSTRecurrentState(nn.Module):
@@ -496,6 +638,8 @@ class BSTBlockSelfAttention(nn.Module):
       (query-chunked with ``attention_query_chunk``); the first block sees the cached previous block or none;
       bidirectional models see the previous, own and next block; with ``output_attentions`` one dense `(T, K)`
       matrix per head (eager) whose weights are returned.
+    * ``flex_forward``: the same under ``attn_implementation="flex_attention"``, one FlexAttention call over the
+      whole sequence (window as a ``BlockMask``, T5 bias as a ``score_mod``).
     * ``step``: recurrent form for one token over the attention ring of the cache.
     """
 
@@ -594,6 +738,9 @@ class BSTBlockSelfAttention(nn.Module):
             n_out = seq_len if num_positions is None else num_positions
             out, probs = self.dense(q, k, v, n_out, lengths, previous, drop)
             return out.reshape(bsz, seq_len, heads * hd), probs
+        if use_flex(self, q, drop, k, v):
+            previous = self.previous_block(layer_cache, positions) if continued and not cfg.bidirectional else None
+            return self.flex_forward(q, k, v, lengths, previous).reshape(bsz, seq_len, heads * hd), None
         qb = q.view(bsz * nb, w, heads, hd).transpose(1, 2)
         kb, vb = k.view(bsz, nb, w, heads, hd), v.view(bsz, nb, w, heads, hd)
         if cfg.bidirectional:
@@ -601,6 +748,60 @@ class BSTBlockSelfAttention(nn.Module):
         else:
             out = self.windowed(qb, kb, vb, layer_cache, positions, drop)
         return out.reshape(bsz, seq_len, heads * hd), None
+
+    def flex_forward(self, q, k, v, lengths, previous):
+        """The full-sequence form on FlexAttention: one call over all T queries and the T keys (after the cached
+        previous block's W keys for a continued sequence), with the same key set per query as the block form.
+
+        The window (or, bidirectional, the previous / own / next block) is the band of the ``BlockMask``; the cached
+        block's validity and the padding (bidirectional) are ``mask_mod`` terms; the scaled T5 bias is a ``score_mod``
+        lookup by distance. A query without any key (a document's first token, ``attend_self=False``) gets zeros, as
+        in the block form. ``q``/``k``/``v`` `(B, T, H, d)`; ``previous``: ``(k, v, valid)`` or None. -> `(B, T, H, d)`.
+        """
+        cfg = self.config
+        bsz, seq_len = q.shape[:2]
+        w = self.block_len
+        device = q.device
+        offset, keys_partial = 0, None
+        if cfg.bidirectional:
+            lowest, highest = -(2 * w - 1), 2 * w - 1
+            lens = lengths if lengths is not None else torch.full((bsz,), seq_len, device=device)
+            bands = [(groups_of(w), groups_of(w), -1, 1)]
+            keys_partial = torch.arange(seq_len, device=device) >= lens.min()
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                return ((kv_idx // w - q_idx // w).abs() <= 1) & (kv_idx < lens[b])
+
+        else:
+            lowest, highest = (-(w - 1), 0) if cfg.attend_self else (-w, -1)
+            if previous is not None:
+                prev_k, prev_v, prev_valid = previous
+                k, v = torch.cat([prev_k.to(k.dtype), k], 1), torch.cat([prev_v.to(v.dtype), v], 1)
+                offset = w
+                keys_partial = torch.arange(w + seq_len, device=device) < w
+
+                def mask_mod(b, h, q_idx, kv_idx):
+                    rel = kv_idx - offset - q_idx
+                    cached_ok = (kv_idx >= offset) | prev_valid[b, kv_idx.clamp(max=offset - 1)]
+                    return (rel >= lowest) & (rel <= highest) & cached_ok
+
+            else:
+
+                def mask_mod(b, h, q_idx, kv_idx):
+                    rel = kv_idx - q_idx
+                    return (rel >= lowest) & (rel <= highest)
+
+            bands = [(positions_of(), positions_of(offset), lowest, highest)]
+        # Scaled T5 bias per reachable distance ``lowest .. highest`` (bias added before the learned scale).
+        distances = torch.arange(lowest, highest + 1, device=device)
+        table = (self.bias(distances).to(q.dtype) * self.scale.to(q.dtype)).t().contiguous()  # (H, n)
+        last = table.shape[1] - 1
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + table[h, (kv_idx - offset - q_idx - lowest).clamp(0, last)]
+
+        block_mask = tiled_block_mask(mask_mod, seq_len, k.shape[1], bands, device, keys_partial)
+        return flex(self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask, score_mod)
 
     def windowed(self, qb, kb, vb, layer_cache, positions, drop):
         """Causal block attention: queries `(B*nb, H, W, d)`, keys/values `(B, nb, W, H, d)` -> `(B, nb, W, H, d)`."""
@@ -798,11 +999,17 @@ class BSTContextCrossAttention(BSTCrossAttention):
         w, heads, hd = self.block_len, cfg.num_attention_heads, cfg.head_dim
         nb = seq_len // w
         ctx_k, ctx_v, ctx_mask, zero_first = self.context.sequence(xn, lengths, layer_cache, positions, fill_cache)
-        q2 = self.query(xn).view(bsz * nb, w, heads, hd).transpose(1, 2)
+        drop = cfg.attention_dropout if self.training else 0.0
         s_c = ctx_k.shape[2]
+        if not weights and use_flex(self, xn, drop, ctx_k, ctx_v):
+            # Block-diagonal over the context states of each block (SH/MH: triangular within it; strict: a block's
+            # first query sees none and gets zeros, as ``zero_first`` below).
+            within = None if ctx_mask is None else cfg.cross_mask
+            out = grouped_flex(self, self.query(xn), ctx_k.flatten(1, 2), ctx_v.flatten(1, 2), w, s_c, within)
+            return out.reshape(bsz, seq_len, heads * hd), None
+        q2 = self.query(xn).view(bsz * nb, w, heads, hd).transpose(1, 2)
         ck = ctx_k.reshape(bsz * nb, s_c, heads, hd).transpose(1, 2)
         cv = ctx_v.reshape(bsz * nb, s_c, heads, hd).transpose(1, 2)
-        drop = cfg.attention_dropout if self.training else 0.0
         chunk = min(cfg.resolved_attention_query_chunk, w)
         probs = None
         if weights:
@@ -889,16 +1096,22 @@ class BSTRecurrentCrossAttention(BSTCrossAttention):
             previous = (zeros, zeros, torch.zeros(bsz, w, dtype=torch.bool, device=kb.device))
         all_states, sk, sv = rec.sequence(state, kb, vb, previous)  # (B, nb+1, S, D), (B, nb, S, H, d) x 2
         s = sk.shape[2]
-        q2 = self.query(xn).view(bsz * nb, w, heads, hd).transpose(1, 2)
-        out, probs = attention(
-            self,
-            q2,
-            sk.reshape(bsz * nb, s, heads, hd).transpose(1, 2),
-            sv.reshape(bsz * nb, s, heads, hd).transpose(1, 2),
-            None,
-            cfg.attention_dropout if self.training else 0.0,
-            return_weights=True,
-        )
+        drop = cfg.attention_dropout if self.training else 0.0
+        q2 = self.query(xn)
+        probs = None
+        if not weights and use_flex(self, q2, drop, sk, sv):
+            # Every block's queries over the S state keys before that block (the state recurrence stays on SDPA).
+            out = grouped_flex(self, q2, sk.flatten(1, 2), sv.flatten(1, 2), w, s)
+        else:
+            out, probs = attention(
+                self,
+                q2.view(bsz * nb, w, heads, hd).transpose(1, 2),
+                sk.reshape(bsz * nb, s, heads, hd).transpose(1, 2),
+                sv.reshape(bsz * nb, s, heads, hd).transpose(1, 2),
+                None,
+                drop,
+                return_weights=True,
+            )
         if fill_cache:
             lens = lengths if lengths is not None else torch.full((bsz,), nb * w, device=kb.device)
             rows = torch.arange(bsz, device=kb.device)
@@ -1202,6 +1415,8 @@ class BSTPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["BSTDecoderLayer", "BSTGSSLayer"]
     _skip_keys_device_placement = ["past_key_values"]
     _supports_sdpa = True
+    # Full-sequence block / context / recurrent-state attention on FlexAttention (see [`use_flex`]).
+    _supports_flex_attn = True
     # Not "stateful" for generate(): BSTCache.crop takes back drafted positions, so assisted decoding works.
     _is_stateful = False
     # SSM parameters (state matrix, dt, filters) stay float32 when the model is loaded in fp16 or bf16.
