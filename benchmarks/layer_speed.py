@@ -109,7 +109,7 @@ def warm_up(seconds: float):
 
 
 # -- contenders ------------------------------------------------------------------------------------------------------
-def bst_layer(name: str, seq_len: int, recurrent_states: int, device: str = "cpu"):
+def bst_layer(name: str, seq_len: int, recurrent_states: int, device: str = "cpu", ssm_hidden: int = D):
     common = dict(
         vocab_size=16,
         hidden_size=D,
@@ -132,7 +132,7 @@ def bst_layer(name: str, seq_len: int, recurrent_states: int, device: str = "cpu
             bst_layer_indices=[0],
             context_mode=mode.lower(),
             ssm_kind=kind.lower(),
-            ssm_hidden_size=D,  # paper's speed setup: SSM input D = 512, no down-projection
+            ssm_hidden_size=ssm_hidden,  # paper's speed setup: SSM input D = 512, no down-projection
             num_context_states=32,
         )
     model = BSTModel(BSTConfig(**common)).eval().to(device)

@@ -157,6 +157,8 @@ def memoised(store: dict, slot: str, key: tuple, params, compute, max_bytes: int
     return value
 
 
+# S4D full-sequence outputs beyond twice this length are computed chunk by chunk ([`S4DKernel.chunked_forward`]).
+S4D_CHUNK_LEN = 64
 # Largest kernel spectrum kept between evaluation forwards (per SSM module).
 SPECTRUM_MEMO_BYTES = 512 * 2**20
 
@@ -164,12 +166,17 @@ SPECTRUM_MEMO_BYTES = 512 * 2**20
 def memoised_spectrum(module: nn.Module, key: tuple, compute):
     """A kernel spectrum ``compute()``, reused across evaluation forwards (eval mode, no gradient to the SSM
     parameters) while those parameters are unchanged: see [`memoised`]."""
-    params = list(module.parameters())
-    if module.training or (torch.is_grad_enabled() and any(p.requires_grad for p in params)):
+    if not spectrum_memo_usable(module):
         return compute()
-    if torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing():
-        return compute()  # the parameter check reads values: not traceable (torch.export, torch.compile)
-    return memoised(module.__dict__, "_spectrum_memo", key, params, compute, SPECTRUM_MEMO_BYTES)
+    return memoised(module.__dict__, "_spectrum_memo", key, list(module.parameters()), compute, SPECTRUM_MEMO_BYTES)
+
+
+def spectrum_memo_usable(module: nn.Module) -> bool:
+    """Whether [`memoised_spectrum`] may reuse a spectrum: evaluation mode, no gradient to the SSM parameters, and
+    not tracing (the parameter check reads values: not traceable by torch.export / torch.compile)."""
+    if module.training or (torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters())):
+        return False
+    return not _tracing()
 
 
 def fold_skip(k: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
@@ -259,6 +266,8 @@ class S4DKernel(nn.Module):
         self.D = nn.Parameter(torch.empty(out_channels, channels))
         if self.bidirectional:
             self.C_backward = nn.Parameter(torch.empty(out_channels, channels, self.n_modes, 2))
+        # Full-sequence outputs are computed in chunks of this many tokens beyond twice its length (0: never).
+        self.chunk_len = S4D_CHUNK_LEN
 
     @torch.no_grad()
     def reset_parameters(self):
@@ -311,10 +320,16 @@ class S4DKernel(nn.Module):
         """Full-sequence form. ``z`` `(B, L, Ds)` -> ``y`` `(B, L, C, Ds)` (float32).
 
         ``state`` (`(B, Ds, N2)` complex), if given, is the state before the first token (a continued sequence).
+        Sequences longer than ``2 * chunk_len`` (causal kernels) run chunk by chunk ([`chunked_forward`], see
+        [`use_chunks`]): the kernel and its spectrum then have ``chunk_len`` lags whatever the length, so time and
+        memory grow linearly in L also with many read-outs (MH: C = H) and in training, where nothing is memoised
+        (measured at L = 4096, D_s = 512, one thread: SH forward + backward 202 -> 156 ms, MH 3.6 -> 2.0 s).
         """
         with _no_autocast(z.device.type):
             z = z.to(compute_dtype(self.log_dt))
             length = z.shape[1]
+            if self.use_chunks(length, z.element_size()):
+                return self.chunked_forward(z, self.chunk_len, state)
             u = z.transpose(1, 2)  # (B, Ds, L)
             y = fft_conv(u, memoised_spectrum(self, (length, z.dtype), lambda: self.spectrum(length)))  # (B, C, Ds, L)
             if state is not None:
@@ -323,6 +338,40 @@ class S4DKernel(nn.Module):
                 coeff = self.output_matrix()[None] * state[:, None]  # (B, C, Ds, N2)
                 y = y + 2 * vandermonde(coeff, dt_a, length, offset=1).real
             return y.permute(0, 3, 1, 2)  # (B, L, C, Ds)
+
+    def use_chunks(self, length: int, element_size: int) -> bool:
+        """Whether [`forward`] runs chunk by chunk: for causal kernels longer than two chunks, unless a memoised
+        whole-length spectrum can be reused (evaluation), which is faster while it fits the memo."""
+        if not self.chunk_len or length <= 2 * self.chunk_len or self.bidirectional:
+            return False
+        spectrum_bytes = self.out_channels * self.channels * (length + 1) * 2 * element_size
+        return not (spectrum_memo_usable(self) and spectrum_bytes <= SPECTRUM_MEMO_BYTES)
+
+    def chunked_forward(self, z: torch.Tensor, chunk: int, state: torch.Tensor | None = None) -> torch.Tensor:
+        """[`forward`] evaluated chunk by chunk (causal kernels): the same outputs, linear cost in L.
+
+        Within a chunk of ``chunk`` tokens the output is the convolution with the first ``chunk`` lags of the
+        kernel (one FFT conv over all chunks at once); what earlier chunks contribute is the free response to the
+        state at the chunk's start, ``2 Re(C Abar^{j+1} x_start)`` for offset j, with the chunk-start states from
+        the block scan of [`block_states`]. Exact: equal to the whole-length convolution up to rounding. ``z`` `(B, L, Ds)` in the compute dtype -> `(B, L, C, Ds)`.
+        """
+        bsz, length, ds = z.shape
+        nc = -(-length // chunk)
+        z = F.pad(z, (0, 0, 0, nc * chunk - length))  # causal: zeros at the end change no earlier output
+        u = z.view(bsz * nc, chunk, ds).transpose(1, 2)  # (B*nc, Ds, T)
+        spectrum, readout = memoised_spectrum(self, ("chunked", chunk, z.dtype), lambda: self.chunk_constants(chunk))
+        y = fft_conv(u, spectrum).view(bsz, nc, self.out_channels, ds, chunk)  # within each chunk
+        if nc > 1 or state is not None:
+            dt_a, d_b = self.discretize()
+            # The states entering every chunk: the given state (or zero), then the scan's chunk-end states.
+            first = state if state is not None else torch.zeros_like(d_b).expand(bsz, -1, -1)
+            x0 = first.unsqueeze(1)
+            if nc > 1:
+                x0 = torch.cat([x0, self.block_states(z[:, : (nc - 1) * chunk], chunk, dt_a, d_b, state)], 1)
+            xs = torch.cat([x0.real, x0.imag], -1).permute(2, 0, 1, 3).reshape(ds, bsz * nc, 2 * self.n_modes)
+            free = 2 * torch.bmm(xs, readout)  # (Ds, B*nc, C*T): the free response of every chunk
+            y = y + free.view(ds, bsz, nc, self.out_channels, chunk).permute(1, 2, 3, 0, 4)
+        return y.permute(0, 1, 4, 2, 3).reshape(bsz, nc * chunk, self.out_channels, ds)[:, :length]
 
     def final_state(self, z: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
         """State after the last token: ``x_T = Abar^T x0 + sum_j Abar^{T-1-j} Bbar z_j``. `(B, L, Ds)` -> `(B, Ds, N2)`.
@@ -338,35 +387,53 @@ class S4DKernel(nn.Module):
                 out = out + torch.exp(dt_a * length) * state
             return out
 
+    def chunk_constants(self, chunk: int):
+        """What [`chunked_forward`] needs from the parameters: the spectrum of the first ``chunk`` lags (D skip
+        included) and the free-response read-out ``G[c, s, n, j] = C[c, s, n] Abar[s, n]^(j+1)`` laid out for a real
+        batched matmul, `(Ds, 2 N2, C * chunk)` (``Re(G x) = Re(G) Re(x) - Im(G) Im(x)``)."""
+        dt_a, _ = self.discretize()
+        powers = vandermonde_powers(dt_a, torch.arange(1, chunk + 1, device=dt_a.device))  # (Ds, N2, T)
+        g = self.output_matrix().unsqueeze(-1) * powers  # (C, Ds, N2, T)
+        g = torch.cat([g.real, -g.imag], 2).permute(1, 2, 0, 3).reshape(self.channels, 2 * self.n_modes, -1)
+        return self.spectrum(chunk), g
+
+    def block_states(self, z: torch.Tensor, block_len: int, dt_a, d_b, state: torch.Tensor | None = None):
+        """States after the last token of every block: ``z`` `(B, nb*W, Ds)` (compute dtype) -> `(B, nb, Ds, N2)`.
+
+        Local block states from a per-block Vandermonde product, then a log-depth scan over blocks (``state``, if
+        given, is the state before the first token)."""
+        bsz, length, _ = z.shape
+        nb = length // block_len
+        powers = vandermonde_powers(dt_a, torch.arange(block_len - 1, -1, -1, device=z.device))  # (Ds, N2, W)
+        # Local block states sum_w Abar^(W-1-w) z_w as one real batched matmul over channels (a complex einsum
+        # would promote z to complex and copy every channel slice): (Ds, B*nb, W) @ (Ds, W, 2*N2).
+        zt = z.reshape(bsz * nb, block_len, self.channels).permute(2, 0, 1)
+        pw = torch.view_as_real(powers).permute(0, 2, 1, 3).reshape(self.channels, block_len, 2 * self.n_modes)
+        x = torch.view_as_complex(torch.bmm(zt, pw).view(self.channels, bsz * nb, self.n_modes, 2))
+        x = x.permute(1, 0, 2).reshape(bsz, nb, self.channels, self.n_modes) * d_b  # (B, nb, Ds, N2)
+        if state is not None:
+            x = torch.cat([x[:, :1] + (torch.exp(dt_a * block_len) * state).unsqueeze(1), x[:, 1:]], 1)
+        # Hillis-Steele scan: x_b <- x_b + Abar^{dW} x_{b-d} for d = 1, 2, 4, ...
+        decay = torch.exp(dt_a * block_len)
+        shift = 1
+        while shift < nb:
+            x = torch.cat([x[:, :shift], x[:, shift:] + decay * x[:, :-shift]], 1)
+            decay = decay * decay
+            shift *= 2
+        return x
+
     def block_end_outputs(self, z: torch.Tensor, block_len: int, state: torch.Tensor | None = None):
         """SSM outputs of all C channels at the last token of every block, without an FFT per channel.
 
-        States at block ends come from a per-block Vandermonde product and a log-depth scan over blocks; then the
-        C read-outs ``2 Re(C x) + D z``. ``z`` `(B, nb*W, Ds)` -> `(B, nb, C, Ds)`. Causal kernels only.
+        The C read-outs ``2 Re(C x) + D z`` of the block-end states ([`block_states`]).
+        ``z`` `(B, nb*W, Ds)` -> `(B, nb, C, Ds)`. Causal kernels only.
         """
         if self.bidirectional:
             raise ValueError("block_end_outputs is the causal fast path; use forward() for a bidirectional kernel.")
         with _no_autocast(z.device.type):
             z = z.to(compute_dtype(self.log_dt))
-            bsz, length, _ = z.shape
-            nb = length // block_len
             dt_a, d_b = self.discretize()
-            powers = vandermonde_powers(dt_a, torch.arange(block_len - 1, -1, -1, device=z.device))  # (Ds, N2, W)
-            # Local block states sum_w Abar^(W-1-w) z_w as one real batched matmul over channels (a complex einsum
-            # would promote z to complex and copy every channel slice): (Ds, B*nb, W) @ (Ds, W, 2*N2).
-            zt = z.reshape(bsz * nb, block_len, self.channels).permute(2, 0, 1)
-            pw = torch.view_as_real(powers).permute(0, 2, 1, 3).reshape(self.channels, block_len, 2 * self.n_modes)
-            x = torch.view_as_complex(torch.bmm(zt, pw).view(self.channels, bsz * nb, self.n_modes, 2))
-            x = x.permute(1, 0, 2).reshape(bsz, nb, self.channels, self.n_modes) * d_b  # (B, nb, Ds, N2)
-            if state is not None:
-                x = torch.cat([x[:, :1] + (torch.exp(dt_a * block_len) * state).unsqueeze(1), x[:, 1:]], 1)
-            # Hillis-Steele scan: x_b <- x_b + Abar^{dW} x_{b-d} for d = 1, 2, 4, ...
-            decay = torch.exp(dt_a * block_len)
-            shift = 1
-            while shift < nb:
-                x = torch.cat([x[:, :shift], x[:, shift:] + decay * x[:, :-shift]], 1)
-                decay = decay * decay
-                shift *= 2
+            x = self.block_states(z, block_len, dt_a, d_b, state)
             y = 2 * torch.einsum("chn,bkhn->bkch", self.output_matrix(), x).real
             z_end = z[:, block_len - 1 :: block_len]  # (B, nb, Ds)
             return y + self.D.to(z.dtype)[None, None] * z_end.unsqueeze(2)
@@ -395,6 +462,39 @@ class S4DKernel(nn.Module):
             state = a_bar * state + b_bar * z_t.unsqueeze(-1)
             y = torch.einsum("chn,bhn->bch", c2, state).real
             return y + skip * z_t.unsqueeze(1), state
+
+
+def append_history(history: torch.Tensor, z_t: torch.Tensor) -> torch.Tensor:
+    """The last ``Lh`` inputs after ``z_t`` `(B, Ds)` joins ``history`` `(B, Ds, Lh)` (oldest first): amortised O(1).
+
+    The returned history is a view of a buffer with slack after its end: a step writes the new input into the next
+    free slot and moves the view by one, so the ``Lh`` inputs are copied only when the slack runs out (every
+    ``max(64, Lh // 4)`` steps) instead of at every step. Earlier views stay valid (a step writes only beyond
+    them). Out of place (a copy) where gradients flow or while tracing.
+    """
+    bsz, channels, length = history.shape
+    if (torch.is_grad_enabled() and (history.requires_grad or z_t.requires_grad)) or _tracing():
+        return torch.cat([history[..., 1:], z_t[..., None]], -1)
+    row = history.stride(1)
+    start = history.storage_offset()
+    in_buffer = (
+        history.stride(2) == 1
+        and history.stride(0) == channels * row
+        and history.untyped_storage().nbytes() >= bsz * channels * row * history.element_size()
+        and start < row
+    )
+    if not (in_buffer and start + length < row):
+        row = length + max(64, length // 4)
+        buffer = history.new_empty(bsz, channels, row)
+        buffer[..., : length - 1] = history[..., 1:]
+        buffer[..., length - 1] = z_t
+        return buffer[..., :length]
+    history.as_strided((bsz, channels), (channels * row, row), start + length).copy_(z_t)
+    return history.as_strided((bsz, channels, length), (channels * row, row, 1), start + 1)
+
+
+def _tracing() -> bool:
+    return torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing()
 
 
 class Sin(nn.Module):
@@ -557,7 +657,7 @@ class UnstructFilter(nn.Module):
 
         ``seen`` (inputs of the longest row, this one included) limits the dot product to the entries that can be
         non-zero: O(seen) per step."""
-        history = torch.cat([state[..., 1:], z_t.to(state.dtype)[..., None]], -1)
+        history = append_history(state, z_t.to(state.dtype))
         if not output:
             return None, history
         return self.output_at_newest(history, seen=seen, reversed_taps=constants), history

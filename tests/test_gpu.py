@@ -52,9 +52,13 @@ S4_VARIANTS = ["sh-s4", "mh-s4", "mf-s4", "gss-hybrid"]
 SSM_MODULES = (S4DKernel, UnstructFilter, PerFilterS4D)
 SEQ = 23  # not a multiple of W = 4: six block boundaries (Transformer-XL's window is 18: one)
 DECODE_SEQ = 41  # two Transformer-XL windows, ten blocks of 4
+# Relative errors against float64. Worst measured on the CPU (one thread, 2026-11-23, core v2 layout): fp32
+# logits 6e-5, whole gradient 1.3e-3 and one parameter 1.6e-3 (MF:unstruct: the filter MLP's gradient sums over
+# every tap; the S4 variants are at ~1e-6); bf16 logits 7e-3, whole gradient 6.4e-2, one parameter 0.14 (floored as
+# in compare_with_float64).
 TOL = {
-    "fp32": dict(logits=3e-4, loss=2e-5, grads=1e-3, grad=3e-3),
-    "bf16": dict(logits=2e-2, loss=2e-3, grads=0.12, grad=0.6),
+    "fp32": dict(logits=3e-4, loss=2e-5, grads=3e-3, grad=5e-3),
+    "bf16": dict(logits=2e-2, loss=2e-3, grads=0.12, grad=0.3),
 }
 
 
@@ -92,8 +96,15 @@ def compare_with_float64(variant: str, device: str, precision: str) -> dict:
     ref_logits, ref_loss, ref_grads = forward_backward(build(variant, "cpu", torch.float64), ids, "cpu", "fp32")
     logits, loss, grads = forward_backward(build(variant, device), ids.to(device), device, precision)
     assert set(grads) == set(ref_grads), f"parameters with a gradient differ: {set(grads) ^ set(ref_grads)}"
-    per_param = {n: rel_err(grads[n], ref_grads[n]) for n in ref_grads if ref_grads[n].norm() > 0}
     flat, ref_flat = (torch.cat([g[n].flatten() for n in ref_grads]) for g in (grads, ref_grads))
+    # Per parameter: the error relative to its own gradient, or to 5% of the whole gradient when its own is smaller
+    # (a scalar gate's gradient is a sum with heavy cancellation: in bf16 its own relative error is not meaningful).
+    floor = 0.05 * ref_flat.norm()
+    per_param = {
+        n: ((grads[n] - ref_grads[n]).norm() / torch.maximum(ref_grads[n].norm(), floor)).item()
+        for n in ref_grads
+        if ref_grads[n].norm() > 0
+    }
     return dict(
         logits=rel_err(logits, ref_logits), loss=rel_err(loss, ref_loss), grad=per_param, grads=rel_err(flat, ref_flat)
     )

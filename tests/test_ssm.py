@@ -8,7 +8,8 @@ import torch
 from conftest import tiny_config
 from reference import direct_causal_conv, s4d_kernel_bruteforce, s4d_recurrence, two_sided_conv
 
-from modeling_bst.ssm_bst import S4DKernel, UnstructFilter, fft_bidirectional_conv, fft_causal_conv
+from modeling_bst import ssm_bst
+from modeling_bst.ssm_bst import S4DKernel, UnstructFilter, append_history, fft_bidirectional_conv, fft_causal_conv
 
 
 F64 = dict(atol=1e-12, rtol=1e-10)
@@ -254,6 +255,98 @@ def test_s4d_stays_float32_under_bf16_autocast():
     # Only the bf16 rounding of the input differs from the float32 result.
     torch.testing.assert_close(y, kernel(z.bfloat16().float()), atol=1e-5, rtol=1e-5)
     assert (y - ref).abs().max() < 0.1
+
+
+# -- chunked S4D evaluation -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "with-state"])
+@pytest.mark.parametrize("out_channels", [1, 4])
+@pytest.mark.parametrize("length", [17, 24, 61], ids=lambda n: f"L{n}")
+def test_s4d_chunked_forward_equals_recurrence_and_whole_length(length, out_channels, with_state, train):
+    """Chunk-by-chunk evaluation (intra-chunk FFT + free response of the chunk-start states) is the same map."""
+    kernel = make_s4d(out_channels=out_channels).train(train)
+    z = torch.randn(2, length, 5, dtype=torch.float64)
+    state = s4d_recurrence(kernel, torch.randn(2, 6, 5, dtype=torch.float64))[1] if with_state else None
+    kernel.chunk_len = 0
+    whole = kernel(z, state)
+    kernel.chunk_len = 4
+    assert kernel.use_chunks(length, z.element_size())  # 4 < 2 * 4 < length: the chunked path runs
+    chunked = kernel(z, state)
+    torch.testing.assert_close(chunked, whole, **F64)
+    torch.testing.assert_close(chunked, s4d_recurrence(kernel, z, state)[0], **F64)
+
+
+def test_s4d_chunked_forward_gradients_equal_whole_length():
+    kernel = make_s4d(out_channels=3)
+    z = torch.randn(2, 29, 5, dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(2, 29, 3, 5, dtype=torch.float64)
+    grads = []
+    for chunk in (0, 4):
+        kernel.chunk_len = chunk
+        kernel.zero_grad()
+        z.grad = None
+        (kernel(z) * weights).sum().backward()
+        grads.append([z.grad.clone()] + [p.grad.clone() for p in kernel.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, **F64)
+
+
+def test_s4d_chunk_policy(monkeypatch):
+    """Training and long evaluation run chunked; evaluation reuses a whole-length spectrum while it fits the memo."""
+    kernel = make_s4d(out_channels=4)
+    kernel.chunk_len = 4
+    assert not kernel.use_chunks(8, 8)  # at most two chunks: one FFT
+    assert kernel.train().use_chunks(40, 8)  # training: nothing memoised
+    kernel.eval()
+    with torch.no_grad():
+        assert not kernel.use_chunks(40, 8)  # the memoised spectrum (4 * 5 * 41 complex) fits
+        monkeypatch.setattr(ssm_bst, "SPECTRUM_MEMO_BYTES", 1000)
+        assert kernel.use_chunks(40, 8)  # it no longer fits: linear cost instead
+    kernel.chunk_len = 0
+    assert not kernel.train().use_chunks(1000, 8)
+    bidirectional = make_s4d(bidirectional=True).train()
+    bidirectional.chunk_len = 4
+    assert not bidirectional.use_chunks(40, 8)  # two-sided kernels have no causal state to carry
+
+
+@pytest.mark.parametrize("variant", ["sh-s4", "mh-s4", "gss"])
+def test_models_with_chunked_ssm_equal_whole_length(variant):
+    """Whole models (float64, training mode and evaluation) give the same logits with the chunked SSM path."""
+    from conftest import SEQ_LEN, make_model
+
+    if variant == "gss":
+        model = make_model(dtype=torch.float64, bst_layer_indices=[0], gss_layer_indices=[1])
+    else:
+        model = make_model(variant, dtype=torch.float64)
+    ids = torch.randint(0, 97, (2, 4 * SEQ_LEN))
+    kernels = [m for m in model.modules() if isinstance(m, S4DKernel)]
+    assert kernels
+    for train in (True, False):
+        model.train(train)
+        out = {}
+        for chunk in (0, 4):
+            for k in kernels:
+                k.chunk_len = chunk
+            out[chunk] = model(ids).logits
+        torch.testing.assert_close(out[4], out[0], **F64)
+
+
+def test_append_history_is_a_shift_and_keeps_earlier_histories():
+    history = torch.randn(2, 3, 10, dtype=torch.float64)
+    ref, kept = history.clone(), []
+    for _ in range(60):  # several refills of the slack
+        z = torch.randn(2, 3, dtype=torch.float64)
+        history, ref = append_history(history, z), torch.cat([ref[..., 1:], z[..., None]], -1)
+        assert torch.equal(history, ref)
+        kept.append((history, ref.clone()))
+    assert all(torch.equal(h, r) for h, r in kept[-10:])  # a step writes only beyond every earlier view
+    # Where gradients flow it is an ordinary out-of-place shift.
+    z = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    out = append_history(history, z)
+    out.sum().backward()
+    torch.testing.assert_close(z.grad, torch.ones_like(z))
 
 
 # -- unstruct filters -------------------------------------------------------------------------------------------------
