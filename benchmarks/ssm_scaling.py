@@ -131,9 +131,9 @@ def plot(results, path: Path):
         ax.legend(fontsize=8)
     ax = axes[2]
     dec = results["decode"]
-    for path in dec:
-        ctx = sorted(int(k) for k in dec[path])
-        ax.plot(ctx, [dec[path][str(c)] for c in ctx], marker="o", label=f"unstruct decode, {path}")
+    for variant in dec:
+        ctx = sorted(int(k) for k in dec[variant])
+        ax.plot(ctx, [dec[variant][str(c)] for c in ctx], marker="o", label=f"unstruct decode, {variant}")
     ax.set_xscale("log", base=2)
     ax.set_ylim(bottom=0)
     ax.set_xlabel("context (tokens)")
@@ -213,7 +213,13 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6, help="decode steps timed per context")
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--render", type=Path, default=None, help="re-render the plot and section from a saved JSON")
     args = parser.parse_args()
+    if args.render:
+        results = json.loads(args.render.read_text())
+        plot(results, OUT / "ssm_scaling.png")
+        write_section("ssm_scaling", markdown(results))
+        return
     torch.set_num_threads(1)
     torch.manual_seed(0)
     tune_malloc()

@@ -172,9 +172,13 @@ def memoised_spectrum(module: nn.Module, key: tuple, compute):
 
 
 def spectrum_memo_usable(module: nn.Module) -> bool:
-    """Whether [`memoised_spectrum`] may reuse a spectrum: evaluation mode, no gradient to the SSM parameters, and
-    not tracing (the parameter check reads values: not traceable by torch.export / torch.compile)."""
-    if module.training or (torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters())):
+    """Whether [`memoised_spectrum`] may reuse a spectrum: evaluation mode, no gradient to the SSM parameters, on the
+    CPU, and not tracing. The check compares parameter values: on an accelerator that is a host-device sync per
+    forward (recomputing the spectrum is cheap there), and it is not traceable by torch.export / torch.compile."""
+    params = list(module.parameters())
+    if module.training or (torch.is_grad_enabled() and any(p.requires_grad for p in params)):
+        return False
+    if params and params[0].device.type != "cpu":
         return False
     return not _tracing()
 

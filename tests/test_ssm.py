@@ -311,6 +311,14 @@ def test_s4d_chunk_policy(monkeypatch):
     assert not bidirectional.use_chunks(40, 8)  # two-sided kernels have no causal state to carry
 
 
+def test_spectrum_memo_only_on_the_cpu():
+    """The memo's parameter check reads values back: on an accelerator (here: the meta device) it is skipped."""
+    kernel = make_s4d().eval()
+    with torch.no_grad():
+        assert ssm_bst.spectrum_memo_usable(kernel)
+        assert not ssm_bst.spectrum_memo_usable(kernel.to("meta"))
+
+
 @pytest.mark.parametrize("variant", ["sh-s4", "mh-s4", "gss"])
 def test_models_with_chunked_ssm_equal_whole_length(variant):
     """Whole models (float64, training mode and evaluation) give the same logits with the chunked SSM path."""
