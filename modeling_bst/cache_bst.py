@@ -522,8 +522,8 @@ class BSTCache:
         self.doc_start = torch.where(rows, self.positions, self.doc_start)
         for layer in self.layers:
             layer.doc_start = self.doc_start
-        common = self._common_position
-        if common is UNKNOWN or common is None or common % self.block_len:
+        common = self.common_position  # derived here if unknown (as a loaded cache's): the same path as before saving
+        if common is None or common % self.block_len:
             # A row may now start a document off the block grid (checked without reading ``rows`` back).
             self._docs_on_grid = False
         return self
