@@ -7,11 +7,14 @@ For each context N: prefill N random tokens with one forward, then time single-t
 
 Prints a table, writes docs/benchmarks/generation_speed.{json,png} and a section of docs/benchmarks.md.
 ``--device cuda`` times on the GPU (synchronised) and writes generation_speed_gpu.{json,png} only;
-benchmarks/gpu_suite.py also times compiled decode steps (``measure(..., step_model=torch.compile(...))``).
+``--compile reduce-overhead`` also times compiled decode steps of BST S4 and Llama with a StaticCache (CUDA graphs on a
+GPU), each compile checked against eager (largest logit difference and dynamo's graph count go into the JSON's meta);
+benchmarks/gpu_suite.py uses the same functions.
 Goal (issue #3/#6): BST per-token time flat (64k/1k <= 1.1) and faster than Llama from 4k context on.
 """
 
 import argparse
+import copy
 import json
 import sys
 from pathlib import Path
@@ -125,6 +128,77 @@ def measure(kind: str, model, context: int, steps: int, device: str = "cpu", ste
     return best * 1000, tensor_bytes(cache)
 
 
+# Models whose decode step is compiled with ``--compile``: BST S4 (its cache a pytree of fixed shapes) and Llama with a
+# StaticCache (the transformers way to a capturable decode step).
+COMPILED_KINDS = ("bst-s4", "llama-static")
+
+
+def compile_step(model, mode: str):
+    """``torch.compile`` of the model for decode steps, static shapes, one graph: CUDA graphs with
+    ``mode="reduce-overhead"`` on a GPU (inductor alone on the CPU), or dynamo with the eager backend
+    (``mode="eager"``: no code generation, what the CPU dry runs use to count graphs quickly)."""
+    if mode == "eager":
+        return torch.compile(model, backend="eager", dynamic=False)
+    return torch.compile(model, mode=mode, dynamic=False)
+
+
+@torch.no_grad()
+def compiled_max_diff(kind: str, model, step_model, device: str, context: int = 64, steps: int = 3) -> float:
+    """Largest |logit difference| between ``step_model`` and ``model`` over a few greedy decode steps from copies of
+    one cache (the compile checked against eager)."""
+    ids = torch.randint(0, VOCAB, (1, context), device=device)
+    if kind == "llama-static":
+        cache = StaticCache(config=model.config, max_cache_len=context + steps + 8)
+    else:
+        cache = DynamicCache(config=model.config) if kind == "llama-dynamic" else None
+    out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    caches = [out.past_key_values, copy.deepcopy(out.past_key_values)]
+    token, diff = out.logits[:, -1:].argmax(-1), 0.0
+    for t in range(steps):
+        extra = {"position_ids": torch.tensor([[context + t]], device=device)} if kind.startswith("llama") else {}
+        a = model(token, past_key_values=caches[0], use_cache=True, **extra).logits
+        b = step_model(token, past_key_values=caches[1], use_cache=True, **extra).logits
+        diff = max(diff, (a.float() - b.float()).abs().max().item())
+        token = a[:, -1:].argmax(-1)
+    return diff
+
+
+def compile_counters() -> dict:
+    """Dynamo's graph counts and inductor's CUDA-graph skips since the last ``counters.clear()``: why graphs did not
+    help, if not (``unique_graphs`` far above the number of contexts: recompiled on every step)."""
+    from torch._dynamo.utils import counters
+
+    picked = {
+        "unique_graphs": counters["stats"].get("unique_graphs", 0),
+        "graph_breaks": sum(counters["graph_break"].values()),
+    }
+    picked.update({k: v for k, v in counters["inductor"].items() if "cudagraph" in k})
+    return picked
+
+
+def measure_compiled(models: dict, contexts, steps: int, device: str, mode: str) -> tuple[list, dict]:
+    """Compiled decode steps of [`COMPILED_KINDS`]: each compile checked against eager first, then timed at every
+    context. Returns rows (``model`` = kind + "-compiled") and per kind the check and dynamo's counters."""
+    from torch._dynamo.utils import counters
+
+    rows, report = [], {}
+    for kind in COMPILED_KINDS:
+        counters.clear()
+        torch._dynamo.reset()
+        step_model = compile_step(models[kind], mode)
+        record = report[kind] = {
+            "max_abs_logit_diff_vs_eager": compiled_max_diff(kind, models[kind], step_model, device)
+        }
+        for context in contexts:
+            ms, nbytes = measure(kind, models[kind], context, steps, device, step_model=step_model)
+            rows.append(dict(model=f"{kind}-compiled", context=context, ms_per_token=ms, cache_bytes=nbytes))
+            print(f"{kind + '-compiled':<15} {context:>8} {ms:>9.2f} {nbytes / 2**20:>10.2f}", flush=True)
+        record.update(compile_counters())
+        print(f"{kind} compiled ({mode}): {record}", flush=True)
+    torch._dynamo.reset()
+    return rows, report
+
+
 def write_docs(rows, meta, contexts):
     kinds = list(dict.fromkeys(r["model"] for r in rows))
     table = {(r["model"], r["context"]): r for r in rows}
@@ -223,6 +297,13 @@ def main():
     )
     parser.add_argument("--quick", action="store_true", help="hidden 256, 4 layers, contexts 1k/4k/16k")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument(
+        "--compile",
+        default=None,
+        choices=["reduce-overhead", "default", "max-autotune", "eager"],
+        help="also time compiled decode steps of bst-s4 and llama-static (torch.compile mode; 'eager': dynamo only), "
+        "each checked against eager first",
+    )
     args = parser.parse_args()
     if args.quick:
         args.hidden, args.layers, args.contexts = 256, 4, [1024, 4096, 16384]
@@ -259,6 +340,12 @@ def main():
             ms, nbytes = measure(kind, models[kind], context, steps, args.device)
             rows.append(dict(model=kind, context=context, ms_per_token=ms, cache_bytes=nbytes))
             print(f"{kind:<15} {context:>8} {ms:>9.2f} {nbytes / 2**20:>10.2f}", flush=True)
+    if args.compile is not None:
+        meta["compile_mode"] = args.compile
+        compiled_rows, meta["compiled"] = measure_compiled(
+            models, args.contexts, args.steps, args.device, args.compile
+        )
+        rows += compiled_rows
     out = ROOT / "docs" / "benchmarks"
     out.mkdir(parents=True, exist_ok=True)
     stem = "generation_speed_gpu" if torch.device(args.device).type == "cuda" else "generation_speed"

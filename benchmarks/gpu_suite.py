@@ -28,7 +28,6 @@ with tiny sizes on the CPU (tests/test_gpu_suite.py runs it in the default suite
 """
 
 import argparse
-import copy
 import json
 import os
 import platform
@@ -177,50 +176,6 @@ def part_train(part: Part, plan: dict):
                 print(f"{what}: {last[1]:.1f} s", flush=True)
 
 
-def compiled_max_diff(kind: str, model, step_model, device: str, context: int = 64, steps: int = 3) -> float:
-    """Largest |logit difference| between ``step_model`` and ``model`` over a few decode steps from the same cache."""
-    import generation_speed as gs
-    from transformers import DynamicCache, StaticCache
-
-    ids = torch.randint(0, gs.VOCAB, (1, context), device=device)
-    with torch.no_grad():
-        if kind == "llama-static":
-            cache = StaticCache(config=model.config, max_cache_len=context + steps + 8)
-        else:
-            cache = DynamicCache(config=model.config) if kind == "llama-dynamic" else None
-        out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        caches = [out.past_key_values, copy.deepcopy(out.past_key_values)]
-        token, diff = out.logits[:, -1:].argmax(-1), 0.0
-        for t in range(steps):
-            extra = {"position_ids": torch.tensor([[context + t]], device=device)} if kind.startswith("llama") else {}
-            a = model(token, past_key_values=caches[0], use_cache=True, **extra).logits
-            b = step_model(token, past_key_values=caches[1], use_cache=True, **extra).logits
-            diff = max(diff, (a.float() - b.float()).abs().max().item())
-            token = a[:, -1:].argmax(-1)
-    return diff
-
-
-def compile_step(model, mode: str):
-    """``torch.compile`` of the model for decode steps: CUDA graphs (``mode="reduce-overhead"``), or dynamo with the
-    eager backend (``mode="eager"``: the dry run's stand-in on the CPU, where there are no graphs to capture)."""
-    if mode == "eager":
-        return torch.compile(model, backend="eager", dynamic=False)
-    return torch.compile(model, mode=mode, dynamic=False)
-
-
-def compile_counters() -> dict:
-    """Dynamo's graph counts and inductor's CUDA-graph skips since the last ``counters.clear()``: why graphs did not
-    help, if not (``unique_graphs`` far above the number of contexts: recompiled on every step)."""
-    from torch._dynamo.utils import counters
-
-    picked = {
-        "unique_graphs": counters["stats"].get("unique_graphs", 0),
-        "graph_breaks": sum(counters["graph_break"].values()),
-    }
-    picked.update({k: v for k, v in counters["inductor"].items() if "cudagraph" in k})
-    return picked
-
-
 def part_decode(part: Part, plan: dict):
     import generation_speed as gs
 
@@ -257,9 +212,9 @@ def part_decode(part: Part, plan: dict):
         record = part.data["compiled"].setdefault(kind, {})
         counters.clear()
         try:
-            step_model = compile_step(models[kind], cfg["compile"])
+            step_model = gs.compile_step(models[kind], cfg["compile"])
             start = time.perf_counter()
-            record["max_abs_logit_diff_vs_eager"] = compiled_max_diff(kind, models[kind], step_model, device)
+            record["max_abs_logit_diff_vs_eager"] = gs.compiled_max_diff(kind, models[kind], step_model, device)
             record["first_check_s"] = time.perf_counter() - start
             part.save()
             for context in cfg["compiled_contexts"]:
@@ -272,7 +227,7 @@ def part_decode(part: Part, plan: dict):
                 part.save()
         except Exception as exc:  # a compile failure is a result: recorded, the eager numbers stand
             record["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
-        record["counters"] = compile_counters()
+        record["counters"] = gs.compile_counters()
         part.save()
         torch._dynamo.reset()
 

@@ -14,17 +14,38 @@ parts that layers use through their methods ([`BSTLayerCache`]; saved names in b
 * ``recurrent`` ([`RecurrentStateCache`]): the BRecT state `(B, S, D)` and its keys/values [``rec_state``, ``rec_k``,
   ``rec_v``].
 
-``positions`` `(B,)` counts the real tokens each row has seen (rows of a padded batch differ); ``seen_tokens`` (a
-Python int) counts every position processed, padding included: what ``generate`` slices already-processed inputs by.
-``common_position`` (Python int or None) is every row's real-token count when all rows agree (no padding), and
-``docs_on_grid`` says whether every row's document started on the block grid; both let ``BSTModel.forward`` choose
-its path without reading tensors back to the host.
+``positions`` `(B,)` counts the real tokens each row has seen (rows of a padded batch differ); ``seen`` (a 0-d
+tensor) counts every position processed, padding included: what ``generate`` slices already-processed inputs by
+(``get_seq_length()``, a Python int).
+
+Host mirrors. ``seen_tokens`` (int), ``common_position`` (every row's real-token count when all rows agree, else
+None) and ``docs_on_grid`` (every row's document started on the block grid) let ``BSTModel.forward`` choose its path
+without reading tensors back to the host. They are kept up to date in eager mode; under tracing (``torch.export``,
+``torch.compile``) a step marks the first two unknown instead of reading or writing a changing Python value (which
+would fix a traced graph to one position), and a cache rebuilt from its pytree leaves has all three unknown. An
+unknown mirror is derived from the tensors once, on its next read in eager mode (one host read), and is conservative
+under tracing (``common_position`` None, ``docs_on_grid`` False: a continued chunk takes the stepwise form).
+
+``BSTCache`` is a registered pytree node ([`register_pytree`]): its leaves are ``positions``, ``doc_start``,
+``seen``, then every layer part's tensors in ``SAVED_NAMES`` order, named as in [`BSTCache.to_tensors`]; its context
+is the structure only (layer parts, model signature, batch size), which no decode step changes, so one exported or
+compiled decode step serves every position.
 """
 
+import json
 from collections import deque
 
 import torch
+import torch.utils._pytree as pytree
 
+
+def tracing() -> bool:
+    """Whether the code is being traced (``torch.export``, ``torch.compile``, ``torch.jit``)."""
+    return torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing()
+
+
+# A host mirror of a BSTCache that is not known (derived from the tensors on its next eager read).
+UNKNOWN = "unknown"
 
 # Positions a recording cache can take back (``BSTCache.crop``): assisted decoding verifies at most this many drafted
 # tokens per round.
@@ -85,9 +106,11 @@ def ring_from_sequence(x: torch.Tensor, lengths: torch.Tensor, ring: int, offset
 
 def _where_rows(rows: torch.Tensor | None, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     """``new`` in the rows where ``rows`` (bool `(B,)`) is True, ``old`` elsewhere (all rows when ``rows`` is None)."""
-    if rows is None or old is None:
-        return new
-    return torch.where(rows.reshape((-1,) + (1,) * (new.dim() - 1)), new.to(old.dtype), old)
+    if rows is not None and old is not None:
+        new = torch.where(rows.reshape((-1,) + (1,) * (new.dim() - 1)), new.to(old.dtype), old)
+    # Contiguous: a state keeps one memory layout from prefill to step to step (a compiled step is specialised on
+    # strides: a layout change recompiles it).
+    return new.contiguous()
 
 
 class StateCache:
@@ -201,7 +224,7 @@ class SSMStateCache(StateCache):
     SAVED_NAMES = {"state": "ssm_state"}
 
     def set(self, state: torch.Tensor):
-        self.state = state
+        self.state = state.contiguous()  # one layout from prefill to step ([`_where_rows`])
 
     def capture(self, positions):
         if self.state.is_complex():
@@ -314,22 +337,35 @@ class BSTCache:
         batch_size (`int`): number of rows.
     """
 
+    # ``generate`` would compile the forward on its own for a compileable cache (and build 4-D masks for it): BST
+    # builds its own block masks; compile one decode step explicitly instead (``torch.compile(model)``).
     is_compileable = False
     # ``crop`` takes back the last positions processed while recording (``activate_past_recording``).
     is_croppable = True
 
     def __init__(self, config, batch_size: int):
-        self.num_layers = config.num_hidden_layers
-        self.block_len = config.block_len
-        self.hidden_size = config.hidden_size
-        self.model_signature = cache_signature(config)
+        self._setup(
+            config.num_hidden_layers,
+            config.block_len,
+            config.hidden_size,
+            cache_signature(config),
+            batch_size,
+            [BSTLayerCache.for_layer(config, i) for i in range(config.num_hidden_layers)],
+        )
+        self._seen_tokens = 0
+        self._common_position = None
+        self._docs_on_grid = True
+
+    def _setup(self, num_layers, block_len, hidden_size, signature, batch_size, layers):
+        self.num_layers = num_layers
+        self.block_len = block_len
+        self.hidden_size = hidden_size
+        self.model_signature = signature
         self.batch_size = batch_size
-        self.layers = [BSTLayerCache.for_layer(config, i) for i in range(config.num_hidden_layers)]
+        self.layers = layers
         self.positions: torch.Tensor | None = None
         self.doc_start: torch.Tensor | None = None
-        self.seen_tokens = 0
-        self.common_position: int | None = None
-        self.docs_on_grid = True
+        self.seen: torch.Tensor | None = None
         self.record_past = False
         # Per recorded position (newest last): per layer, what its step overwrote ([`capture`]).
         self._undo: deque = deque(maxlen=MAX_ROLLBACK)
@@ -340,6 +376,68 @@ class BSTCache:
     @property
     def is_empty(self) -> bool:
         return self.positions is None
+
+    # -- host mirrors (see the module docstring) ----------------------------------------------------------------------
+    @property
+    def seen_tokens(self) -> int:
+        """Positions processed so far, padding included (the host mirror of ``seen``)."""
+        if self._seen_tokens is UNKNOWN:
+            if self.seen is None:
+                return 0
+            if tracing():
+                raise RuntimeError("BSTCache.seen_tokens is not known while tracing: read the tensor `seen`.")
+            self._seen_tokens = int(self.seen)
+        return self._seen_tokens
+
+    @property
+    def common_position(self) -> int | None:
+        """Every row's real-token count when all rows agree, else None."""
+        if self._common_position is UNKNOWN:
+            if self.positions is None:
+                return None
+            if tracing():
+                return None  # conservative: a continued chunk takes the stepwise form
+            same = bool((self.positions == self.positions[0]).all())
+            self._common_position = int(self.positions[0]) if same else None
+        return self._common_position
+
+    @property
+    def docs_on_grid(self) -> bool:
+        """Whether every row's current document started on the block grid."""
+        if self._docs_on_grid is UNKNOWN:
+            if self.doc_start is None:
+                return True
+            if tracing():
+                return False  # conservative, as common_position
+            self._docs_on_grid = bool((self.doc_start.remainder(self.block_len) == 0).all())
+        return self._docs_on_grid
+
+    def start(self, lengths: torch.Tensor, seq_len: int, common_position: int | None):
+        """The state after a first forward over ``seq_len`` columns with ``lengths`` `(B,)` real tokens per row
+        (``common_position``: their common value if known, else None)."""
+        self.positions = lengths.clone()
+        self.doc_start = torch.zeros_like(self.positions)
+        self.seen = torch.full((), seq_len, dtype=torch.long, device=lengths.device)
+        for layer in self.layers:
+            layer.doc_start = self.doc_start
+        self.batch_size = int(lengths.shape[0])
+        self._seen_tokens = seq_len
+        self._docs_on_grid = True
+        self._common_position = common_position
+
+    def advance(self, seq_len: int):
+        """``seq_len`` positions more were processed in every row. Under tracing the changing host mirrors become
+        unknown (a traced step neither reads nor writes a position as a Python value)."""
+        self.positions = self.positions + seq_len
+        self.seen = self.seen + seq_len
+        if tracing():
+            self._seen_tokens = UNKNOWN
+            self._common_position = UNKNOWN
+            return
+        if self._seen_tokens is not UNKNOWN:
+            self._seen_tokens += seq_len
+        if self._common_position is not UNKNOWN and self._common_position is not None:
+            self._common_position += seq_len
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Positions processed so far, padding included (what ``generate`` slices already-processed inputs by)."""
@@ -355,6 +453,8 @@ class BSTCache:
         if self.positions is not None:
             self.positions = fn(self.positions)
             self.doc_start = fn(self.doc_start)
+            for layer in self.layers:
+                layer.doc_start = self.doc_start
 
     def reorder_cache(self, beam_idx: torch.LongTensor):
         """Select rows in place (beam search)."""
@@ -405,10 +505,7 @@ class BSTCache:
             for layer, record in zip(self.layers, self._undo.pop()):
                 if record:
                     layer.restore(record)
-        self.positions = self.positions - n
-        self.seen_tokens -= n
-        if self.common_position is not None:
-            self.common_position -= n
+        self.advance(-n)
 
     def reset_rows(self, rows: torch.Tensor) -> "BSTCache":
         """Start a new document in the rows where ``rows`` (bool `(B,)`) is True, keeping the other rows' state.
@@ -423,9 +520,12 @@ class BSTCache:
         for layer in self.layers:
             layer.reset(rows)
         self.doc_start = torch.where(rows, self.positions, self.doc_start)
-        if self.common_position is None or self.common_position % self.block_len:
+        for layer in self.layers:
+            layer.doc_start = self.doc_start
+        common = self.common_position  # derived here if unknown (as a loaded cache's): the same path as before saving
+        if common is None or common % self.block_len:
             # A row may now start a document off the block grid (checked without reading ``rows`` back).
-            self.docs_on_grid = False
+            self._docs_on_grid = False
         return self
 
     def detach(self) -> "BSTCache":
@@ -439,7 +539,7 @@ class BSTCache:
         if self.positions is not None:
             out["positions"] = self.positions
             out["doc_start"] = self.doc_start
-            out["seen_tokens"] = torch.tensor(self.seen_tokens, dtype=torch.long)
+            out["seen_tokens"] = self.seen.reshape(())
         for i, layer in enumerate(self.layers):
             for name, tensor in layer.tensors():
                 out[f"layers.{i}.{name}"] = tensor.contiguous()
@@ -455,7 +555,7 @@ class BSTCache:
                 setattr(cache, key, tensor)
                 continue
             if key == "seen_tokens":
-                cache.seen_tokens = int(tensor)
+                cache.seen = tensor.reshape(()).to(torch.long).clone()
                 continue
             _, index, name = key.split(".", 2)
             if not 0 <= int(index) < cache.num_layers:
@@ -476,10 +576,8 @@ class BSTCache:
             layer.doc_start = cache.doc_start
         if cache.positions is not None:
             if "seen_tokens" not in tensors:  # saved before seen_tokens existed: the longest row
-                cache.seen_tokens = int(cache.positions.max())
-            if bool((cache.positions == cache.positions[0]).all()):
-                cache.common_position = int(cache.positions[0])
-            cache.docs_on_grid = bool((cache.doc_start.remainder(cache.block_len) == 0).all())
+                cache.seen = cache.positions.max().clone()
+            cache._seen_tokens = cache._common_position = cache._docs_on_grid = UNKNOWN  # derived on first read
         return cache
 
     def nbytes(self) -> int:
@@ -487,6 +585,97 @@ class BSTCache:
         for layer in self.layers:
             total += sum(t.numel() * t.element_size() for _, t in layer.tensors())
         return total
+
+    # -- pytree node (torch.export / torch.compile of decode steps) -----------------------------------------------------
+    def _pytree_flatten(self):
+        """Leaves ``[(name, tensor or None)]`` and the structural context (no value that a decode step changes)."""
+        leaves = [("positions", self.positions), ("doc_start", self.doc_start), ("seen_tokens", self.seen)]
+        spec = []
+        for i, layer in enumerate(self.layers):
+            parts = []
+            for part_name in BSTLayerCache.PARTS:
+                part = getattr(layer, part_name)
+                parts.append(None if part is None else type(part).__name__)
+                if part is not None:
+                    leaves.extend(
+                        (f"layers.{i}.{saved}", getattr(part, attr)) for attr, saved in part.SAVED_NAMES.items()
+                    )
+            spec.append(tuple(parts))
+        context = (self.num_layers, self.block_len, self.hidden_size, self.model_signature, self.batch_size)
+        return leaves, (context, tuple(spec))
+
+    @classmethod
+    def _pytree_unflatten(cls, values, context) -> "BSTCache":
+        (num_layers, block_len, hidden_size, signature, batch_size), spec = context
+        values = iter(values)
+        cache = cls.__new__(cls)
+        positions, doc_start, seen = next(values), next(values), next(values)
+        layers = []
+        for parts in spec:
+            built = {}
+            for part_name, type_name in zip(BSTLayerCache.PARTS, parts):
+                if type_name is not None:
+                    part = PART_TYPES[type_name]()
+                    for attr in part.SAVED_NAMES:
+                        setattr(part, attr, next(values))
+                    built[part_name] = part
+            layer = BSTLayerCache(**built)
+            layer.doc_start = doc_start
+            layers.append(layer)
+        cache._setup(num_layers, block_len, hidden_size, signature, batch_size, layers)
+        cache.positions, cache.doc_start, cache.seen = positions, doc_start, seen
+        cache._seen_tokens = cache._common_position = cache._docs_on_grid = UNKNOWN
+        return cache
+
+
+PART_TYPES = {
+    cls.__name__: cls
+    for cls in (AttentionCache, SSMStateCache, TokenContextCache, BlockContextCache, RecurrentStateCache)
+}
+
+
+def _flatten(cache: BSTCache):
+    leaves, context = cache._pytree_flatten()
+    return [tensor for _, tensor in leaves], context
+
+
+def _flatten_with_keys(cache: BSTCache):
+    leaves, context = cache._pytree_flatten()
+    return [(pytree.MappingKey(name), tensor) for name, tensor in leaves], context
+
+
+def _to_dumpable(context) -> str:
+    return json.dumps(context)
+
+
+def _from_dumpable(dumped: str):
+    (num_layers, block_len, hidden_size, signature, batch_size), spec = json.loads(dumped)
+
+    def tuples(x):
+        return tuple(tuples(v) for v in x) if isinstance(x, list) else x
+
+    return (num_layers, block_len, hidden_size, tuples(signature), batch_size), tuples(spec)
+
+
+def register_pytree():
+    """Register [`BSTCache`] as a pytree node (once per class object: a Hub copy of this module is its own class).
+
+    ``torch.export`` then takes and returns caches (leaves named ``positions``, ``layers.3.ssm_state``, ...), and
+    the exported program's input spec stays the same from step to step."""
+    if BSTCache in pytree.SUPPORTED_NODES:
+        return
+    pytree.register_pytree_node(
+        BSTCache,
+        _flatten,
+        BSTCache._pytree_unflatten,
+        serialized_type_name=f"{BSTCache.__module__}.{BSTCache.__qualname__}",
+        to_dumpable_context=_to_dumpable,
+        from_dumpable_context=_from_dumpable,
+        flatten_with_keys_fn=_flatten_with_keys,
+    )
+
+
+register_pytree()
 
 
 __all__ = [
@@ -499,4 +688,5 @@ __all__ = [
     "SSMStateCache",
     "TokenContextCache",
     "cache_signature",
+    "register_pytree",
 ]

@@ -43,7 +43,7 @@ from transformers.modeling_outputs import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import can_return_tuple, logging
 
-from .cache_bst import MAX_ROLLBACK, BSTCache, BSTLayerCache, cache_signature, gather_rows
+from .cache_bst import MAX_ROLLBACK, BSTCache, BSTLayerCache, cache_signature, gather_rows, tracing
 from .configuration_bst import BSTConfig
 from .ssm_bst import PerFilterS4D, S4DKernel, UnstructFilter, memoised
 
@@ -116,11 +116,6 @@ class BSTRMSNorm(nn.Module):
         x32 = upcast(x)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * upcast(self.weight)).to(dtype)
-
-
-def tracing() -> bool:
-    """Whether the forward is being traced (``torch.export``, ``torch.compile``, ``torch.jit``)."""
-    return torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing()
 
 
 def host_can_branch(t: torch.Tensor) -> bool:
@@ -1630,9 +1625,10 @@ class BSTModel(BSTPreTrainedModel):
         if cfg.ssm_kind != "unstruct" or not cfg.bst_layer_indices or cfg.unstruct_finite_filter:
             return
         done = 0
-        if continuing:
-            # Unstruct decoding reads the longest document length anyway (its O(t) step); traced: an upper bound.
-            done = cache.seen_tokens if tracing() else int((cache.positions - cache.doc_start).max())
+        if continuing and not tracing():
+            # Unstruct decoding reads the longest document length anyway (its O(t) step). A traced step cannot check a
+            # position (its graph serves every position): only the eager calls check.
+            done = int((cache.positions - cache.doc_start).max())
         if seq_len + done > cfg.max_position_embeddings:
             raise ValueError(
                 f"unstruct BST models handle at most max_position_embeddings={cfg.max_position_embeddings} "
@@ -1755,18 +1751,12 @@ class BSTModel(BSTPreTrainedModel):
                     all_cross.append(cross)
             hidden = layout.from_blocks(self.norm(hidden))
             if cache is not None:
-                cache.positions = layout.lengths.clone()
-                cache.doc_start = torch.zeros_like(cache.positions)
-                for layer_cache in cache.layers:
-                    layer_cache.doc_start = cache.doc_start
-                cache.batch_size = bsz
-                cache.seen_tokens = seq_len
-                cache.docs_on_grid = True
-                cache.common_position = seq_len
+                common = seq_len
                 if layout.mask is not None:
                     lengths = layout.lengths
                     same = host_can_branch(lengths) and bool((lengths == lengths[0]).all())
-                    cache.common_position = int(lengths[0]) if same else None
+                    common = int(lengths[0]) if same else None
+                cache.start(layout.lengths, seq_len, common)
         else:
             positions = cache.positions
             if seq_len > 1 and attention_mask is not None and host_can_branch(attention_mask):
@@ -1778,15 +1768,15 @@ class BSTModel(BSTPreTrainedModel):
             w = cfg.block_len
             for layer_cache in cache.layers:
                 layer_cache.doc_start = cache.doc_start
-            start = cache.common_position
-            # A recording cache steps every position (each step records what it overwrites, for BSTCache.crop).
+            # A recording cache steps every position (each step records what it overwrites, for BSTCache.crop). A
+            # decode step (seq_len 1) reads no host mirror of a position: one traced step serves every position.
             aligned = (
                 seq_len > 1
-                and start is not None
-                and start % w == 0
                 and seq_len % w == 0
-                and cache.docs_on_grid
                 and not cache.record_past
+                and cache.common_position is not None
+                and cache.common_position % w == 0
+                and cache.docs_on_grid
             )
             undo = [[{} for _ in self.layers] for _ in range(seq_len)] if cache.record_past and not aligned else None
             for layer_idx, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers)):
@@ -1834,10 +1824,7 @@ class BSTModel(BSTPreTrainedModel):
             hidden = self.norm(hidden)
             if undo is not None:
                 cache.push_undo(undo)
-            cache.positions = positions + seq_len
-            cache.seen_tokens += seq_len
-            if cache.common_position is not None:
-                cache.common_position += seq_len
+            cache.advance(seq_len)
         if all_hidden is not None:
             all_hidden.append(hidden)
         if cache is not None and self.training:
