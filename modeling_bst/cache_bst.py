@@ -44,6 +44,15 @@ def tracing() -> bool:
     return torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing()
 
 
+def host_can_branch(t: torch.Tensor) -> bool:
+    """Whether Python may read values of ``t``: a CPU tensor in eager mode, where no device sync is involved.
+
+    Under tracing (``torch.export``, ``torch.compile``, ``torch.jit``) or on an accelerator, code must not branch on
+    tensor values: the callers then take the branch-free form, which gives the same result.
+    """
+    return t.device.type == "cpu" and not tracing()
+
+
 # A host mirror of a BSTCache that is not known (derived from the tensors on its next eager read).
 UNKNOWN = "unknown"
 

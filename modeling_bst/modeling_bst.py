@@ -43,7 +43,7 @@ from transformers.modeling_outputs import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import can_return_tuple, logging
 
-from .cache_bst import MAX_ROLLBACK, BSTCache, BSTLayerCache, cache_signature, gather_rows, tracing
+from .cache_bst import MAX_ROLLBACK, BSTCache, BSTLayerCache, cache_signature, gather_rows, host_can_branch, tracing
 from .configuration_bst import BSTConfig
 from .ssm_bst import PerFilterS4D, S4DKernel, UnstructFilter, memoised
 
@@ -118,15 +118,6 @@ class BSTRMSNorm(nn.Module):
         return (x32 * upcast(self.weight)).to(dtype)
 
 
-def host_can_branch(t: torch.Tensor) -> bool:
-    """Whether Python may read values of ``t``: a CPU tensor in eager mode, where no device sync is involved.
-
-    Under tracing (``torch.export``, ``torch.compile``, ``torch.jit``) or on an accelerator, code must not branch on
-    tensor values: the callers then take the branch-free form, which gives the same result.
-    """
-    return t.device.type == "cpu" and not tracing()
-
-
 def maybe_any(mask: torch.Tensor) -> bool:
     """``bool(mask.any())`` where reading it costs nothing ([`host_can_branch`]), else ``True`` (do the work)."""
     return bool(mask.any()) if host_can_branch(mask) else True
@@ -186,6 +177,12 @@ class BSTContextStates(nn.Module):
             z = z * (torch.arange(z.shape[1], device=z.device)[None] < lengths[:, None]).to(z.dtype)[..., None]
         return z
 
+    def _sequence_input(self, xn, lengths, layer_cache, positions):
+        """The SSM input ``z`` of a full sequence, the SSM state it continues from (None: a fresh sequence) and
+        whether it continues a cached one."""
+        continued = layer_cache is not None and positions is not None
+        return self._ssm_input(xn, lengths), (layer_cache.ssm.state if continued else None), continued
+
     def _fill_ssm_state(self, z, lengths, state0, layer_cache):
         """The SSM state after each row's real tokens into ``layer_cache`` (rows right-aligned for ``final_state``)."""
         bsz, seq_len, _ = z.shape
@@ -231,9 +228,7 @@ class TokenContextStates(BSTContextStates):
         bsz, seq_len, _ = xn.shape
         w = self.block_len
         nb = seq_len // w
-        continued = layer_cache is not None and positions is not None
-        z = self._ssm_input(xn, lengths)
-        state0 = layer_cache.ssm.state if continued else None
+        z, state0, continued = self._sequence_input(xn, lengths, layer_cache, positions)
         y = self.ssm(z, state0)  # (B, T, C, Ds)
         ck, cv = self.lift_and_project(y)  # (B, T, 1, H, d)
         ctx_k, ctx_v = ck.view(bsz, nb, w, *ck.shape[-2:]), cv.view(bsz, nb, w, *cv.shape[-2:])
@@ -334,9 +329,7 @@ class MFContextStates(BSTContextStates):
         bsz, seq_len, _ = xn.shape
         w = self.block_len
         nb = seq_len // w
-        continued = layer_cache is not None and positions is not None
-        z = self._ssm_input(xn, lengths)
-        state0 = layer_cache.ssm.state if continued else None
+        z, state0, continued = self._sequence_input(xn, lengths, layer_cache, positions)
         if cfg.bidirectional:
             y_end = self.ssm(z, state0)[:, w - 1 :: w]
         else:

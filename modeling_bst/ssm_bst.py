@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 
+from .cache_bst import host_can_branch, tracing
+
 
 def _no_autocast(device_type: str):
     return torch.autocast(device_type=device_type, enabled=False)
@@ -178,9 +180,7 @@ def spectrum_memo_usable(module: nn.Module) -> bool:
     params = list(module.parameters())
     if module.training or (torch.is_grad_enabled() and any(p.requires_grad for p in params)):
         return False
-    if params and params[0].device.type != "cpu":
-        return False
-    return not _tracing()
+    return not params or host_can_branch(params[0])
 
 
 def fold_skip(k: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
@@ -357,7 +357,8 @@ class S4DKernel(nn.Module):
         Within a chunk of ``chunk`` tokens the output is the convolution with the first ``chunk`` lags of the
         kernel (one FFT conv over all chunks at once); what earlier chunks contribute is the free response to the
         state at the chunk's start, ``2 Re(C Abar^{j+1} x_start)`` for offset j, with the chunk-start states from
-        the block scan of [`block_states`]. Exact: equal to the whole-length convolution up to rounding. ``z`` `(B, L, Ds)` in the compute dtype -> `(B, L, C, Ds)`.
+        the block scan of [`block_states`]. Exact: equal to the whole-length convolution up to rounding.
+        ``z`` `(B, L, Ds)` in the compute dtype -> `(B, L, C, Ds)`.
         """
         bsz, length, ds = z.shape
         nc = -(-length // chunk)
@@ -477,7 +478,7 @@ def append_history(history: torch.Tensor, z_t: torch.Tensor) -> torch.Tensor:
     them). Out of place (a copy) where gradients flow or while tracing.
     """
     bsz, channels, length = history.shape
-    if (torch.is_grad_enabled() and (history.requires_grad or z_t.requires_grad)) or _tracing():
+    if (torch.is_grad_enabled() and (history.requires_grad or z_t.requires_grad)) or tracing():
         return torch.cat([history[..., 1:], z_t[..., None]], -1)
     row = history.stride(1)
     start = history.storage_offset()
@@ -495,10 +496,6 @@ def append_history(history: torch.Tensor, z_t: torch.Tensor) -> torch.Tensor:
         return buffer[..., :length]
     history.as_strided((bsz, channels), (channels * row, row), start + length).copy_(z_t)
     return history.as_strided((bsz, channels, length), (channels * row, row, 1), start + 1)
-
-
-def _tracing() -> bool:
-    return torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing()
 
 
 class Sin(nn.Module):
