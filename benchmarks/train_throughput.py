@@ -108,10 +108,25 @@ def flops_per_token(model, kind: str, seq_len: int) -> float:
 class Contender:
     """A model with its optimiser; ``step()`` times one training step (forward, backward, AdamW)."""
 
-    def __init__(self, kind: str, seq_len: int, dtype: torch.dtype, device: str = "cpu", size: str = "60m"):
+    def __init__(
+        self,
+        kind: str,
+        seq_len: int,
+        dtype: torch.dtype,
+        device: str = "cpu",
+        size: str = "60m",
+        checkpointing: bool = False,
+    ):
         torch.manual_seed(0)
         self.kind, self.dtype, self.device = kind, dtype, device
         self.model = build(kind, seq_len, size).to(device)
+        if checkpointing:  # the same transformers call for every contender: each layer's activations recomputed
+            # later transformers 5.x name it activation_checkpointing_enable (the old name warns); take what exists
+            if hasattr(self.model, "activation_checkpointing_enable"):
+                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.ids = torch.randint(0, 32000, (1, seq_len), device=device)
         self.times = []
@@ -137,11 +152,22 @@ NAMES = {
 }
 
 
-def measure(kinds, seq_len: int, dtype_name: str, rounds: int, steps: int, peaks: dict, device="cpu", size="60m"):
+def measure(
+    kinds,
+    seq_len: int,
+    dtype_name: str,
+    rounds: int,
+    steps: int,
+    peaks: dict,
+    device="cpu",
+    size="60m",
+    checkpointing: bool = False,
+):
     """One row per contender (``kinds``, "llama" among them: the reference), contenders alternated round by round,
-    tokens/s from each one's fastest step. ``peaks``: measured matmul FLOP/s, keys "fp32" and "bf16"."""
+    tokens/s from each one's fastest step. ``peaks``: measured matmul FLOP/s, keys "fp32" and "bf16".
+    ``checkpointing``: gradient checkpointing for every contender (the useful FLOPs do not count the recomputation)."""
     dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
-    contenders = [Contender(kind, seq_len, dtype, device, size) for kind in kinds]
+    contenders = [Contender(kind, seq_len, dtype, device, size, checkpointing) for kind in kinds]
     # Alternate contenders and keep each one's best, so a machine-state flip hits all of them.
     for r in range(rounds):
         for c in contenders:
@@ -166,6 +192,7 @@ def measure(kinds, seq_len: int, dtype_name: str, rounds: int, steps: int, peaks
             flop_ratio=fpt["llama"] / fpt[c.kind],
             mfu=fpt[c.kind] * tps[c.kind] / peaks[dtype_name],
             mfu_bf16=fpt[c.kind] * tps[c.kind] / peaks["bf16"],
+            gradient_checkpointing=checkpointing,
         )
         for c in contenders
     ]
@@ -195,7 +222,14 @@ def write_docs(rows, meta):
         f"of L = {meta['seq_len']} tokens per step (forward, backward, AdamW); ~60M-parameter models (hidden 512, "
         "8 layers, 32k vocabulary; BST: W = 512, BST layers {0, 5, 6}, SH, S4, D_s = 128; Llama: 8 heads of 64, "
         "SwiGLU 2048, full causal SDPA). Contenders alternate round by round; tokens/s from each one's fastest of "
-        f"{meta['rounds']} x {meta['steps']} timed steps. Command: `{meta['command']}`.",
+        f"{meta['rounds']} x {meta['steps']} timed steps"
+        + (
+            "; gradient checkpointing (every layer recomputed in backward) for every contender, the useful FLOPs "
+            "below do not count the recomputation"
+            if meta.get("gradient_checkpointing")
+            else ""
+        )
+        + f". Command: `{meta['command']}`.",
         f"Measured matmul peak (2048^3, same process): fp32 {meta['peak_fp32'] / 1e9:.0f} GFLOP/s, bf16 "
         f"{meta['peak_bf16'] / 1e9:.0f} GFLOP/s (AVX512-BF16, no AMX on this CPU).",
         "",
@@ -264,7 +298,17 @@ def main():
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
     parser.add_argument("--size", choices=list(SIZES), default="60m")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="recompute each layer's activations in backward, for every contender (long L on a small-memory machine)",
+    )
+    parser.add_argument(
+        "--kinds", nargs="+", default=["llama", "bst", "slide"], choices=["llama", "bst", "slide"], help="contenders"
+    )
     args = parser.parse_args()
+    if "llama" not in args.kinds:
+        parser.error("--kinds must include llama (the reference every ratio is taken against)")
     if args.quick:
         args.seq_len, args.steps, args.rounds = 1024, 1, 1
     torch.set_num_threads(args.threads)
@@ -284,14 +328,25 @@ def main():
         rounds=args.rounds,
         mallopt="applied" if mallopt else "not available",
         command="python " + " ".join(sys.argv),
+        gradient_checkpointing=args.gradient_checkpointing,
         peak_fp32=matmul_peak(torch.float32, device=args.device),
         peak_bf16=matmul_peak(torch.bfloat16, device=args.device),
     )
     peaks = {"fp32": meta["peak_fp32"], "bf16": meta["peak_bf16"]}
     rows = []
     for dtype_name in args.dtypes:
-        kinds = ["llama", "bst", "slide"] + (["llama-flash"] if gpu and dtype_name == "bf16" and has_flash() else [])
-        rows += measure(kinds, args.seq_len, dtype_name, args.rounds, args.steps, peaks, args.device, args.size)
+        kinds = list(args.kinds) + (["llama-flash"] if gpu and dtype_name == "bf16" and has_flash() else [])
+        rows += measure(
+            kinds,
+            args.seq_len,
+            dtype_name,
+            args.rounds,
+            args.steps,
+            peaks,
+            args.device,
+            args.size,
+            args.gradient_checkpointing,
+        )
     print(f"{'model':<18} {'dtype':<5} {'params':>8} {'tok/s':>8} {'vs Llama':>8} {'FLOP ratio':>10} {'MFU bf16':>8}")
     for r in rows:
         print(
