@@ -54,6 +54,13 @@ PARTS = ("tests", "layer_speed", "train", "decode")
 BUDGETS = {"tests": 120, "layer_speed": 150, "train": 150, "decode": 120}
 GRACE = 20  # seconds a part may overrun its budget before it is killed
 LAYER_CONTENDERS = ["Slide", "BST:SH:S4", "BST:MH:S4", "BST:MF:S4", "BST:SH:unstruct", "BRecT"]
+# On a GPU also the Slide and SH layers with attn_implementation="flex_attention" (block masks, the T5 bias as a
+# score_mod); not in the CPU dry run, where compiling flex_attention with inductor alone takes minutes.
+FLEX_CONTENDERS = ["Slide (flex)", "BST:SH:S4 (flex)"]
+
+
+def layer_contenders(device: str) -> list[str]:
+    return LAYER_CONTENDERS + (FLEX_CONTENDERS if torch.device(device).type == "cuda" else [])
 PLANS = {
     "full": dict(
         device="cuda",
@@ -117,7 +124,8 @@ def part_layer_speed(part: Part, plan: dict):
     import layer_speed as ls
 
     device, cfg = plan["device"], plan["layer_speed"]
-    part.data.update(results={}, contenders=LAYER_CONTENDERS, setup=dict(hidden=ls.D, block_len=ls.W, heads=ls.HEADS))
+    contenders = layer_contenders(device)
+    part.data.update(results={}, contenders=contenders, setup=dict(hidden=ls.D, block_len=ls.W, heads=ls.HEADS))
     for dtype in cfg["dtypes"]:
         last = None  # (length, seconds) of the previous length
         for seq_len in cfg["lengths"]:
@@ -126,7 +134,7 @@ def part_layer_speed(part: Part, plan: dict):
                 break
             start = time.perf_counter()
             entries = ls.time_length(
-                LAYER_CONTENDERS,
+                contenders,
                 seq_len,
                 dtype,
                 cfg["rounds"],

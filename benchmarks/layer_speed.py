@@ -109,7 +109,12 @@ def warm_up(seconds: float):
 
 
 # -- contenders ------------------------------------------------------------------------------------------------------
+FLEX = " (flex)"  # a contender name ending in it runs the same layer with attn_implementation="flex_attention"
+
+
 def bst_layer(name: str, seq_len: int, recurrent_states: int, device: str = "cpu", ssm_hidden: int = D):
+    flex = name.endswith(FLEX)
+    name = name.removesuffix(FLEX)
     common = dict(
         vocab_size=16,
         hidden_size=D,
@@ -135,7 +140,10 @@ def bst_layer(name: str, seq_len: int, recurrent_states: int, device: str = "cpu
             ssm_hidden_size=ssm_hidden,  # paper's speed setup: SSM input D = 512, no down-projection
             num_context_states=32,
         )
-    model = BSTModel(BSTConfig(**common)).eval().to(device)
+    config = BSTConfig(**common)
+    if flex:
+        config._attn_implementation = "flex_attention"
+    model = BSTModel(config).eval().to(device)
     layer = model.layers[0]
     expected = {"Slide": "block", "BRecT": "recurrent"}.get(name, "bst")
     assert layer.kind == expected, (name, layer.kind)

@@ -111,3 +111,23 @@ def test_budget_skips_and_failures_are_recorded(tmp_path):
     assert report["targets"] == [] and "# BST GPU suite: GPU run" in md
     assert "- layer_speed: skipped layer speed bf16 L=65536: estimated 60 s > 5 s left" in md
     assert "- train: timed out after 170 s" in md and "RuntimeError: boom" in md
+
+
+def test_gpu_layer_speed_times_flex_attention_too():
+    """On a GPU the layer benchmark also times Slide and SH with attn_implementation="flex_attention"; a "(flex)"
+    contender is the same layer (same weights -> same output within float rounding) on the flex backend."""
+    import torch
+
+    import layer_speed
+
+    assert gpu_suite.layer_contenders("cpu") == gpu_suite.LAYER_CONTENDERS
+    assert gpu_suite.layer_contenders("cuda")[-2:] == ["Slide (flex)", "BST:SH:S4 (flex)"]
+    x = torch.randn(1, 2 * layer_speed.W, layer_speed.D)
+    sdpa, _ = layer_speed.bst_layer("Slide", x.shape[1], 0)
+    flex, _ = layer_speed.bst_layer("Slide (flex)", x.shape[1], 0)
+    assert sdpa.config._attn_implementation != "flex_attention" == flex.config._attn_implementation
+    flex.load_state_dict(sdpa.state_dict())
+    with torch.no_grad():
+        a, b = sdpa(x), flex(x)
+    a, b = (a[0], b[0]) if isinstance(a, tuple) else (a, b)
+    torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
