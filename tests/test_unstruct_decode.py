@@ -101,6 +101,32 @@ def test_chunked_steps_equal_parallel_forward_for_padded_rows(mode):
     assert all(p.state.shape == (2, cfg.ssm_channels, cfg.max_position_embeddings) for p in parts)
 
 
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7])
+def test_kernel_chunked_steps_equal_the_direct_dot_product(chunk):
+    """``UnstructFilter.step`` with a chunk (FFT sizes of every form, odd ones included: 3, 5, ...) equals the direct
+    dot product, from 1 to 40 inputs of a 24-tap filter (inputs leave the history)."""
+    config = make_model("sh-unstruct", dtype=torch.float64, max_position_embeddings=24).config
+    torch.manual_seed(1)
+    ssm = UnstructFilter(3, 2, config).double()
+    ssm.reset_positional_features()
+    for param in ssm.parameters():
+        if param is not ssm.pos_emb:
+            torch.nn.init.normal_(param, std=0.5)
+    ssm.decode_chunk = chunk
+    constants = ssm.step_constants()
+    state = ssm.empty_state(2, "cpu")
+    direct_state, pending, offset = state.clone(), None, chunk
+    for t, z_t in enumerate(torch.randn(40, 2, 3, dtype=torch.float64)):
+        if offset == chunk and t > 0:
+            n = min(t, ssm.max_len)
+            spectrum = ssm.pending_spectrum(ssm.pending_fft_size(n), constants)
+            pending, offset = ssm.pending_outputs(state, n, spectrum), 0
+        y, state = ssm.step(z_t, state, constants, pending=None if pending is None else (pending, offset))
+        want, direct_state = ssm.step(z_t, direct_state, constants, seen=t + 1)
+        torch.testing.assert_close(y, want, **TOL)
+        offset += 1
+
+
 def test_chunked_steps_equal_direct_steps_beyond_the_filter_length():
     """Finite filter (Lmax = 32) and 60 positions: inputs leave the history window inside a chunk; equal to the
     direct dot product (a chunk as long as the filter is never used below Lmax inputs) and to the forward."""
@@ -332,7 +358,7 @@ def test_mutation_traced_step_keeping_the_chunk_fails(monkeypatch):
 # -- long positions ----------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_thousands_of_positions_at_the_default_chunk():
-    """The default M over 3000+ positions (chunks of up to 3.2k inputs, FFT sizes 4096): the chunked steps equal the
+    """The default M over 3000+ positions (chunks of 2.5k to 3.5k inputs, FFT sizes 3072 to 5120): the chunked steps equal the
     forward (float64) after three chunk refreshes."""
     model = make_model("sh-unstruct", dtype=torch.float64, vocab_size=VOCAB, max_position_embeddings=4096)
     ids = tokens(2, 2500, seed=28)
