@@ -82,9 +82,10 @@ def build(kind: str, hidden: int, layers: int, max_context: int):
 
 
 @torch.no_grad()
-def measure(kind: str, model, context: int, steps: int, device: str = "cpu", step_model=None):
-    """Best ms per decode step after a prefill of ``context`` tokens, and the cache's bytes. ``step_model`` (default
-    ``model``) runs the steps: a compiled ``model`` for example; the prefill always runs on ``model``."""
+def measure(kind: str, model, context: int, steps: int, device: str = "cpu", step_model=None, stat: str = "best"):
+    """Best (``stat="mean"``: mean) ms per decode step after a prefill of ``context`` tokens, and the cache's bytes.
+    ``step_model`` (default ``model``) runs the steps: a compiled ``model`` for example; the prefill always runs on
+    ``model``. The mean is what an amortised step costs (unstruct chunks: one FFT per M steps); take ``steps`` >= M."""
     ids = torch.randint(0, VOCAB, (1, context), device=device)
     token = torch.randint(0, VOCAB, (1, 1), device=device)
     step_model = model if step_model is None else step_model
@@ -110,6 +111,7 @@ def measure(kind: str, model, context: int, steps: int, device: str = "cpu", ste
         cache = getattr(out, "cache_params", None)
     position = context
     best = float("inf")
+    times = []
     for i in range(steps + 2):
         start = clock(device)
         if kind == "mamba":
@@ -124,8 +126,12 @@ def measure(kind: str, model, context: int, steps: int, device: str = "cpu", ste
             cache = out.past_key_values
         position += 1
         if i >= 2:
-            best = min(best, clock(device) - start)
-    return best * 1000, tensor_bytes(cache)
+            times.append(clock(device) - start)
+            best = min(best, times[-1])
+    return (best if stat == "best" else sum(times) / len(times)) * 1000, tensor_bytes(cache)
+
+
+KINDS = ["bst-s4", "bst-unstruct", "bst-recompute", "llama-dynamic", "llama-static", "mamba"]
 
 
 # Models whose decode step is compiled with ``--compile``: BST S4 (its cache a pytree of fixed shapes) and Llama with a
@@ -178,11 +184,12 @@ def compile_counters() -> dict:
 
 def measure_compiled(models: dict, contexts, steps: int, device: str, mode: str) -> tuple[list, dict]:
     """Compiled decode steps of [`COMPILED_KINDS`]: each compile checked against eager first, then timed at every
-    context. Returns rows (``model`` = kind + "-compiled") and per kind the check and dynamo's counters."""
+    context (those of them in ``models``). Returns rows (``model`` = kind + "-compiled") and per kind the check and
+    dynamo's counters."""
     from torch._dynamo.utils import counters
 
     rows, report = [], {}
-    for kind in COMPILED_KINDS:
+    for kind in [k for k in COMPILED_KINDS if k in models]:
         counters.clear()
         torch._dynamo.reset()
         step_model = compile_step(models[kind], mode)
@@ -304,6 +311,23 @@ def main():
         help="also time compiled decode steps of bst-s4 and llama-static (torch.compile mode; 'eager': dynamo only), "
         "each checked against eager first",
     )
+    parser.add_argument(
+        "--kinds",
+        nargs="+",
+        default=KINDS,
+        choices=KINDS,
+        help="models to time (default all), e.g. --kinds bst-unstruct",
+    )
+    parser.add_argument(
+        "--stat",
+        default="best",
+        choices=["best", "mean"],
+        help="per-token time: best of --steps, or their mean (amortised cost: unstruct chunks refresh every 256 steps)",
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="run all contexts this many times, alternating")
+    parser.add_argument(
+        "--no-write", action="store_true", help="print only: no JSON/PNG, no docs/benchmarks.md section"
+    )
     args = parser.parse_args()
     if args.quick:
         args.hidden, args.layers, args.contexts = 256, 4, [1024, 4096, 16384]
@@ -319,16 +343,18 @@ def main():
         hidden=args.hidden,
         layers=args.layers,
         steps=args.steps,
+        stat=args.stat,
+        modeling_bst=str(Path(modeling_bst.__file__).parent),
         command="python " + " ".join(sys.argv),
     )
-    kinds = ["bst-s4", "bst-unstruct", "bst-recompute", "llama-dynamic", "llama-static", "mamba"]
-    models = {
-        k: build(k, args.hidden, args.layers, max_context).to(args.device) for k in kinds if k != "bst-recompute"
-    }
-    models["bst-recompute"] = models["bst-s4"]
+    kinds = [k for k in KINDS if k in args.kinds]
+    built = {"bst-s4" if k == "bst-recompute" else k for k in kinds}
+    models = {k: build(k, args.hidden, args.layers, max_context).to(args.device) for k in built}
+    if "bst-recompute" in kinds:
+        models["bst-recompute"] = models["bst-s4"]
     rows = []
     print(f"{'model':<15} {'context':>8} {'ms/token':>9} {'cache MiB':>10}")
-    for context in args.contexts:
+    for context in [c for _ in range(args.repeats) for c in args.contexts]:
         for kind in kinds:
             if kind == "bst-recompute" and context > args.recompute_max:
                 continue
@@ -337,7 +363,7 @@ def main():
             if kind.startswith("llama") and args.llama_max is not None and context > args.llama_max:
                 continue
             steps = args.steps if kind != "bst-recompute" else 2
-            ms, nbytes = measure(kind, models[kind], context, steps, args.device)
+            ms, nbytes = measure(kind, models[kind], context, steps, args.device, stat=args.stat)
             rows.append(dict(model=kind, context=context, ms_per_token=ms, cache_bytes=nbytes))
             print(f"{kind:<15} {context:>8} {ms:>9.2f} {nbytes / 2**20:>10.2f}", flush=True)
     if args.compile is not None:
@@ -346,6 +372,9 @@ def main():
             models, args.contexts, args.steps, args.device, args.compile
         )
         rows += compiled_rows
+    if args.no_write:
+        print(json.dumps(meta))
+        return
     out = ROOT / "docs" / "benchmarks"
     out.mkdir(parents=True, exist_ok=True)
     stem = "generation_speed_gpu" if torch.device(args.device).type == "cuda" else "generation_speed"

@@ -7,7 +7,8 @@ parts that layers use through their methods ([`BSTLayerCache`]; saved names in b
   for block and BST layers, 2W for BRecT layers, which also need the previous block), slot = position % R, with
   their positions `(B, R)` (-1: empty slot) [``k``, ``v``, ``kpos``];
 * ``ssm`` ([`SSMStateCache`]): the SSM kernel's own state (``ssm_bst``): the complex S4D state `(B, Ds, N2)`, or for
-  ``unstruct`` kernels the input history `(B, Ds, max_position_embeddings)` [``ssm_state``];
+  ``unstruct`` kernels the input history `(B, Ds, max_position_embeddings)` [``ssm_state``] (SH/MH decoding also
+  keeps the current chunk's pending outputs `(B, C, Ds, M)`, derived, not saved);
 * ``context``: SH/MH ([`TokenContextCache`]) the current block's context keys/values, a W-slot ring
   [``ctx_k``, ``ctx_v``, ``ctx_pos``]; MF ([`BlockContextCache`]) the block's S context keys/values and the latest
   SSM outputs `(B, S, Ds)`, the next block's context [``ctx_k``, ``ctx_v``, ``mf_last``];
@@ -228,28 +229,59 @@ class TokenContextCache(RingCache):
 
 class SSMStateCache(StateCache):
     """The SSM kernel's own state (``ssm_bst``): the complex S4D state `(B, Ds, N2)`, or the unstruct input history
-    `(B, Ds, Lmax)`, whose step shifts by one (a capture copies only the input that falls out)."""
+    `(B, Ds, Lmax)`, whose step shifts by one (a capture copies only the input that falls out).
+
+    Unstruct SH/MH decoding also keeps the current chunk's ``pending`` outputs `(B, C, Ds, M)` (the share of the
+    inputs before the chunk in its M outputs, ``UnstructFilter.pending_outputs``) and ``pending_offset``, the steps of
+    the chunk taken. Both are derived from the history, not saved and not pytree leaves: a state set by anything but
+    a chunked step ([`set`]: a prefill, a continued chunk, a traced step), a loaded or unflattened cache, have none,
+    and the next eager step starts a chunk. Rows are selected, reset and taken back with the history."""
 
     SAVED_NAMES = {"state": "ssm_state"}
 
-    def set(self, state: torch.Tensor):
-        self.state = state.contiguous()  # one layout from prefill to step ([`_where_rows`])
+    def __init__(self):
+        super().__init__()
+        self.pending: torch.Tensor | None = None
+        self.pending_offset = 0
+
+    def set(self, state: torch.Tensor, pending: torch.Tensor | None = None, offset: int = 0, contiguous: bool = True):
+        """The new state, with the chunk's ``pending`` outputs and ``offset`` if a chunked step kept them (else
+        none). ``contiguous``: one layout from prefill to step ([`_where_rows`]); an eager unstruct step keeps its
+        history as the view into its slack buffer (``append_history``; a copy would cost O(Lmax) per step)."""
+        self.state = state.contiguous() if contiguous else state
+        self.pending, self.pending_offset = pending, offset
+
+    def chunk(self, size: int) -> tuple[torch.Tensor, int] | None:
+        """``(pending, offset)`` while the current chunk of ``size`` steps has steps left, else None."""
+        if self.pending is None or self.pending_offset >= size:
+            return None
+        return self.pending, self.pending_offset
+
+    def apply(self, fn):
+        super().apply(fn)
+        if self.pending is not None:
+            self.pending = fn(self.pending)
 
     def capture(self, positions):
         if self.state.is_complex():
             return {"state": self.state}
-        return {"oldest": self.state[..., 0].clone()}
+        # The pending outputs are never written in place: a reference restores them (valid for the older history).
+        return {"oldest": self.state[..., 0].clone(), "pending": self.pending, "offset": self.pending_offset}
 
     def restore(self, record):
         if "oldest" in record:
             self.state = torch.cat([record["oldest"][..., None], self.state[..., :-1]], -1)
+            self.pending, self.pending_offset = record["pending"], record["offset"]
         else:
             self.state = record["state"]
 
     def reset(self, rows):
+        # A reset row has no input before its new document: its history and its share in the chunk become zero.
         if self.state is not None:
             keep = (~rows).reshape((-1,) + (1,) * (self.state.dim() - 1)).to(self.state.dtype)
             self.state = self.state * keep
+        if self.pending is not None:
+            self.pending = self.pending * (~rows).reshape(-1, 1, 1, 1).to(self.pending.dtype)
 
 
 class BlockContextCache(StateCache):

@@ -123,11 +123,11 @@ def maybe_any(mask: torch.Tensor) -> bool:
     return bool(mask.any()) if host_can_branch(mask) else True
 
 
-def decode_memo(layer_cache: BSTLayerCache, slot: str, key: tuple, params, compute):
+def decode_memo(layer_cache: BSTLayerCache, slot: str, key: tuple, params, compute, max_bytes: int | None = None):
     """``compute()`` kept in ``layer_cache.step_memo[slot]`` and reused while ``key`` and the tensors ``params`` are
     unchanged (decoding); recomputed every time when gradients flow to ``params`` (the graph must reach them), and
     where checking the parameters would read device values back (an accelerator, tracing): these constants are
-    cheap, a device sync per step is not."""
+    cheap, a device sync per step is not. Values over ``max_bytes`` are not kept."""
     params = list(params)
     if torch.is_grad_enabled() and any(p.requires_grad for p in params):
         return compute()
@@ -135,7 +135,11 @@ def decode_memo(layer_cache: BSTLayerCache, slot: str, key: tuple, params, compu
         return compute()
     if layer_cache.step_memo is None:
         layer_cache.step_memo = {}
-    return memoised(layer_cache.step_memo, slot, key, params, compute)
+    return memoised(layer_cache.step_memo, slot, key, params, compute, max_bytes)
+
+
+# Largest unstruct taps spectrum kept for decoding chunks (per layer; recomputed per chunk beyond it).
+CHUNK_SPECTRUM_MEMO_BYTES = 128 * 2**20
 
 
 class BSTContextStates(nn.Module):
@@ -192,8 +196,10 @@ class BSTContextStates(nn.Module):
         layer_cache.ssm.set(self.ssm.final_state(z_right.detach(), state0).detach())
         return lens
 
-    def _step_ssm(self, xn, layer_cache, p, output: bool = True):
-        """One SSM step: ``y_t`` `(B, C, Ds)` (None if not ``output``); the cache's SSM state advances."""
+    def _step_ssm(self, xn, layer_cache, p, output: bool = True, chunked: bool = False):
+        """One SSM step: ``y_t`` `(B, C, Ds)` (None if not ``output``); the cache's SSM state advances.
+
+        ``chunked`` (unstruct, outputs at every step: SH/MH): decode in chunks of M steps ([`_unstruct_chunk`])."""
         z = self.down_proj(xn)[:, 0]  # (B, Ds)
         seen = None
         if self.config.ssm_kind == "unstruct":
@@ -207,10 +213,45 @@ class BSTContextStates(nn.Module):
                         f"{self.config.max_position_embeddings} tokens (the filter has no taps beyond it); use an S4 "
                         "model for longer generation."
                     )
-        kwargs = {} if output else {"output": False}
-        y, state = self.ssm.step(z, layer_cache.ssm.state, self.step_constants(layer_cache), seen, **kwargs)
-        layer_cache.ssm.set(state)
+        constants = self.step_constants(layer_cache)
+        if self.config.ssm_kind != "unstruct":
+            y, state = self.ssm.step(z, layer_cache.ssm.state, constants, seen)
+            layer_cache.ssm.set(state)
+            return y
+        pending = self._unstruct_chunk(layer_cache, constants, seen) if chunked and output else None
+        y, state = self.ssm.step(z, layer_cache.ssm.state, constants, seen, output=output, pending=pending)
+        if pending is None:
+            layer_cache.ssm.set(state, contiguous=False)
+        else:
+            layer_cache.ssm.set(state, pending[0], pending[1] + 1, contiguous=False)
         return y
+
+    def _unstruct_chunk(self, layer_cache, constants, seen):
+        """The current decoding chunk ``(pending outputs, step in the chunk)`` for an unstruct step, or None (a direct
+        dot product over the ``seen`` newest inputs).
+
+        A chunk starts when the last one is used up (or there is none: after a prefill, a continued chunk, a loaded
+        cache, a traced step) and the longest row has more than M inputs (below that the direct product is as
+        cheap): one FFT convolution of the history with the taps gives the share of every earlier input in the next
+        M outputs ([`UnstructFilter.pending_outputs`]). A step then costs O(M) instead of O(seen), plus the chunk's
+        O(seen log seen) / M. Under tracing (``seen`` unknown) steps take the direct form and drop the chunk
+        ([`SSMStateCache.set`]): an eager step after a traced one starts a new one."""
+        if seen is None:
+            return None
+        chunk = layer_cache.ssm.chunk(self.ssm.decode_chunk)
+        if chunk is not None or seen <= self.ssm.decode_chunk:
+            return chunk
+        n = min(seen - 1, self.ssm.max_len)  # the previous inputs that can be non-zero
+        size = self.ssm.pending_fft_size(n)
+        spectrum = decode_memo(
+            layer_cache,
+            "unstruct_chunk",
+            (size,),
+            self.ssm.parameters(),
+            lambda: self.ssm.pending_spectrum(size, constants),
+            CHUNK_SPECTRUM_MEMO_BYTES,
+        )
+        return self.ssm.pending_outputs(layer_cache.ssm.state, n, spectrum), 0
 
 
 class TokenContextStates(BSTContextStates):
@@ -248,7 +289,7 @@ class TokenContextStates(BSTContextStates):
     def step(self, xn, layer_cache, p):
         cfg = self.config
         w = self.block_len
-        y = self._step_ssm(xn, layer_cache, p)
+        y = self._step_ssm(xn, layer_cache, p, chunked=True)
         ck, cv = self.lift_and_project(y)  # (B, 1, H, d)
         ctx_k, ctx_v, cpos = layer_cache.context.write(p, ck[:, 0], cv[:, 0])
         # Blocks are counted from the start of each row's current document.
