@@ -116,9 +116,8 @@ def test_budget_skips_and_failures_are_recorded(tmp_path):
 def test_gpu_layer_speed_times_flex_attention_too():
     """On a GPU the layer benchmark also times Slide and SH with attn_implementation="flex_attention"; a "(flex)"
     contender is the same layer (same weights -> same output within float rounding) on the flex backend."""
-    import torch
-
     import layer_speed
+    import torch
 
     assert gpu_suite.layer_contenders("cpu") == gpu_suite.LAYER_CONTENDERS
     assert gpu_suite.layer_contenders("cuda")[-2:] == ["Slide (flex)", "BST:SH:S4 (flex)"]
