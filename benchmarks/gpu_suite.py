@@ -61,6 +61,8 @@ FLEX_CONTENDERS = ["Slide (flex)", "BST:SH:S4 (flex)"]
 
 def layer_contenders(device: str) -> list[str]:
     return LAYER_CONTENDERS + (FLEX_CONTENDERS if torch.device(device).type == "cuda" else [])
+
+
 PLANS = {
     "full": dict(
         device="cuda",
