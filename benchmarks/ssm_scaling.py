@@ -9,12 +9,13 @@ Two A/B measurements in one run, the two code paths alternated round by round (m
   model's policy (``S4DKernel.use_chunks``): ``S4DKernel.chunked_forward`` (64-token chunks + the free response of
   the chunk-start states) in training and where the memo does not fit, the memoised whole spectrum otherwise.
 * **Unstruct decode ms/token at 1k..64k** of the ~60M decode model of ``generation_speed.py`` (hidden 512, 8 layers,
-  filters of 64k taps): "copy" shifts the (B, D_s, L_max) input history by one with ``torch.cat`` at every token (the
-  previous code), "slack" is ``ssm_bst.append_history`` (a view into a buffer with slack: one copy per L_max / 4
-  tokens). Each decoded token still reads the whole history once (the filter has L_max taps): that dot product,
-  O(context), is what remains.
+  filters of 64k taps), the mean over ``--steps`` decode steps (at least 2 M, so that chunk starts are included):
+  "direct" is one dot product of the whole history with the filter taps per token (the previous code: O(context));
+  "chunked" is the model's decoding in chunks of M = ``ssm_bst.UNSTRUCT_DECODE_CHUNK`` steps (one FFT convolution
+  per chunk gives the earlier inputs' share of its M outputs, a step adds a dot product over <= M recent inputs).
 
     python benchmarks/ssm_scaling.py [--lengths 4096 8192 16384] [--contexts 1024 16384 65536] [--rounds 3]
+                                     [--parts layers decode]   # one part: the other is kept from the saved JSON
 
 Writes docs/benchmarks/ssm_scaling.json, docs/benchmarks/ssm_scaling.png and the ``ssm_scaling`` section of
 docs/benchmarks.md.
@@ -88,26 +89,30 @@ def layer_ab(lengths, rounds):
     return out
 
 
-def _copy_history(history, z_t):
-    return torch.cat([history[..., 1:], z_t[..., None]], -1)
+def set_decode_chunk(module: torch.nn.Module, chunked: bool):
+    """Unstruct decoding in chunks of M steps (the model's default) or one dot product over the whole history per
+    step (M = L_max: no chunk ever starts, every step takes the direct path)."""
+    for m in module.modules():
+        if isinstance(m, ssm_bst.UnstructFilter):
+            m.decode_chunk = min(ssm_bst.UNSTRUCT_DECODE_CHUNK, m.max_len) if chunked else m.max_len
 
 
-def decode_ab(contexts, steps):
-    """{path: {context: ms/token}} for the unstruct decode model, "copy" vs "slack"."""
+def decode_ab(contexts, steps, rounds):
+    """{path: {context: mean ms/token}} for the unstruct decode model, "direct" vs "chunked", alternated round by
+    round (the smallest round mean kept)."""
     model = generation_speed.build("bst-unstruct", 512, 8, max(contexts))
-    slack = ssm_bst.append_history
-    out = {"copy": {}, "slack": {}}
+    out = {"direct": {}, "chunked": {}}
     for context in contexts:
-        for path in ("copy", "slack"):
-            ssm_bst.append_history = _copy_history if path == "copy" else slack
-            try:
+        for _ in range(rounds):
+            for path in out:
+                set_decode_chunk(model, path == "chunked")
                 with torch.no_grad():
-                    ms, _ = generation_speed.measure("bst-unstruct", model, context, steps)
-            finally:
-                ssm_bst.append_history = slack
-            out[path][str(context)] = ms
-            print("decode", path, context, round(ms, 1), flush=True)
-            gc.collect()
+                    ms, _ = generation_speed.measure("bst-unstruct", model, context, steps, stat="mean")
+                key = str(context)
+                out[path][key] = min(ms, out[path].get(key, float("inf")))
+                print("decode", path, context, round(ms, 1), flush=True)
+                gc.collect()
+    set_decode_chunk(model, True)
     return out
 
 
@@ -153,7 +158,12 @@ def markdown(results) -> list[str]:
         "",
         f"Machine: {meta['cpu']}, 1 thread; torch {meta['torch']}; load average before/after "
         f"{meta['loadavg_before']:.1f} / {meta['loadavg_after']:.1f}. Both paths of each A/B alternate round by "
-        f"round in one process (minimum of {meta['rounds']} rounds). Command: `{meta['command']}`.",
+        f"round in one process (minimum of {meta['rounds']} rounds). Command: `{meta['command']}`."
+        + "".join(
+            f" The {part} results are kept from an earlier run (`{meta[part + '_from']}`)."
+            for part in ("layers", "decode")
+            if meta.get(part + "_from")
+        ),
         "",
         "One layer of the paper's Fig. 3 setup (D = 512, W = 128, N = 16, 16 heads, D_s = D unless stated), ms. "
         "*whole*: one FFT convolution over the whole length, always (the previous code); *default*: what the model "
@@ -190,16 +200,20 @@ def markdown(results) -> list[str]:
             te = layers["eval"][str(n)][key] / layers["eval"][str(n)]["Slide"]
             tt = layers["train"][str(n)][key] / layers["train"][str(n)]["Slide"]
             lines.append(f"| {n} | {name} | {g[name]:.1f} | {fr:.2f}x | {te:.2f}x | {tt:.2f}x | {te / fr:.2f} |")
-    ctx = sorted(int(k) for k in dec["slack"])
+    ctx = sorted(int(k) for k in next(iter(dec.values())))
     lines += [
         "",
         "Unstruct decoding, ~60M model of the decode benchmark (hidden 512, 8 layers, 3 BST layers, filters of "
-        f"{max(ctx) + 64} taps), ms per token (best of the steps after a prefill):",
+        f"{max(ctx) + 64} taps), ms per token: mean of {meta.get('decode_steps', '?')} steps after a prefill (chunk "
+        "starts included), smallest of the rounds. *direct*: one dot product of the whole history with the taps per "
+        f"token (the previous code); *chunked*: the model's decoding in chunks of M = {meta.get('decode_chunk', '?')} "
+        "steps (one FFT convolution per chunk, then a dot product over <= M recent inputs). Issue #15 target: 64k "
+        "within 1.2x of 1k.",
         "",
         "| context | " + " | ".join(str(c) for c in ctx) + f" | {max(ctx)} / {min(ctx)} |",
         "|---|" + "---|" * (len(ctx) + 1),
     ]
-    for path in ("copy", "slack"):
+    for path in dec:
         vals = [dec[path][str(c)] for c in ctx]
         lines.append(f"| {path} | " + " | ".join(f"{v:.1f}" for v in vals) + f" | {vals[-1] / vals[0]:.2f} |")
     lines += ["", "![SSM scaling](benchmarks/ssm_scaling.png)"]
@@ -211,7 +225,16 @@ def main():
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 16384, 65536])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=6, help="decode steps timed per context")
+    parser.add_argument(
+        "--steps", type=int, default=2 * ssm_bst.UNSTRUCT_DECODE_CHUNK, help="decode steps per context (mean)"
+    )
+    parser.add_argument(
+        "--parts",
+        nargs="+",
+        choices=["layers", "decode"],
+        default=["layers", "decode"],
+        help="what to measure; a part not measured is kept from the saved docs/benchmarks/ssm_scaling.json",
+    )
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument("--render", type=Path, default=None, help="re-render the plot and section from a saved JSON")
     args = parser.parse_args()
@@ -231,11 +254,21 @@ def main():
         command="python benchmarks/ssm_scaling.py " + " ".join(sys.argv[1:]),
     )
     t0 = time.perf_counter()
-    results = {
-        "meta": meta,
-        "layers": layer_ab(args.lengths, args.rounds),
-        "decode": decode_ab(args.contexts, args.steps),
-    }
+    saved = OUT / "ssm_scaling.json"
+    old = json.loads(saved.read_text()) if saved.exists() else {}
+    missing = [p for p in ("layers", "decode") if p not in args.parts and p not in old]
+    if missing:
+        parser.error(f"--parts leaves out {missing} but {saved} has no saved results for it")
+    results = {"meta": meta}
+    for part in ("layers", "decode"):
+        if part not in args.parts:
+            results[part] = old[part]
+            meta[f"{part}_from"] = old["meta"].get("command", "an earlier run")
+        elif part == "layers":
+            results[part] = layer_ab(args.lengths, args.rounds)
+        else:
+            meta.update(decode_steps=args.steps, decode_chunk=ssm_bst.UNSTRUCT_DECODE_CHUNK)
+            results[part] = decode_ab(args.contexts, args.steps, args.rounds)
     meta["loadavg_after"] = os.getloadavg()[0]
     meta["seconds"] = round(time.perf_counter() - t0)
     text = markdown(results)
