@@ -35,16 +35,19 @@ has put k_i next to v_i: the long-range path), BRecT [2] -> [1] (layer 1 recurre
 mixing). The report's "Layers" column shows each run's layout (A attention, B BST, R BRecT, G GSS, M Mamba).
 
 Training: AdamW (SSM parameters at ``config.ssm_lr``, no weight decay, as in ``training.train``), linear warm-up
-(10%) + cosine decay, fresh random sequences every step. Defaults (``STEPS``, ``BATCH``, ``LR``, ...), from
-measurements on one loaded CPU thread of the reference (Slide preset, W = L = 64, 2 layers, D = 64, N = 8, gap 0,
-32 keys / 32 values, batch 32): at lr 1e-2 and no weight decay its loss sits at ~ln N (it copies one of the N values
-of the sequence, ~18% accuracy) until ~2,000 steps, then falls (1.58 nats at 3,250 steps, 1.50 at 4,000); at lr 3e-3
-it was still at 2.06 after 1,500 steps, at lr 1e-3 at 2.31. Hence lr 1e-2, weight decay 0, 2 layers (as in
-Zoology), D = 64, 32 keys and 32 values, batch 32 and ``STEPS`` steps, so that the reference learns the task;
-W = 32 (L / W = 8 at the base cell L = 256, as in the paper). The earlier default, 50 steps x 8 sequences, was far
-too small: all its runs sit at chance (docs/results.md keeps them as a labelled "too small" budget). Cost at
-L = 256, batch 32, 2 layers, one loaded core: ~0.5 s per step (Slide), ~0.65 s (BST:SH:S4), ~5.5 s (HF Mamba with
-mambapy), i.e. ~1 h per BST-family run and ~9 h for Mamba at the default budget.
+(10%) + cosine decay, fresh random sequences every step. Defaults (``STEPS``, ``BATCH``, ``LR``, ...) come from runs
+of the reference on one loaded CPU thread (Slide preset, W = L = 64, 2 layers, D = 64, N = 8, gap 0, 32 keys /
+32 values, batch 32): at lr 1e-2 and no weight decay its loss sits near ln N = 2.08 (it copies one of the N values
+of the sequence, ~18% accuracy) until ~2,000 steps, then falls (1.84 at 2,000, 1.58 at 3,250, 1.41 at 6,000 steps);
+after 6,000 steps it scores 39.0% on 512 held-out sequences (eval loss 1.40; 23 min); at lr 3e-3 it was still at
+2.06 after 1,500 steps, at lr 1e-3 at 2.31. Hence lr 1e-2, weight decay 0, 2 layers (as in Zoology), D = 64,
+32 keys and 32 values, 6,000 steps of 32 sequences: a budget at which the reference clearly learns
+(partly: 39%, not solved) at L = 64; W = 32 for the other models (L / W = 8 at the base cell L = 256, as in the
+paper). Whether the reference learns at L = 256 is the first thing the default grid shows (it runs first in
+every cell); if it stays near 1/N there, raise ``--steps``. The earlier default, 50 steps x 8 sequences, was far too
+small: all its runs sit at chance (docs/results.md keeps them as a labelled "too small" budget). Cost per step at
+L = 256, batch 32, 2 layers, one loaded core: ~0.65 s (the reference, W = L), ~0.22 s (Slide, W = 32), ~0.36 s
+(BST:SH:S4), ~5.5 s (HF Mamba with mambapy); at the default budget ~65 min, ~22 min, ~36 min and ~9 h per run.
 
 Runs span sessions: every ``--checkpoint-every`` steps a run saves its state (weights, optimiser state, step,
 losses, the data and torch generators' states, in one safetensors file written atomically) as
