@@ -131,7 +131,7 @@ TINY += ["--hidden", "32", "--block-len", "8", "--num-keys", "16", "--num-values
 SAME = ("accuracy", "eval_loss", "train_losses", "final_train_loss", "weights_sha256", "parameters", "settings")
 
 
-def _tiny_run(monkeypatch, out, steps=7, kill_at=None, extra=()):
+def _tiny_run(monkeypatch, out, steps=7, kill_at=None):
     """``mqar.main`` on a toy BST:SH:S4 and reference run, killed (an exception out of the data generator, as if the
     process died: no graceful save) while drawing batch ``kill_at``."""
     calls = {"n": 0}
@@ -144,7 +144,7 @@ def _tiny_run(monkeypatch, out, steps=7, kill_at=None, extra=()):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(mqar, "make_batch", make_batch)
-    argv = ["--models", "bst-sh-s4", "attention", "--steps", str(steps), "--checkpoint-every", "3", *TINY, *extra]
+    argv = ["--models", "bst-sh-s4", "attention", "--steps", str(steps), "--checkpoint-every", "3", *TINY]
     mqar.main([*argv, "--output", str(out)])
 
 
