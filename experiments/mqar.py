@@ -17,24 +17,57 @@ Only the value token of each query slot is scored: ``labels`` holds that value a
 queried values predicted exactly (argmax) on held-out sequences drawn from a separate seed. G defaults to the
 receptive field of a Slide stack of the same depth (``num_layers * block_len``: each layer attends to exactly the W
 previous tokens), so a query key is more than ``num_layers * W`` tokens after its pair; ``tests/test_mqar.py``
-checks with gradients that a Slide model's scored logits do not depend on the pairs at all.
+checks with gradients that a Slide model's scored logits do not depend on the pairs at all. Chance is
+``1 / num_values`` for a model that guesses a value; a model that copies one of the N values of the sequence without
+binding it to its key scores about ``1 / N``.
 
 Models (``MODELS``): the tiny presets of ``configs/models/`` with width, depth-preserving layer layout, block length,
 vocabulary and training length overridden, plus Hugging Face ``MambaForCausalLM`` of the same width and depth (the
 outside reference; transformers' pure-PyTorch path, with ``use_mambapy`` when the ``mambapy`` package is
-installed: its parallel scan, since the sequential loop's backward is quadratic in L). Training: AdamW (SSM
-parameters at ``config.ssm_lr``, no weight decay, as in ``training.train``), linear warm-up + cosine decay, fresh
-random sequences every step; one run per (model, length, pairs, budget, seed) writes
-``docs/results/mqar/<model>-L<length>-N<pairs>-<steps>x<batch>-s<seed>.json`` with the command and git commit. Runs whose JSON exists are skipped, so the same command resumes or extends a grid::
+installed: its parallel scan, since the sequential loop's backward is quadratic in L). ``attention`` ("Attention
+(W=L)") is the reference row: the Slide preset with ``block_len`` = the sequence length, i.e. full causal attention
+that reaches every pair, so each cell shows what a model that can see the pairs learns at that budget (every other
+model keeps W). Layer layouts scale with depth (``_scale_indices``); at the default 2 layers the presets' layouts
+become: BST:* ``bst_layer_indices`` [0, 2] -> [0, 1] (both layers BST; layer 0's SSM reads the embeddings, which
+cannot bind a key to its value, layer 1's SSM reads layer 0's output, where attention over the W previous tokens
+has put k_i next to v_i: the long-range path), BRecT [2] -> [1] (layer 1 recurrent), GSS-Hybrid [0, 2, 3] ->
+[0, 1] (both layers GSS: no attention layer remains; layer 1's GSS is its long-range path over layer 0's gated
+mixing). The report's "Layers" column shows each run's layout (A attention, B BST, R BRecT, G GSS, M Mamba).
 
-    python -m experiments.mqar                                   # the default grid, then the report
-    python -m experiments.mqar --models slide bst-sh-s4 --lengths 512 --pairs 16 --steps 400
-    python -m experiments.mqar --report-only                     # table + plot into docs/results.md (``mqar``)
+Training: AdamW (SSM parameters at ``config.ssm_lr``, no weight decay, as in ``training.train``), linear warm-up
+(10%) + cosine decay, fresh random sequences every step. Defaults (``STEPS``, ``BATCH``, ``LR``, ...) come from runs
+of the reference on one loaded CPU thread (Slide preset, W = L = 64, 2 layers, D = 64, N = 8, gap 0, 32 keys /
+32 values, batch 32): at lr 1e-2 and no weight decay its loss sits near ln N = 2.08 (it copies one of the N values
+of the sequence, ~18% accuracy) until ~2,000 steps, then falls (1.84 at 2,000, 1.58 at 3,250, 1.41 at 6,000 steps);
+after 6,000 steps it scores 39.0% on 512 held-out sequences (eval loss 1.40; 23 min); at lr 3e-3 it was still at
+2.06 after 1,500 steps, at lr 1e-3 at 2.31. Hence lr 1e-2, weight decay 0, 2 layers (as in Zoology), D = 64,
+32 keys and 32 values, 6,000 steps of 32 sequences: a budget at which the reference clearly learns
+(partly: 39%, not solved) at L = 64; W = 32 for the other models (L / W = 8 at the base cell L = 256, as in the
+paper). Whether the reference learns at L = 256 is the first thing the default grid shows (it runs first in
+every cell); if it stays near 1/N there, raise ``--steps``. The earlier default, 50 steps x 8 sequences, was far too
+small: all its runs sit at chance (docs/results.md keeps them as a labelled "too small" budget). Cost per step at
+L = 256, batch 32, 2 layers, one loaded core: ~0.65 s (the reference, W = L), ~0.22 s (Slide, W = 32), ~0.36 s
+(BST:SH:S4), ~5.5 s (HF Mamba with mambapy); at the default budget ~65 min, ~22 min, ~36 min and ~9 h per run.
+
+Runs span sessions: every ``--checkpoint-every`` steps a run saves its state (weights, optimiser state, step,
+losses, the data and torch generators' states, in one safetensors file written atomically) as
+``<output>/<run>.ckpt.safetensors``; the same command resumes it exactly (bitwise the same final weights, losses and
+accuracy as an uninterrupted run: ``tests/test_mqar.py``) and deletes the checkpoint once the run's JSON is
+written. ``--deadline-minutes`` stops at a checkpoint instead of being killed. One run per (model, length, pairs,
+budget, seed) writes ``docs/results/mqar/<model>-L<length>-N<pairs>-<steps>x<batch>-s<seed>.json`` with the command,
+git commit and a SHA-256 of the final weights. Runs whose JSON exists are skipped, so the same command resumes or
+extends a grid::
+
+    python -m experiments.mqar                               # --grid first: L = 256, N = 8, every model, then the report
+    python -m experiments.mqar --grid sweep                  # lengths 256-2048 at N = 8 and N = 4-32 at L = 256
+    python -m experiments.mqar --models attention slide bst-sh-s4 --deadline-minutes 170   # part of a grid per sitting
+    python -m experiments.mqar --report-only                 # tables + plot into docs/results.md (``mqar``)
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import math
@@ -54,8 +87,10 @@ PRESETS = ROOT / "configs" / "models"
 
 FILLER = 0
 
-# name -> (label, preset under configs/models/ or None for HF Mamba)
+# name -> (label, preset under configs/models/ or None for HF Mamba); the reference first
+REFERENCE = "attention"  # the Slide preset with block_len = the sequence length: full causal attention
 MODELS = {
+    REFERENCE: ("Attention (W=L)", "slide-tiny"),
     "slide": ("Slide", "slide-tiny"),
     "bst-sh-s4": ("BST:SH:S4", "bst-tiny-sh-s4"),
     "bst-mh-s4": ("BST:MH:S4", "bst-tiny-mh-s4"),
@@ -66,15 +101,19 @@ MODELS = {
     "mamba": ("Mamba (HF)", None),
 }
 
-# Default grid: every length at one pair count, and every pair count at one length (fits ~1 h on one CPU thread
-# at the default step budget; a GPU or later sessions can extend it with --lengths/--pairs, finished runs are kept).
-LENGTHS = (256, 512, 1024, 2048)
-PAIRS_AT_LENGTHS = 16
-PAIRS = (4, 16, 64)
-LENGTH_FOR_PAIRS = 512
-# Default budget per run, the same for every model: what fits one CPU thread in ~1 h for the BST family (far from
-# converged; see docs/results.md). On a GPU pass e.g. --steps 2000 --batch-size 64 --device cuda.
-STEPS, BATCH = 50, 8
+# Grids of (length, pairs) cells: every length at one pair count, and every pair count at one length. "first" is the
+# cell every model runs first (L = 256, N = 8: ~1 h per BST-family run on one CPU thread at the default budget);
+# "sweep" extends it (finished runs are kept). --lengths/--pairs/... override a preset's fields.
+GRIDS = {
+    "first": dict(lengths=(256,), pairs_at_lengths=8, pairs=(8,), length_for_pairs=256),
+    "sweep": dict(lengths=(256, 512, 1024, 2048), pairs_at_lengths=8, pairs=(4, 8, 16, 32), length_for_pairs=256),
+}
+# Default budget and recipe, the same for every model (justified in the module docstring).
+STEPS, BATCH = 6000, 32
+LR, WEIGHT_DECAY = 1e-2, 0.0
+HIDDEN, LAYERS, BLOCK_LEN = 64, 2, 32
+NUM_KEYS = NUM_VALUES = 32
+CHECKPOINT_EVERY = 100
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -137,8 +176,13 @@ def _scale_indices(indices: list[int], old_layers: int, new_layers: int) -> list
 def build_config(
     model: str, hidden: int, layers: int, block_len: int, length: int, vocab: int, state_size: int = 16
 ) -> dict:
-    """The model's config as a dict: the preset with width/depth/block length/vocabulary/length overridden."""
+    """The model's config as a dict: the preset with width/depth/block length/vocabulary/length overridden
+    (the reference ``attention``: block length = ``length``, whatever ``block_len`` says)."""
+    if model not in MODELS:
+        raise ValueError(f"model {model!r} is not one of {list(MODELS)}")
     label, preset = MODELS[model]
+    if model == REFERENCE:
+        block_len = length
     if preset is None:  # HF Mamba: same width and depth, SSM state as the BST presets, no dropout
         return dict(
             vocab_size=vocab,
@@ -212,6 +256,95 @@ def parameter_groups(model, lr: float, weight_decay: float) -> list[dict]:
     ]
 
 
+def layout(config: dict, model: str) -> str:
+    """A run's layer layout, one letter per layer: A (block) attention, B BST, R BRecT, G GSS, M Mamba."""
+    if MODELS[model][1] is None:
+        return " ".join("M" * config["num_hidden_layers"])
+    letters = ["A"] * config["num_hidden_layers"]
+    for key, letter in (("bst_layer_indices", "B"), ("recurrent_layer_indices", "R"), ("gss_layer_indices", "G")):
+        for i in config.get(key) or []:
+            letters[i] = letter
+    return " ".join(letters)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Checkpoints (exact resume)
+# --------------------------------------------------------------------------------------------------------------------
+CHECKPOINT_FORMAT = "mqar-checkpoint-1"
+
+
+def checkpoint_path(out_dir: Path, name: str) -> Path:
+    return Path(out_dir) / f"{name}.ckpt.safetensors"
+
+
+def weights_digest(model) -> str:
+    """SHA-256 over the state dict (names, dtypes, shapes, bytes, in name order): equal digests = bitwise equal
+    weights."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def save_checkpoint(path: Path, net, optimizer, data: torch.Generator, losses: list[float], meta: dict) -> None:
+    """Everything a run needs to continue bitwise: weights, AdamW state, losses so far, the data generator's and
+    torch's generator states, in one safetensors file (``meta`` as JSON in its metadata), written atomically."""
+    from safetensors.torch import save_file
+
+    # clone: tied weights share storage, which safetensors refuses; load_state_dict fills both names again
+    tensors = {f"model.{k}": v.detach().cpu().clone().contiguous() for k, v in net.state_dict().items()}
+    for idx, state in optimizer.state_dict()["state"].items():
+        for key, value in state.items():
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"optimizer state {idx}.{key} is a {type(value).__name__}, not a tensor")
+            tensors[f"optim.{idx}.{key}"] = value.detach().cpu().clone().contiguous()
+    tensors["losses"] = torch.tensor(losses, dtype=torch.float64)  # loss.item() values, exact in float64
+    tensors["rng.data"] = data.get_state()
+    tensors["rng.torch"] = torch.get_rng_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        tensors["rng.cuda"] = torch.cuda.get_rng_state()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": CHECKPOINT_FORMAT, "meta": json.dumps(meta, sort_keys=True)})
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path, net, optimizer, data: torch.Generator, identity: dict) -> tuple[list[float], dict]:
+    """Restore a :func:`save_checkpoint` file into ``net``, ``optimizer`` and ``data`` (and torch's generator);
+    returns (losses, meta). Raises ValueError if the checkpoint belongs to a run with other settings."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(path), framework="pt") as f:
+        header = f.metadata() or {}
+    if header.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path}: not an MQAR checkpoint (format {header.get('format')!r}, want {CHECKPOINT_FORMAT})")
+    meta = json.loads(header["meta"])
+    saved = meta["identity"]
+    diff = sorted(k for k in set(saved) | set(identity) if saved.get(k) != identity.get(k))
+    if diff:
+        fields = ", ".join(f"{k}: {saved.get(k)!r} there, {identity.get(k)!r} here" for k in diff)
+        raise ValueError(f"{path} is a checkpoint of other settings ({fields}); delete it or pick another --output")
+    tensors = load_file(str(path))
+    net.load_state_dict({k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}, strict=True)
+    state: dict[int, dict] = {}
+    for key, value in tensors.items():
+        if key.startswith("optim."):
+            _, idx, name = key.split(".", 2)
+            state.setdefault(int(idx), {})[name] = value
+    optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
+    data.set_state(tensors["rng.data"])
+    torch.set_rng_state(tensors["rng.torch"])
+    if "rng.cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["rng.cuda"])
+    losses = tensors["losses"].tolist()
+    if len(losses) != meta["step"]:
+        raise ValueError(f"{path}: {len(losses)} losses for step {meta['step']}")
+    return losses, meta
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Training and evaluation
 # --------------------------------------------------------------------------------------------------------------------
@@ -239,24 +372,35 @@ def train_and_eval(
     length: int,
     num_pairs: int,
     *,
-    steps: int = 300,
-    batch_size: int = 16,
-    lr: float = 3e-3,
-    weight_decay: float = 0.1,
+    steps: int = STEPS,
+    batch_size: int = BATCH,
+    lr: float = LR,
+    weight_decay: float = WEIGHT_DECAY,
     warmup: int | None = None,
-    hidden: int = 64,
-    layers: int = 4,
-    block_len: int = 32,
+    hidden: int = HIDDEN,
+    layers: int = LAYERS,
+    block_len: int = BLOCK_LEN,
     gap: int | None = None,
-    num_keys: int = 64,
-    num_values: int = 64,
+    num_keys: int = NUM_KEYS,
+    num_values: int = NUM_VALUES,
     eval_examples: int = 256,
     seed: int = 0,
     log_every: int = 0,
     device: str = "cpu",
-) -> dict:
+    checkpoint: Path | None = None,
+    checkpoint_every: int = CHECKPOINT_EVERY,
+    deadline: float | None = None,
+) -> dict | None:
     """Train one model on fresh MQAR batches for ``steps`` AdamW steps; return a result record (accuracy on
-    ``eval_examples`` held-out sequences, losses, parameters, timing)."""
+    ``eval_examples`` held-out sequences, losses, parameters, timing, a digest of the final weights).
+
+    With ``checkpoint`` (a path), the run continues from that file if it exists and saves to it every
+    ``checkpoint_every`` steps; at ``deadline`` (a ``time.time()`` value) it saves and returns None instead of
+    finishing. The caller deletes the checkpoint once it has stored the record."""
+    if steps < 1 or batch_size < 1:
+        raise ValueError(f"steps ({steps}) and batch_size ({batch_size}) must be positive")
+    if checkpoint is not None and checkpoint_every < 1:
+        raise ValueError(f"checkpoint_every must be positive, got {checkpoint_every}")
     gap = layers * block_len if gap is None else gap
     warmup = max(1, steps // 10) if warmup is None else warmup
     torch.manual_seed(seed)
@@ -272,11 +416,42 @@ def train_and_eval(
             return (step + 1) / warmup
         return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
+    settings = {
+        "steps": steps,
+        "batch_size": batch_size,
+        "examples": steps * batch_size,
+        "lr": lr,
+        "weight_decay": weight_decay,
+        "warmup": warmup,
+        "hidden_size": hidden,
+        "num_layers": layers,
+        "block_len": block_len,
+        "gap": gap,
+        "num_keys": num_keys,
+        "num_values": num_values,
+        "eval_examples": eval_examples,
+    }
+    # what a checkpoint must agree on (threads and device may change between sittings; each sitting is recorded)
+    identity = dict(settings, model=model, length=length, num_pairs=num_pairs, seed=seed)
+    sitting = {"git_commit": git_commit(), "torch_threads": torch.get_num_threads(), "device": device}
     data = torch.Generator().manual_seed(seed)
     batch = dict(length=length, num_pairs=num_pairs, gap=gap, num_keys=num_keys, num_values=num_values)
-    losses = []
+    losses: list[float] = []
+    sittings: list[dict] = []
+    seconds_before = 0.0
+    if checkpoint is not None and Path(checkpoint).exists():
+        losses, meta = load_checkpoint(Path(checkpoint), net, optimizer, data, identity)
+        sittings, seconds_before = meta["sittings"], meta["train_seconds"]
+        print(f"  resuming from step {len(losses)} ({checkpoint})", flush=True)
+    sitting["start_step"] = len(losses)
+    sittings = [*sittings, sitting]
+
+    def save(step: int, seconds: float) -> None:
+        meta = {"identity": identity, "step": step, "train_seconds": seconds, "sittings": sittings}
+        save_checkpoint(Path(checkpoint), net, optimizer, data, losses, meta)
+
     t0 = time.perf_counter()
-    for step in range(steps):
+    for step in range(len(losses), steps):
         for group, lr0 in zip(optimizer.param_groups, base):
             group["lr"] = lr0 * schedule(step)
         ids, labels, _ = make_batch(batch_size, generator=data, **batch)
@@ -288,7 +463,14 @@ def train_and_eval(
         losses.append(loss.item())
         if log_every and (step + 1) % log_every == 0:
             print(f"  step {step + 1}: loss {sum(losses[-log_every:]) / log_every:.3f}", flush=True)
-    train_seconds = time.perf_counter() - t0
+        if checkpoint is not None and step + 1 < steps:
+            if deadline is not None and time.time() >= deadline:
+                save(step + 1, seconds_before + time.perf_counter() - t0)
+                print(f"  deadline: stopped after step {step + 1} of {steps}, state in {checkpoint}", flush=True)
+                return None
+            if (step + 1) % checkpoint_every == 0:
+                save(step + 1, seconds_before + time.perf_counter() - t0)
+    train_seconds = seconds_before + time.perf_counter() - t0
     held_out = torch.Generator().manual_seed(1_000_003 + seed)  # never the training stream
     ids, labels, _ = make_batch(eval_examples, generator=held_out, **batch)
     accuracy, eval_loss = evaluate(net, ids.to(device), labels.to(device))
@@ -305,24 +487,11 @@ def train_and_eval(
         "final_train_loss": sum(tail) / len(tail),
         "train_losses": [round(sum(losses[i : i + 10]) / len(losses[i : i + 10]), 4) for i in range(0, steps, 10)],
         "parameters": sum(p.numel() for p in net.parameters()),
+        "weights_sha256": weights_digest(net),
+        "layout": layout(config, model),
         "train_seconds": round(train_seconds, 1),
-        "settings": {
-            "steps": steps,
-            "batch_size": batch_size,
-            "examples": steps * batch_size,
-            "lr": lr,
-            "weight_decay": weight_decay,
-            "warmup": warmup,
-            "hidden_size": hidden,
-            "num_layers": layers,
-            "block_len": block_len,
-            "gap": gap,
-            "num_keys": num_keys,
-            "num_values": num_values,
-            "eval_examples": eval_examples,
-            "torch_threads": torch.get_num_threads(),
-            "device": device,
-        },
+        "sittings": sittings,
+        "settings": dict(settings, torch_threads=torch.get_num_threads(), device=device),
         "config": config,
     }
 
@@ -387,39 +556,65 @@ def _cell(records: list[dict], model: str, length: int, pairs: int) -> str:
     return text
 
 
-def plot(records: list[dict], path: Path, length_for_pairs: int, pairs_at_lengths: int) -> None:
+def _budgets(records: list[dict]) -> list[str]:
+    """The budgets of ``records``, largest (training examples) first."""
+    return sorted({budget_of(r) for r in records}, key=lambda b: (-math.prod(int(x) for x in b.split("x")), b))
+
+
+def _too_small(records: list[dict]) -> bool:
+    """A budget at which no run (the reference included, if it ran) got above twice chance."""
+    return all(r["accuracy"] <= 2 * r["chance"] for r in records)
+
+
+def _axes(records: list[dict], length_for_pairs: int | None, pairs_at_lengths: int | None) -> tuple[int, int]:
+    """(length_for_pairs, pairs_at_lengths) of a budget's grid: given, or the length with the most pair counts and
+    the pair count with the most lengths among its runs."""
+    cells = {(r["length"], r["num_pairs"]) for r in records}
+    if length_for_pairs is None:
+        length_for_pairs = max(sorted({n for n, _ in cells}), key=lambda n: sum(c[0] == n for c in cells))
+    if pairs_at_lengths is None:
+        pairs_at_lengths = max(sorted({q for _, q in cells}), key=lambda q: sum(c[1] == q for c in cells))
+    return length_for_pairs, pairs_at_lengths
+
+
+def plot(
+    records: list[dict], path: Path, length_for_pairs: int | None = None, pairs_at_lengths: int | None = None
+) -> None:
     """Accuracy against length (at ``pairs_at_lengths`` pairs) and against pairs (at ``length_for_pairs``), one
-    row of panels per budget."""
+    row of panels per budget, largest first (None: each budget's own grid, see ``_axes``)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    budgets = sorted({budget_of(r) for r in records}, key=lambda b: [int(x) for x in b.split("x")])
+    budgets = _budgets(records)
     fig, axes = plt.subplots(len(budgets), 2, figsize=(11, 4 * len(budgets)), squeeze=False)
     for row, budget in zip(axes, budgets):
         mine = [r for r in records if budget_of(r) == budget]
+        at_length, at_pairs = _axes(mine, length_for_pairs, pairs_at_lengths)
         chance = 100 * mine[0]["chance"]
         for model, (label, _) in MODELS.items():
-            style = "-" if model.startswith("bst") else "--"
-            lengths = sorted({r["length"] for r in mine if r["model"] == model and r["num_pairs"] == pairs_at_lengths})
-            pts = [(n, 100 * _mean(_select(mine, model, n, pairs_at_lengths))) for n in lengths]
+            style = ":" if model == REFERENCE else "-" if model.startswith("bst") else "--"
+            color = "black" if model == REFERENCE else None
+            lengths = sorted({r["length"] for r in mine if r["model"] == model and r["num_pairs"] == at_pairs})
+            pts = [(n, 100 * _mean(_select(mine, model, n, at_pairs))) for n in lengths]
             if pts:
-                row[0].plot(*zip(*pts), style, marker="o", label=label)
-            pairs = sorted({r["num_pairs"] for r in mine if r["model"] == model and r["length"] == length_for_pairs})
-            pts = [(q, 100 * _mean(_select(mine, model, length_for_pairs, q))) for q in pairs]
+                row[0].plot(*zip(*pts), style, marker="o", label=label, color=color)
+            pairs = sorted({r["num_pairs"] for r in mine if r["model"] == model and r["length"] == at_length})
+            pts = [(q, 100 * _mean(_select(mine, model, at_length, q))) for q in pairs]
             if pts:
-                row[1].plot(*zip(*pts), style, marker="o", label=label)
+                row[1].plot(*zip(*pts), style, marker="o", label=label, color=color)
+        note = " (too small: all at chance)" if _too_small(mine) else ""
         for ax, xlabel, title in (
-            (row[0], "sequence length L", f"N = {pairs_at_lengths} pairs"),
-            (row[1], "number of key-value pairs N", f"L = {length_for_pairs}"),
+            (row[0], "sequence length L", f"N = {at_pairs} pairs"),
+            (row[1], "number of key-value pairs N", f"L = {at_length}"),
         ):
             ax.axhline(chance, color="grey", lw=0.8, ls=":", label="chance")
             ax.set_xscale("log", base=2)
             ax.set_xlabel(xlabel)
             ax.set_ylabel("MQAR accuracy (%)")
             ax.set_ylim(-2, 102)
-            ax.set_title(f"{title}, budget {budget} (steps x batch)")
+            ax.set_title(f"{title}, budget {budget}{note}", fontsize=10)
             ax.grid(alpha=0.3)
         row[0].legend(fontsize=7)
     fig.tight_layout()
@@ -433,60 +628,75 @@ def _settings_line(records: list[dict]) -> str:
     line = (
         f"{s['steps']} AdamW steps of {s['batch_size']} fresh sequences ({s['examples']} training examples) per run, "
         f"lr {s['lr']} (SSM parameters at the config's ssm_lr), warm-up {s['warmup']} + cosine, weight decay "
-        f"{s['weight_decay']}; D = {s['hidden_size']}, {s['num_layers']} layers, W = {s['block_len']}, gap G = "
-        f"{s['gap']}, {s['num_keys']} keys and {s['num_values']} values (chance {100 / s['num_values']:.1f}%), "
-        f"accuracy over {s['eval_examples']} held-out sequences"
+        f"{s['weight_decay']}; D = {s['hidden_size']}, {s['num_layers']} layers, W = {s['block_len']} (the reference: "
+        f"W = L), gap G = {s['gap']}, {s['num_keys']} keys and {s['num_values']} values (chance "
+        f"{100 / s['num_values']:.1f}%), accuracy over {s['eval_examples']} held-out sequences"
     )
-    if len({json.dumps(r["settings"], sort_keys=True) for r in records}) > 1:
+    machine = ("torch_threads", "device")
+    recipes = {
+        json.dumps({k: v for k, v in r["settings"].items() if k not in machine}, sort_keys=True) for r in records
+    }
+    if len(recipes) > 1:
         line += " (some runs differ: see their JSON `settings`)"
     return line
+
+
+def _budget_table(mine: list[dict], budget: str, at_length: int, at_pairs: int) -> list[str]:
+    cells = sorted({(r["length"], r["num_pairs"]) for r in mine}, key=lambda c: (c[1] != at_pairs, c))
+    chance = mine[0]["chance"]
+    head = f"**Budget {budget}**"
+    if _too_small(mine):
+        head += " (too small to learn the task: every run at chance)"
+    lines = [
+        f"{head}: {_settings_line(mine)}; {sum(r['train_seconds'] for r in mine) / 60:.0f} min of training in all. "
+        f"Accuracy (%) on held-out sequences; chance {100 * chance:.1f}% (guessing a value), about 100/N% for a model "
+        "that copies one of the N values of the sequence without binding it to its key:",
+        "",
+        "| Model | Layers | Params | " + " | ".join(f"L={n} N={p}" for n, p in cells) + " |",
+        "|---|---|---|" + "---|" * len(cells),
+    ]
+    for model, (label, _) in MODELS.items():
+        rows = [r for r in mine if r["model"] == model]
+        if rows:
+            cells_text = " | ".join(_cell(mine, model, n, p) for n, p in cells)
+            shape = layout(rows[0]["config"], model)
+            lines.append(f"| {label} | {shape} | {rows[0]['parameters'] / 1e3:.0f}k | {cells_text} |")
+    best = max(mine, key=lambda r: r["accuracy"])
+    above = [r for r in mine if r["accuracy"] > 2 * chance]
+    lines += [
+        "",
+        f"Best run: {best['label']} at L={best['length']} N={best['num_pairs']}, {100 * best['accuracy']:.1f}% "
+        f"(chance {100 * chance:.1f}%); {len(above)} of {len(mine)} runs above twice chance"
+        + (": " + ", ".join(f"{r['label']} L={r['length']} N={r['num_pairs']}" for r in above) if above else "")
+        + ".",
+        f"Final training loss over the scored tokens: {min(r['final_train_loss'] for r in mine):.2f}–"
+        f"{max(r['final_train_loss'] for r in mine):.2f} nats (ln {mine[0]['settings']['num_values']} = "
+        f"{math.log(mine[0]['settings']['num_values']):.2f} is a model that knows only that a value comes next, "
+        f"ln N one that copies a value of the sequence; recall shows as a loss well below ln N).",
+    ]
+    if not any(r["model"] == REFERENCE for r in mine):
+        lines.append("No reference run (Attention (W=L)) at this budget.")
+    return lines
 
 
 def report(
     results_dir: Path = RESULTS,
     docs: Path | None = ROOT / "docs" / "results.md",
-    length_for_pairs: int = LENGTH_FOR_PAIRS,
-    pairs_at_lengths: int = PAIRS_AT_LENGTHS,
+    length_for_pairs: int | None = None,
+    pairs_at_lengths: int | None = None,
 ) -> str:
-    """One accuracy table per budget (model x (L, N) cell) and the plot, into the ``mqar`` section of ``docs``
-    (None: only returned and printed)."""
+    """One accuracy table per budget (model x (L, N) cell; largest budget first, the reference row first) and the
+    plot, into the ``mqar`` section of ``docs`` (None: only returned and printed). ``length_for_pairs`` /
+    ``pairs_at_lengths`` order the cells and pick the plot's axes (None: each budget's own grid)."""
     from benchmarks.docs_section import cpu_name, write_section
 
     records = load_results(results_dir)
     if not records:
         raise SystemExit(f"no results under {results_dir}; run `python -m experiments.mqar` first")
-    budgets = sorted({budget_of(r) for r in records}, key=lambda b: [int(x) for x in b.split("x")])
     tables = []
-    for budget in budgets:
+    for budget in _budgets(records):
         mine = [r for r in records if budget_of(r) == budget]
-        cells = sorted({(r["length"], r["num_pairs"]) for r in mine}, key=lambda c: (c[1] != pairs_at_lengths, c))
-        lines = [
-            f"Budget {budget}: {_settings_line(mine)}; {sum(r['train_seconds'] for r in mine) / 60:.0f} min of "
-            f"training in all. Accuracy (%) on held-out sequences:",
-            "",
-            "| Model | Params | " + " | ".join(f"L={n} N={p}" for n, p in cells) + " |",
-            "|---|---|" + "---|" * len(cells),
-        ]
-        for model, (label, _) in MODELS.items():
-            rows = [r for r in mine if r["model"] == model]
-            if rows:
-                cells_text = " | ".join(_cell(mine, model, n, p) for n, p in cells)
-                lines.append(f"| {label} | {rows[0]['parameters'] / 1e3:.0f}k | {cells_text} |")
-        best = max(mine, key=lambda r: r["accuracy"])
-        chance = mine[0]["chance"]
-        above = [r for r in mine if r["accuracy"] > 2 * chance]
-        lines += [
-            "",
-            f"Best run: {best['label']} at L={best['length']} N={best['num_pairs']}, {100 * best['accuracy']:.1f}% "
-            f"(chance {100 * chance:.1f}%); {len(above)} of {len(mine)} runs above twice chance"
-            + (": " + ", ".join(f"{r['label']} L={r['length']} N={r['num_pairs']}" for r in above) if above else "")
-            + ".",
-            f"Final training loss over the scored tokens: {min(r['final_train_loss'] for r in mine):.2f}–"
-            f"{max(r['final_train_loss'] for r in mine):.2f} nats (ln {mine[0]['settings']['num_values']} = "
-            f"{math.log(mine[0]['settings']['num_values']):.2f} is a model that knows only that a value comes next; "
-            "recall shows as a loss well below it).",
-        ]
-        tables += [*lines, ""]
+        tables += [*_budget_table(mine, budget, *_axes(mine, length_for_pairs, pairs_at_lengths)), ""]
     png = PNG if docs is None else docs.parent / "results" / PNG.name
     if docs is not None:
         plot(records, png, length_for_pairs, pairs_at_lengths)
@@ -494,20 +704,26 @@ def report(
     text = "\n".join(
         [
             "Multi-query associative recall (MQAR, after Zoology) with every query beyond the attention window of",
-            "its pair (`python -m experiments.mqar`; format, scoring and settings in `experiments/mqar.py`, one JSON",
-            "per run with its command and commit in `docs/results/mqar/`). A sequence is N key-value pairs, a gap",
-            "of filler as long as the Slide stack's receptive field (layers x W), then the N keys queried once each",
-            "in random order at random positions; only the value after each queried key is scored. Models: the tiny",
-            "presets (their layer layout) at the width and depth below, and HF `MambaForCausalLM` of the same width and",
-            "depth (mambapy's parallel scan). A cell at chance means the model did not learn the task within that",
-            "budget, not that it cannot: these budgets are far from the Zoology-scale training (100k+ examples).",
-            f"Machine: {cpu_name()}, one thread per run, sharing the CPU with two long training runs.",
+            "its pair (`python -m experiments.mqar`; format, scoring, defaults and their reasons in",
+            "`experiments/mqar.py`, one JSON per run with its command, commit and weights digest in",
+            "`docs/results/mqar/`). A sequence is N key-value pairs, a gap of filler as long as the Slide stack's",
+            "receptive field (layers x W), then the N keys queried once each in random order at random positions;",
+            "only the value after each queried key is scored. Models: the tiny presets (their layer layout scaled to",
+            "the depth below: column Layers, A attention, B BST, R BRecT, G GSS, M Mamba) at the width and depth",
+            "below, and HF `MambaForCausalLM` of the same width and depth (mambapy's parallel scan). The first row,",
+            "Attention (W=L), is the reference: the Slide preset with W = L, full causal attention that reaches",
+            "every pair, i.e. what a model that can see the pairs learns at that budget. Runs are compared only",
+            "within one budget (steps x batch), one table each, the largest first; a budget at which no run gets",
+            "above twice chance is labelled too small (the first grid, 50 x 8, is kept for the record).",
+            f"Machine: {cpu_name()}, one thread per run unless a run's settings say otherwise, sharing the CPU with",
+            "two long training runs.",
             "",
             *tables,
             f"![MQAR accuracy]({rel})",
             "",
-            "The same command completes or extends the grid (finished runs are skipped; a budget is part of each run's",
-            "name): e.g. `python -m experiments.mqar --steps 2000 --batch-size 64 --device cuda` on a GPU.",
+            "The same command completes or extends the grid (finished runs are skipped; a run interrupted or stopped",
+            "at `--deadline-minutes` continues exactly from its checkpoint): `python -m experiments.mqar` runs the",
+            "first cell (L = 256, N = 8) for every model, `--grid sweep` the lengths and pair counts around it.",
         ]
     )
     if docs is not None:
@@ -519,32 +735,48 @@ def report(
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    p.add_argument("--lengths", nargs="+", type=int, default=list(LENGTHS), help="lengths run at --pairs-at-lengths")
-    p.add_argument("--pairs-at-lengths", type=int, default=PAIRS_AT_LENGTHS)
-    p.add_argument("--pairs", nargs="+", type=int, default=list(PAIRS), help="pair counts run at --length-for-pairs")
-    p.add_argument("--length-for-pairs", type=int, default=LENGTH_FOR_PAIRS)
+    p.add_argument("--grid", choices=list(GRIDS), default="first", help="preset of (length, pairs) cells")
+    p.add_argument("--lengths", nargs="+", type=int, default=None, help="lengths run at --pairs-at-lengths")
+    p.add_argument("--pairs-at-lengths", type=int, default=None)
+    p.add_argument("--pairs", nargs="+", type=int, default=None, help="pair counts run at --length-for-pairs")
+    p.add_argument("--length-for-pairs", type=int, default=None)
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--batch-size", type=int, default=BATCH)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--block-len", type=int, default=32)
-    p.add_argument("--num-keys", type=int, default=64)
-    p.add_argument("--num-values", type=int, default=64)
+    p.add_argument("--lr", type=float, default=LR)
+    p.add_argument("--weight-decay", type=float, default=WEIGHT_DECAY)
+    p.add_argument("--hidden", type=int, default=HIDDEN)
+    p.add_argument("--layers", type=int, default=LAYERS)
+    p.add_argument("--block-len", type=int, default=BLOCK_LEN, help="W of every model but the reference (W = L)")
+    p.add_argument("--num-keys", type=int, default=NUM_KEYS)
+    p.add_argument("--num-values", type=int, default=NUM_VALUES)
     p.add_argument("--gap", type=int, default=None, help="filler between pairs and queries (default: layers x W)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--deadline-minutes", type=float, default=None, help="start no new run after this many minutes")
-    p.add_argument("--output", default=str(RESULTS), help="folder of the run JSONs")
+    p.add_argument(
+        "--deadline-minutes",
+        type=float,
+        default=None,
+        help="after this many minutes, checkpoint the current run and stop (the same command continues it)",
+    )
+    p.add_argument("--checkpoint-every", type=int, default=CHECKPOINT_EVERY, help="steps between checkpoints")
+    p.add_argument("--output", default=str(RESULTS), help="folder of the run JSONs (and of running runs' checkpoints)")
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--no-report", action="store_true")
     p.add_argument("--log-every", type=int, default=0)
     args = p.parse_args(argv)
+    preset = GRIDS[args.grid]
+    cells_at = {k: getattr(args, k) if getattr(args, k) is not None else preset[k] for k in preset}
+    if args.checkpoint_every < 1:
+        p.error(f"--checkpoint-every must be positive, got {args.checkpoint_every}")
     torch.set_num_threads(args.threads)
     out_dir = Path(args.output)
     if not args.report_only:
-        cells = grid(args.lengths, args.pairs, args.length_for_pairs, args.pairs_at_lengths)
+        cells = grid(**cells_at)
+
+        def name(t):
+            return run_name(*t, args.steps, args.batch_size)
+
         todo = [
             (m, n, q, s)
             for n, q in cells
@@ -552,34 +784,48 @@ def main(argv: list[str] | None = None) -> None:
             for s in args.seeds
             if not (out_dir / f"{run_name(m, n, q, s, args.steps, args.batch_size)}.json").exists()
         ]
-        # Cheapest first, so that an interrupted sweep leaves whole cells (HF Mamba's pure-PyTorch scan costs ~10x
-        # a BST-family model per token on CPU).
-        todo.sort(key=lambda t: (t[1] * (10 if MODELS[t[0]][1] is None else 1), t[1], t[2], t[3]))
+        # Started runs first (their checkpoint), then cheapest first, so that an interrupted sweep leaves whole cells
+        # (HF Mamba's pure-PyTorch scan costs ~10x a BST-family model per token on CPU).
+        todo.sort(
+            key=lambda t: (
+                not checkpoint_path(out_dir, name(t)).exists(),
+                t[1] * (10 if MODELS[t[0]][1] is None else 1),
+                t[1],
+                t[2],
+                t[3],
+            )
+        )
         print(f"{len(todo)} runs to do", flush=True)
         started = time.time()
+        deadline = None if args.deadline_minutes is None else started + 60 * args.deadline_minutes
         command = "python -m experiments.mqar " + " ".join(sys.argv[1:] if argv is None else argv)
-        commit = git_commit()
         for model, length, pairs, seed in todo:
-            if args.deadline_minutes is not None and time.time() - started > 60 * args.deadline_minutes:
+            if deadline is not None and time.time() >= deadline:
                 print("deadline reached: the remaining runs are left for the next invocation", flush=True)
                 break
             t0 = time.time()
+            ckpt = checkpoint_path(out_dir, name((model, length, pairs, seed)))
             record = train_and_eval(
-                model, length, pairs, steps=args.steps, batch_size=args.batch_size, lr=args.lr, hidden=args.hidden,
-                layers=args.layers, block_len=args.block_len, gap=args.gap, num_keys=args.num_keys,
-                num_values=args.num_values, seed=seed, log_every=args.log_every, device=args.device,
+                model, length, pairs, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                weight_decay=args.weight_decay, hidden=args.hidden, layers=args.layers, block_len=args.block_len,
+                gap=args.gap, num_keys=args.num_keys, num_values=args.num_values, seed=seed, log_every=args.log_every,
+                device=args.device, checkpoint=ckpt, checkpoint_every=args.checkpoint_every, deadline=deadline,
             )  # fmt: skip
+            if record is None:
+                print("deadline reached: the run continues from its checkpoint at the next invocation", flush=True)
+                break
             record.update(
                 command=command,
-                git_commit=commit,
+                git_commit=git_commit(),
                 uncommitted_changes=uncommitted(),
                 wall_seconds=round(time.time() - t0, 1),
             )
             out_dir.mkdir(parents=True, exist_ok=True)
-            path = out_dir / f"{run_name(model, length, pairs, seed, args.steps, args.batch_size)}.json"
+            path = out_dir / f"{name((model, length, pairs, seed))}.json"
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(record, indent=1))
             os.replace(tmp, path)
+            ckpt.unlink(missing_ok=True)
             print(
                 f"{record['label']:>16} L={length:<5} N={pairs:<3} seed {seed}: accuracy {record['accuracy']:.3f} "
                 f"(loss {record['final_train_loss']:.3f}, {record['train_seconds']:.0f} s)",
@@ -587,7 +833,7 @@ def main(argv: list[str] | None = None) -> None:
             )
     if not args.no_report:
         docs = ROOT / "docs" / "results.md" if out_dir.resolve() == RESULTS.resolve() else None
-        report(out_dir, docs, args.length_for_pairs, args.pairs_at_lengths)
+        report(out_dir, docs, args.length_for_pairs, args.pairs_at_lengths)  # None: each budget's own grid
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
-"""MQAR (experiments/mqar.py): the generator's format, that the queries really lie beyond a Slide stack's reach, and
-the whole pipeline (runs -> JSON records -> report section) at toy size."""
+"""MQAR (experiments/mqar.py): the generator's format, that the queries really lie beyond a Slide stack's reach (and
+within the full-attention reference's), exact resume from checkpoints, and the whole pipeline (runs -> JSON records
+-> report section) at toy size."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -72,10 +74,29 @@ def test_queries_lie_beyond_the_slide_receptive_field():
         assert torch.all(grad[:, : 2 * pairs].sum(-1) > 0), name
 
 
+def test_the_reference_attends_to_the_pairs():
+    # Attention (W=L): the Slide preset with block_len = L, so the scored logits do depend on every pair (the same
+    # probe as above, where Slide's are exactly zero), while the other models keep W.
+    grad, pairs, query_pos = _embedding_grad("attention")
+    assert torch.all(grad[:, 0 : 2 * pairs : 2] > 0) and torch.all(grad[:, 1 : 2 * pairs : 2] > 0)
+    cfg = mqar.build_config("attention", 64, 2, 32, 256, 129)
+    assert cfg["block_len"] == 256 and not cfg["bst_layer_indices"] and not cfg["recurrent_layer_indices"]
+    assert mqar.build_config("slide", 64, 2, 32, 256, 129)["block_len"] == 32
+    with pytest.raises(ValueError, match="'transformer' is not one of"):
+        mqar.build_config("transformer", 64, 2, 32, 256, 129)
+
+
 def test_layer_layouts_of_the_presets_scale_with_depth():
     assert mqar.build_config("bst-sh-s4", 64, 4, 32, 256, 129)["bst_layer_indices"] == [0, 2]
     assert mqar.build_config("gss-hybrid", 64, 4, 32, 256, 129)["gss_layer_indices"] == [0, 2, 3]
     assert mqar.build_config("brect", 64, 2, 32, 256, 129)["recurrent_layer_indices"] == [1]
+    # at the default depth (2): both layers BST (layer 1's SSM reads attention output), BRecT on layer 1, both
+    # layers GSS (no attention layer left in GSS-Hybrid); the documented layouts
+    expected = {"attention": "A A", "slide": "A A", "brect": "A R", "gss-hybrid": "G G", "mamba": "M M"}
+    for model in mqar.MODELS:
+        cfg = mqar.build_config(model, 64, 2, 32, 256, 65)
+        assert mqar.layout(cfg, model) == expected.get(model, "B B"), model
+    assert mqar.layout(mqar.build_config("gss-hybrid", 64, 4, 32, 256, 65), "gss-hybrid") == "G A G G"
     cfg = mqar.build_config("bst-mf-s4", 96, 3, 16, 512, 129)
     assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["block_len"], cfg["head_dim"]) == (96, 3, 16, 24)
 
@@ -103,3 +124,74 @@ def test_pipeline_at_toy_size(tmp_path):
     assert "<!-- mqar:start -->" in written and "kept" in written and (tmp_path / "results" / "mqar.png").exists()
     slide_row = next(line for line in text.splitlines() if line.startswith("| Slide |"))
     assert f"{100 * record['accuracy']:.1f}" in slide_row and "L=64 N=2" in text
+
+
+TINY = ["--lengths", "48", "--pairs-at-lengths", "4", "--pairs", "4", "--length-for-pairs", "48", "--batch-size", "2"]
+TINY += ["--hidden", "32", "--block-len", "8", "--num-keys", "16", "--num-values", "16", "--no-report"]
+SAME = ("accuracy", "eval_loss", "train_losses", "final_train_loss", "weights_sha256", "parameters", "settings")
+
+
+def _tiny_run(monkeypatch, out, steps=7, kill_at=None):
+    """``mqar.main`` on a toy BST:SH:S4 and reference run, killed (an exception out of the data generator, as if the
+    process died: no graceful save) while drawing batch ``kill_at``."""
+    calls = {"n": 0}
+    real = mqar.make_batch
+
+    def make_batch(*args, **kwargs):
+        calls["n"] += 1
+        if kill_at is not None and calls["n"] == kill_at:
+            raise KeyboardInterrupt("killed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mqar, "make_batch", make_batch)
+    argv = ["--models", "bst-sh-s4", "attention", "--steps", str(steps), "--checkpoint-every", "3", *TINY]
+    mqar.main([*argv, "--output", str(out)])
+
+
+def test_an_interrupted_run_resumes_bitwise(tmp_path, monkeypatch):
+    _tiny_run(monkeypatch, tmp_path / "straight")
+    # killed while drawing batch 6 of the first run (bst-sh-s4: its checkpoint holds step 3), then resumed
+    with pytest.raises(KeyboardInterrupt):
+        _tiny_run(monkeypatch, tmp_path / "killed", kill_at=6)
+    ckpt = tmp_path / "killed" / "bst-sh-s4-L48-N4-7x2-s0.ckpt.safetensors"
+    assert ckpt.exists() and not list((tmp_path / "killed").glob("*.json"))
+    _tiny_run(monkeypatch, tmp_path / "killed")
+    for model in ("bst-sh-s4", "attention"):
+        a, b = (json.loads((tmp_path / d / f"{model}-L48-N4-7x2-s0.json").read_text()) for d in ("straight", "killed"))
+        assert {k: a[k] for k in SAME} == {k: b[k] for k in SAME}, model
+        assert len(a["train_losses"]) == 1 and a["layout"] == ("B B" if model == "bst-sh-s4" else "A A")
+    resumed = json.loads((tmp_path / "killed" / "bst-sh-s4-L48-N4-7x2-s0.json").read_text())
+    assert [s["start_step"] for s in resumed["sittings"]] == [0, 3]
+    assert not list(tmp_path.glob("*/*.safetensors*"))  # checkpoints are deleted once the JSON is written
+
+
+def test_a_run_stopped_at_its_deadline_resumes_bitwise(tmp_path):
+    kw = dict(steps=5, batch_size=2, hidden=32, layers=2, block_len=8, num_keys=16, num_values=16, eval_examples=8)
+    straight = mqar.train_and_eval("bst-sh-s4", 48, 4, **kw)
+    ckpt = tmp_path / "run.ckpt.safetensors"
+    assert mqar.train_and_eval("bst-sh-s4", 48, 4, **kw, checkpoint=ckpt, deadline=0.0) is None  # stops after step 1
+    resumed = mqar.train_and_eval("bst-sh-s4", 48, 4, **kw, checkpoint=ckpt)
+    assert {k: straight[k] for k in SAME} == {k: resumed[k] for k in SAME}
+    assert [s["start_step"] for s in resumed["sittings"]] == [0, 1]
+    # a checkpoint of other settings is refused, naming the field
+    with pytest.raises(ValueError, match=r"lr: 0\.01 there, 0\.001 here"):
+        mqar.train_and_eval("bst-sh-s4", 48, 4, **dict(kw, lr=1e-3), checkpoint=ckpt)
+
+
+def test_report_has_one_table_per_budget_reference_first(tmp_path, monkeypatch):
+    out = tmp_path / "runs"
+    _tiny_run(monkeypatch, out, steps=2)
+    mqar.main(["--models", "slide", "--steps", "1", *TINY, "--output", str(out)])
+    for path in out.glob("*.json"):  # budget 2x2: the reference learned the task; 1x2: every run at chance
+        record = json.loads(path.read_text())
+        accuracy = 0.5 if path.name.startswith("attention") else record["chance"]
+        path.write_text(json.dumps(dict(record, accuracy=accuracy)))
+    text = mqar.report(out, None)
+    tables = re.findall(r"\*\*Budget (\d+x\d+)\*\*(.*)", text)
+    assert [b for b, _ in tables] == ["2x2", "1x2"]  # the larger budget first
+    assert "too small" not in tables[0][1] and "too small" in tables[1][1]
+    assert "chance 6.2%" in tables[0][1] and "W = 8 (the reference: W = L)" in tables[0][1]
+    large, small = text.split("**Budget 1x2**")
+    rows = [line for line in large.splitlines() if line.startswith("| ") and not line.startswith("| Model")]
+    assert rows[0] == "| Attention (W=L) | A A | 26k | 50.0 |" and rows[1].startswith("| BST:SH:S4 | B B |")
+    assert "| Slide | A A |" in small and "| Attention" not in small and "No reference run" in small
