@@ -4,10 +4,13 @@ Two A/B measurements in one run, the two code paths alternated round by round (m
 
 * **MH (and SH, Slide for reference) one-layer cost at L = 4k / 8k / 16k**, the paper's Fig. 3 layer (D = 512,
   W = 128, N = 16, 16 heads, D_s = D): evaluation forward (no_grad) and a training step (forward + backward).
-  "whole" is the whole-length FFT convolution (the previous code path, ``S4DKernel.chunk_len = 0``): its (H, D_s,
+  "whole" is the whole-length FFT convolution (the first code path, ``S4DKernel.chunk_len = 0``): its (H, D_s,
   L + 1) spectrum outgrows the evaluation memo above 4k and training rebuilds it at every step. "default" is the
   model's policy (``S4DKernel.use_chunks``): ``S4DKernel.chunked_forward`` (64-token chunks + the free response of
-  the chunk-start states) in training and where the memo does not fit, the memoised whole spectrum otherwise.
+  the chunk-start states) in training and where the memo does not fit, the memoised whole spectrum otherwise; MH
+  runs the segmented path (``TokenContextStates.segmented_context``: chunked SSM output, lift and K/V projection a
+  few chunks at a time). "unsegmented" (MH only, ``segment_len = 0``): the previous MH code, the chunked SSM output
+  of the whole sequence then the lift. ``--layers`` / ``--paths`` pick a subset (for a quick A/B).
 * **Unstruct decode ms/token at 1k..64k** of the ~60M decode model of ``generation_speed.py`` (hidden 512, 8 layers,
   filters of 64k taps), the mean over ``--steps`` decode steps (at least 2 M, so that chunk starts are included):
   "direct" is one dot product of the whole history with the filter taps per token (the previous code: O(context));
@@ -16,6 +19,7 @@ Two A/B measurements in one run, the two code paths alternated round by round (m
 
     python benchmarks/ssm_scaling.py [--lengths 4096 8192 16384] [--contexts 1024 16384 65536] [--rounds 3]
                                      [--parts layers decode]   # one part: the other is kept from the saved JSON
+                                     [--layers BST:MH:S4] [--paths unsegmented default]
 
 Writes docs/benchmarks/ssm_scaling.json, docs/benchmarks/ssm_scaling.png and the ``ssm_scaling`` section of
 docs/benchmarks.md.
@@ -38,6 +42,7 @@ import layer_speed  # noqa: E402
 from docs_section import clock, cpu_name, tune_malloc, write_section  # noqa: E402
 
 from modeling_bst import ssm_bst  # noqa: E402
+from modeling_bst.modeling_bst import MH_SEGMENT_LEN, MHContextStates, TokenContextStates  # noqa: E402
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,22 +50,42 @@ OUT = ROOT / "docs" / "benchmarks"
 LAYERS = ["Slide", "BST:SH:S4", "BST:MH:S4"]
 
 
-def set_chunking(module: torch.nn.Module, chunked: bool):
+def set_path(module: torch.nn.Module, path: str):
+    """``whole``: one FFT over the whole length; ``unsegmented``: the chunked S4D output of the whole sequence, then
+    the lift (MH before the segmented path); ``default``: the model's policy."""
     for m in module.modules():
         if isinstance(m, ssm_bst.S4DKernel):
-            m.chunk_len = ssm_bst.S4D_CHUNK_LEN if chunked else 0
+            m.chunk_len = 0 if path == "whole" else ssm_bst.S4D_CHUNK_LEN
+        if isinstance(m, TokenContextStates):
+            if path == "unsegmented":
+                m.segment_len = 0
+            else:
+                m.__dict__.pop("segment_len", None)  # the class default (SH: 0)
+                if isinstance(m, MHContextStates):
+                    m.segment_len = MH_SEGMENT_LEN
 
 
-def layer_ab(lengths, rounds):
+def segmented(layer: torch.nn.Module) -> bool:
+    """Whether the layer's default path is the segmented one (an unsegmented A/B path exists)."""
+    return any(isinstance(m, TokenContextStates) and m.segment_len for m in layer.modules())
+
+
+def layer_ab(lengths, rounds, names=None, paths=("whole", "unsegmented", "default")):
     """{mode: {L: {contender/path: min ms}}} for mode in eval / train."""
+    names = names or LAYERS + ["BST:SH:S4 D_s=D/4"]
     out = {"eval": {}, "train": {}, "gflop": {}}
     for seq_len in lengths:
         flops = out["gflop"].setdefault(str(seq_len), {})
         x = torch.randn(1, seq_len, layer_speed.D)
-        layers = {name: layer_speed.bst_layer(name, seq_len, 0)[0] for name in LAYERS}
-        # The paper's own SSM width for SH (D_s = D/4; the Fig. 3 speed setup above keeps D_s = D).
-        layers["BST:SH:S4 D_s=D/4"] = layer_speed.bst_layer("BST:SH:S4", seq_len, 0, ssm_hidden=layer_speed.D // 4)[0]
-        contenders = [("Slide", None)] + [(n, p) for n in layers if n != "Slide" for p in ("whole", "default")]
+        layers = {name: layer_speed.bst_layer(name, seq_len, 0)[0] for name in LAYERS if name in names}
+        if "BST:SH:S4 D_s=D/4" in names:
+            # The paper's own SSM width for SH (D_s = D/4; the Fig. 3 speed setup above keeps D_s = D).
+            sh4 = layer_speed.bst_layer("BST:SH:S4", seq_len, 0, ssm_hidden=layer_speed.D // 4)[0]
+            layers["BST:SH:S4 D_s=D/4"] = sh4
+        contenders = [("Slide", None)] if "Slide" in layers else []
+        contenders += [
+            (n, p) for n in layers if n != "Slide" for p in paths if p != "unsegmented" or segmented(layers[n])
+        ]
         for name, layer in layers.items():
             layer.eval()
             flops[name] = layer_speed.executed_gflop(layer, x)
@@ -70,7 +95,7 @@ def layer_ab(lengths, rounds):
                 for name, path in contenders:
                     layer = layers[name].train(mode == "train")
                     if path is not None:
-                        set_chunking(layer, path == "default")
+                        set_path(layer, path)
                     t0 = clock("cpu")
                     if mode == "eval":
                         with torch.no_grad():
@@ -166,10 +191,12 @@ def markdown(results) -> list[str]:
         ),
         "",
         "One layer of the paper's Fig. 3 setup (D = 512, W = 128, N = 16, 16 heads, D_s = D unless stated), ms. "
-        "*whole*: one FFT convolution over the whole length, always (the previous code); *default*: what the model "
+        "*whole*: one FFT convolution over the whole length, always (the first code); *default*: what the model "
         "now does: `S4DKernel.chunked_forward` (64-token chunks plus the free response of the chunk-start states; "
-        "exact) in training, and in evaluation the memoised whole-length spectrum while it fits the 512 MiB memo "
-        "(chunked beyond: MH above 4k).",
+        "exact) in training, and in evaluation the memoised whole-length spectrum while it fits the 512 MiB memo; "
+        "MH runs segmented for any length (`TokenContextStates.segmented_context`: the chunked SSM output, lift, "
+        f"norm and K/V projection {MH_SEGMENT_LEN} tokens at a time, no (L, H, D_s) or (L, H, D) tensor); "
+        "*unsegmented* (MH only): the chunked SSM output of the whole sequence, then the lift (the previous MH code).",
         "",
     ]
     keys = list(layers["eval"][str(lengths[0])])
@@ -193,7 +220,7 @@ def markdown(results) -> list[str]:
     for n in lengths:
         g = layers["gflop"][str(n)]
         for name in g:
-            if name == "Slide":
+            if name == "Slide" or "Slide" not in g:
                 continue
             key = f"{name}/default"
             fr = g[name] / g["Slide"]
@@ -235,6 +262,15 @@ def main():
         default=["layers", "decode"],
         help="what to measure; a part not measured is kept from the saved docs/benchmarks/ssm_scaling.json",
     )
+    names = LAYERS + ["BST:SH:S4 D_s=D/4"]
+    parser.add_argument("--layers", nargs="+", choices=names, default=names, help="layer contenders")
+    parser.add_argument(
+        "--paths",
+        nargs="+",
+        choices=["whole", "unsegmented", "default"],
+        default=["whole", "unsegmented", "default"],
+        help="SSM paths of the BST layers (unsegmented: only where the default is the segmented one, MH)",
+    )
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument("--render", type=Path, default=None, help="re-render the plot and section from a saved JSON")
     args = parser.parse_args()
@@ -265,7 +301,7 @@ def main():
             results[part] = old[part]
             meta[f"{part}_from"] = old["meta"].get("command", "an earlier run")
         elif part == "layers":
-            results[part] = layer_ab(args.lengths, args.rounds)
+            results[part] = layer_ab(args.lengths, args.rounds, args.layers, args.paths)
         else:
             meta.update(decode_steps=args.steps, decode_chunk=ssm_bst.UNSTRUCT_DECODE_CHUNK)
             results[part] = decode_ab(args.contexts, args.steps, args.rounds)

@@ -45,7 +45,7 @@ from transformers.utils import can_return_tuple, logging
 
 from .cache_bst import MAX_ROLLBACK, BSTCache, BSTLayerCache, cache_signature, gather_rows, host_can_branch, tracing
 from .configuration_bst import BSTConfig
-from .ssm_bst import PerFilterS4D, S4DKernel, UnstructFilter, memoised
+from .ssm_bst import PerFilterS4D, S4DKernel, UnstructFilter, memoised, upcast_ssm
 
 
 logger = logging.get_logger(__name__)
@@ -140,6 +140,8 @@ def decode_memo(layer_cache: BSTLayerCache, slot: str, key: tuple, params, compu
 
 # Largest unstruct taps spectrum kept for decoding chunks (per layer; recomputed per chunk beyond it).
 CHUNK_SPECTRUM_MEMO_BYTES = 128 * 2**20
+# Tokens per segment of MH's segmented S4 path ([`TokenContextStates.segmented_context`]; 0: off).
+MH_SEGMENT_LEN = 256
 
 
 class BSTContextStates(nn.Module):
@@ -260,9 +262,55 @@ class TokenContextStates(BSTContextStates):
     The decoding cache keeps the current block's context keys/values in a W-slot ring (``layer_cache.context``, a
     ``TokenContextCache``)."""
 
+    # Tokens per segment of the segmented S4 path ([`segmented_context`]); 0: the whole-sequence path.
+    segment_len = 0
+
     def lift_and_project(self, y: torch.Tensor):
         """SSM outputs ``y`` `(..., C, Ds)` -> context keys, values `(..., 1, H, d_h)`."""
         raise NotImplementedError
+
+    def lift_channel_major(self, y: torch.Tensor, bsz: int):
+        """[`lift_and_project`] of SSM outputs laid out `(C, Ds, B * n)` (tokens batch-major) -> context keys,
+        values `(B, n, H, d_h)`."""
+        raise NotImplementedError
+
+    def use_segments(self) -> bool:
+        """Whether [`sequence`] runs the segmented path: ``segment_len`` set, a causal S4D kernel evaluated in chunks,
+        eager mode (under tracing the whole-sequence path keeps the graph free of a length-dependent loop)."""
+        ssm = self.ssm
+        return (
+            self.segment_len > 0
+            and isinstance(ssm, S4DKernel)
+            and ssm.chunk_len > 0
+            and not ssm.bidirectional
+            and not tracing()
+        )
+
+    def segmented_context(self, z: torch.Tensor, state: torch.Tensor | None):
+        """Context keys and values `(B, T, H, d_h)` from the SSM input ``z`` `(B, T, Ds)`, a few chunks at a time.
+
+        The same map as ``lift_and_project(ssm(z, state))`` (the chunked S4D form, [`S4DKernel.chunked_forward`]),
+        but no `(B, T, C, Ds)` SSM output or `(B, T, H, D)` lifted state ever exists: the chunk-start states come from
+        one scan over the whole input, then each segment of ``segment_len`` tokens runs convolution, free response,
+        lift, norm and K/V projection while its tensors are small enough to stay in the caches, in the layout the
+        convolution produces ([`S4DKernel.channel_major_chunks`]). Time and memory traffic stay linear in T.
+        """
+        ssm, bsz, length = self.ssm, z.shape[0], z.shape[1]
+        chunk = ssm.chunk_len
+        nc = -(-length // chunk)
+        zc = F.pad(upcast_ssm(z, ssm.log_dt), (0, 0, 0, nc * chunk - length))  # causal: zeros at the end are inert
+        x0 = ssm.chunk_start_states(zc, chunk, state)  # (B, nc, Ds, N2)
+        constants = ssm.chunked_constants(chunk, zc.dtype)
+        per = max(1, self.segment_len // chunk)  # chunks per segment
+        keys, values = [], []
+        for c0 in range(0, nc, per):
+            c1 = min(nc, c0 + per)
+            # (C, Ds, B*n): the segment's SSM outputs, lifted and projected at once
+            y = ssm.channel_major_chunks(zc[:, c0 * chunk : c1 * chunk], x0[:, c0:c1], chunk, constants)
+            k, v = self.lift_channel_major(y, bsz)
+            keys.append(k)
+            values.append(v)
+        return torch.cat(keys, 1)[:, :length], torch.cat(values, 1)[:, :length]
 
     def sequence(self, xn, lengths, layer_cache, positions, fill_cache):
         cfg = self.config
@@ -270,8 +318,11 @@ class TokenContextStates(BSTContextStates):
         w = self.block_len
         nb = seq_len // w
         z, state0, continued = self._sequence_input(xn, lengths, layer_cache, positions)
-        y = self.ssm(z, state0)  # (B, T, C, Ds)
-        ck, cv = self.lift_and_project(y)  # (B, T, 1, H, d)
+        if self.use_segments():
+            ck, cv = self.segmented_context(z, state0)  # (B, T, H, d)
+        else:
+            y = self.ssm(z, state0)  # (B, T, C, Ds)
+            ck, cv = self.lift_and_project(y)  # (B, T, 1, H, d)
         ctx_k, ctx_v = ck.view(bsz, nb, w, *ck.shape[-2:]), cv.view(bsz, nb, w, *cv.shape[-2:])
         if cfg.bidirectional:
             mask, zero_first = None, False
@@ -316,6 +367,12 @@ class SHContextStates(TokenContextStates):
         v = self._heads(self.v_proj(c)).unsqueeze(-3)
         return (l2_normalize(k) if self.config.qk_norm else k), v  # (..., 1, H, d_h)
 
+    def lift_channel_major(self, y: torch.Tensor, bsz: int):
+        c = self.norm(F.linear(y[0].to(self.down_proj.weight.dtype).t(), self.up_proj.weight))  # (B*n, D)
+        k = self._heads(self.k_proj(c)).unflatten(0, (bsz, -1))
+        v = self._heads(self.v_proj(c)).unflatten(0, (bsz, -1))
+        return (l2_normalize(k) if self.config.qk_norm else k), v  # (B, n, H, d_h)
+
 
 class MHContextStates(TokenContextStates):
     """MH (multi-head, Listing 3): H SSM outputs (one C matrix per head), each lifted by its own D_s -> D projection
@@ -327,6 +384,8 @@ class MHContextStates(TokenContextStates):
         self.up_proj = nn.Parameter(torch.empty(heads, config.ssm_channels, d))  # (H, Ds, D)
         self.k_proj = nn.Parameter(torch.empty(heads, d, hd))
         self.v_proj = nn.Parameter(torch.empty(heads, d, hd))
+        # Long S4 sequences run segment by segment: no (B, T, H, Ds) SSM output or (B, T, H, D) lift is built.
+        self.segment_len = MH_SEGMENT_LEN
 
     def lift_and_project(self, y: torch.Tensor):
         y = y.to(self.down_proj.weight.dtype)
@@ -334,6 +393,14 @@ class MHContextStates(TokenContextStates):
         k = torch.einsum("...hd,hde->...he", c, self.k_proj.to(c.dtype)).unsqueeze(-3)
         v = torch.einsum("...hd,hde->...he", c, self.v_proj.to(c.dtype)).unsqueeze(-3)
         return (l2_normalize(k) if self.config.qk_norm else k), v  # (..., 1, H, d_h)
+
+    def lift_channel_major(self, y: torch.Tensor, bsz: int):
+        # Contracted in the layout y has: (H, B*n, Ds) is a transposed view of (H, Ds, B*n), no copy.
+        y = y.to(self.down_proj.weight.dtype)
+        c = self.norm(torch.bmm(y.transpose(1, 2), self.up_proj.to(y.dtype)))  # (H, B*n, D)
+        kv = torch.bmm(c, torch.cat([self.k_proj, self.v_proj], -1).to(c.dtype))  # (H, B*n, 2 d_h)
+        k, v = kv.unflatten(1, (bsz, -1)).permute(1, 2, 0, 3).split(self.config.head_dim, -1)  # (B, n, H, d_h)
+        return (l2_normalize(k) if self.config.qk_norm else k), v
 
 
 class MFContextStates(BSTContextStates):

@@ -365,19 +365,50 @@ class S4DKernel(nn.Module):
         nc = -(-length // chunk)
         z = F.pad(z, (0, 0, 0, nc * chunk - length))  # causal: zeros at the end change no earlier output
         u = z.view(bsz * nc, chunk, ds).transpose(1, 2)  # (B*nc, Ds, T)
-        spectrum, readout = memoised_spectrum(self, ("chunked", chunk, z.dtype), lambda: self.chunk_constants(chunk))
+        spectrum, readout = self.chunked_constants(chunk, z.dtype)
         y = fft_conv(u, spectrum).view(bsz, nc, self.out_channels, ds, chunk)  # within each chunk
         if nc > 1 or state is not None:
-            dt_a, d_b = self.discretize()
-            # The states entering every chunk: the given state (or zero), then the scan's chunk-end states.
-            first = state if state is not None else torch.zeros_like(d_b).expand(bsz, -1, -1)
-            x0 = first.unsqueeze(1)
-            if nc > 1:
-                x0 = torch.cat([x0, self.block_states(z[:, : (nc - 1) * chunk], chunk, dt_a, d_b, state)], 1)
+            x0 = self.chunk_start_states(z, chunk, state)
             xs = torch.cat([x0.real, x0.imag], -1).permute(2, 0, 1, 3).reshape(ds, bsz * nc, 2 * self.n_modes)
             free = 2 * torch.bmm(xs, readout)  # (Ds, B*nc, C*T): the free response of every chunk
             y = y + free.view(ds, bsz, nc, self.out_channels, chunk).permute(1, 2, 3, 0, 4)
         return y.permute(0, 1, 4, 2, 3).reshape(bsz, nc * chunk, self.out_channels, ds)[:, :length]
+
+    def chunk_start_states(self, z: torch.Tensor, chunk: int, state: torch.Tensor | None = None) -> torch.Tensor:
+        """The states entering every chunk of ``chunk`` tokens: the given ``state`` (or zero), then the chunk-end
+        states of [`block_states`]. ``z`` `(B, nc * chunk, Ds)` (compute dtype) -> complex `(B, nc, Ds, N2)`."""
+        with _no_autocast(z.device.type):
+            dt_a, d_b = self.discretize()
+            bsz, nc = z.shape[0], z.shape[1] // chunk
+            x0 = (state if state is not None else torch.zeros_like(d_b).expand(bsz, -1, -1)).unsqueeze(1)
+            if nc > 1:
+                x0 = torch.cat([x0, self.block_states(z[:, : (nc - 1) * chunk], chunk, dt_a, d_b, state)], 1)
+            return x0
+
+    def chunked_constants(self, chunk: int, dtype: torch.dtype):
+        """[`chunk_constants`], memoised between evaluation forwards ([`memoised_spectrum`])."""
+        with _no_autocast(self.log_dt.device.type):
+            return memoised_spectrum(self, ("chunked", chunk, dtype), lambda: self.chunk_constants(chunk))
+
+    def channel_major_chunks(self, z: torch.Tensor, x0: torch.Tensor, chunk: int, constants=None) -> torch.Tensor:
+        """[`chunked_forward`]'s outputs for whole chunks, laid out read-out and channel first.
+
+        ``z`` `(B, n * chunk, Ds)` (compute dtype) and ``x0`` the states entering its n chunks `(B, n, Ds, N2)`
+        ([`chunk_start_states`]) -> `(C, Ds, B * n * chunk)`, tokens batch-major. Every read-out's outputs of a
+        channel are contiguous in time: a per-read-out projection over Ds (MH's lift) is then one batched matmul
+        without a copy, and the free response is added to the within-chunk convolution in this layout, chunk by
+        chunk. The same numbers as [`chunked_forward`] up to rounding. ``constants``: [`chunked_constants`] if the
+        caller runs several segments (computed, and differentiated, once).
+        """
+        with _no_autocast(z.device.type):
+            bsz, length, ds = z.shape
+            nc = length // chunk
+            spectrum, readout = constants if constants is not None else self.chunked_constants(chunk, z.dtype)
+            u_f = torch.fft.rfft(z.reshape(bsz * nc, chunk, ds).permute(2, 0, 1), n=2 * chunk)  # (Ds, B*nc, T+1)
+            y = torch.fft.irfft(u_f * spectrum.unsqueeze(2), n=2 * chunk)[..., :chunk]  # (C, Ds, B*nc, T)
+            xs = torch.cat([x0.real, x0.imag], -1).permute(2, 0, 1, 3).reshape(ds, bsz * nc, 2 * self.n_modes)
+            free = torch.bmm(xs, readout).view(ds, bsz * nc, self.out_channels, chunk).permute(2, 0, 1, 3)
+            return torch.add(y, free, alpha=2).reshape(self.out_channels, ds, bsz * length)
 
     def final_state(self, z: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
         """State after the last token: ``x_T = Abar^T x0 + sum_j Abar^{T-1-j} Bbar z_j``. `(B, L, Ds)` -> `(B, Ds, N2)`.

@@ -341,6 +341,128 @@ def test_models_with_chunked_ssm_equal_whole_length(variant):
         torch.testing.assert_close(out[4], out[0], **F64)
 
 
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "with-state"])
+@pytest.mark.parametrize("per", [1, 3], ids=["1-chunk-segments", "3-chunk-segments"])
+def test_s4d_channel_major_chunks_equal_chunked_forward(per, with_state):
+    """Segments of whole chunks from the chunk-start states give the chunked outputs, channel-major, and the same
+    gradients (to the input, the carried state and every parameter)."""
+    kernel = make_s4d(out_channels=3).train()
+    chunk, bsz, length, ds = 4, 2, 28, 5
+    z = torch.randn(bsz, length, ds, dtype=torch.float64, requires_grad=True)
+    state = s4d_recurrence(kernel, torch.randn(bsz, 6, ds, dtype=torch.float64))[1] if with_state else None
+    if state is not None:
+        state = state.clone().requires_grad_(True)
+    weights = torch.randn(bsz, length, 3, ds, dtype=torch.float64)
+    results = []
+    for segmented in (False, True):
+        kernel.zero_grad()
+        z.grad = None
+        if state is not None:
+            state.grad = None
+        kernel.chunk_len = chunk
+        if segmented:
+            x0 = kernel.chunk_start_states(z, chunk, state)
+            assert x0.shape == (bsz, length // chunk, ds, 4)
+            constants = kernel.chunked_constants(chunk, z.dtype)
+            parts = [
+                kernel.channel_major_chunks(
+                    z[:, c0 * chunk : (c0 + per) * chunk], x0[:, c0 : c0 + per], chunk, constants
+                )
+                .unflatten(-1, (bsz, -1))  # (C, Ds, B, n)
+                .permute(2, 3, 0, 1)
+                for c0 in range(0, length // chunk, per)
+            ]
+            y = torch.cat(parts, 1)
+        else:
+            y = kernel(z, state)
+        (y * weights).sum().backward()
+        grads = [z.grad] + ([state.grad] if state is not None else []) + [p.grad for p in kernel.parameters()]
+        results.append((y.detach(), [g.clone() for g in grads]))
+    (y0, g0), (y1, g1) = results
+    torch.testing.assert_close(y1, y0, **F64)
+    torch.testing.assert_close(
+        y1, s4d_recurrence(kernel, z.detach(), None if state is None else state.detach())[0], **F64
+    )
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, **F64)
+
+
+def segmented_models(variant, chunk=4):
+    """Two copies of one float64 model with ``chunk``-token S4D chunks: the segmented context path (segments of 12
+    tokens; SH switched on for the test) and the whole-sequence path (``segment_len = 0``)."""
+    from conftest import make_model
+
+    from modeling_bst.modeling_bst import TokenContextStates
+
+    models = []
+    for seg in (12, 0):
+        model = make_model(variant, dtype=torch.float64)
+        for m in model.modules():
+            if isinstance(m, S4DKernel):
+                m.chunk_len = chunk
+            if isinstance(m, TokenContextStates):
+                m.segment_len = seg
+                assert m.use_segments() == bool(seg)
+        models.append(model)
+    return models
+
+
+@pytest.mark.parametrize("chunk", [4, 3], ids=["chunk4", "chunk3"])
+@pytest.mark.parametrize("variant", ["sh-s4", "mh-s4"])
+def test_segmented_context_equals_whole_sequence(variant, chunk, monkeypatch):
+    """Logits and every gradient, training (with padding) and evaluation, are those of the whole-sequence path."""
+    seg, whole = segmented_models(variant, chunk)
+    calls = []
+    original = S4DKernel.channel_major_chunks
+    monkeypatch.setattr(
+        S4DKernel, "channel_major_chunks", lambda self, *a: calls.append(a[0].shape[1]) or original(self, *a)
+    )
+    torch.manual_seed(3)
+    ids = torch.randint(0, 97, (2, 61))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0  # left padding: row 1 has 54 tokens
+    for train in (True, False):
+        out = []
+        for model in (seg, whole):
+            model.train(train).zero_grad()
+            logits = model(ids, attention_mask=mask).logits
+            (logits.pow(2) * mask[..., None]).sum().backward()
+            out.append(
+                (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+            )
+        torch.testing.assert_close(out[0][0], out[1][0], **F64)
+        assert out[0][1].keys() == out[1][1].keys() and len(out[0][1]) > 10
+        for name in out[0][1]:
+            torch.testing.assert_close(out[0][1][name], out[1][1][name], **F64, msg=name)
+    # 64 tokens (61 + block padding) in segments of 12 tokens: 5 of 12 and one of 4 (chunk 4), or one of 6 (chunk 3:
+    # 64 tokens padded to 22 chunks; the 2 padding tokens are dropped after the lift)
+    assert calls and set(calls) == {12, 64 - 60 if chunk == 4 else 66 - 60}
+
+
+@pytest.mark.parametrize("variant", ["sh-s4", "mh-s4"])
+def test_segmented_context_continues_a_cache_exactly(variant):
+    """A prefill (fill_cache), a continued sequence from that cache (carried SSM state) and token steps after it
+    give the same logits on both paths."""
+    seg, whole = segmented_models(variant)
+    torch.manual_seed(4)
+    ids = torch.randint(0, 97, (2, 50))
+    out = []
+    for model in (seg, whole):
+        with torch.no_grad():
+            first = model(ids[:, :24], use_cache=True)
+            second = model(ids[:, 24:44], past_key_values=first.past_key_values, use_cache=True)
+            cache, steps = second.past_key_values, []
+            for t in range(44, 50):
+                step = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+                cache = step.past_key_values
+                steps.append(step.logits)
+        out.append(torch.cat([first.logits, second.logits] + steps, 1))
+    torch.testing.assert_close(out[0], out[1], **F64)
+    # and both equal the whole sequence at once
+    with torch.no_grad():
+        torch.testing.assert_close(out[0], whole(ids).logits, atol=1e-9, rtol=0)
+
+
 def test_append_history_is_a_shift_and_keeps_earlier_histories():
     history = torch.randn(2, 3, 10, dtype=torch.float64)
     ref, kept = history.clone(), []
