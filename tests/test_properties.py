@@ -81,7 +81,10 @@ def check_finite_causal_and_round_trip(config, length, seed, data):
             reloaded = AutoModelForCausalLM.from_pretrained(tmp).eval()
             state, state2 = model.state_dict(), reloaded.state_dict()
             assert state.keys() == state2.keys() and all(torch.equal(state[k], state2[k]) for k in state)
-            torch.testing.assert_close(reloaded(ids).logits, ref, atol=5e-5, rtol=1e-5)
+            # Compared in float64: in float32 the unstruct filter MLP's sin(freq * x) layers amplify the rounding of
+            # kernels that depend on memory alignment (up to 5.5e-5 on a random SH:unstruct config); in float64 the
+            # same bit-equal weights and config must give the same logits to rounding.
+            torch.testing.assert_close(reloaded.double()(ids).logits, model.double()(ids).logits, atol=1e-10, rtol=0)
 
 
 def check_recurrent_mode_equals_parallel(config, length, seed, data):
