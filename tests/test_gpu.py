@@ -209,6 +209,10 @@ def test_ssm_and_fft_convolution_stay_float32_under_bf16_autocast(device, varian
         if isinstance(m, SSM_MODULES):
             monkeypatch.setattr(m, "forward", record(type(m).__name__ + ".forward", m.forward))
             monkeypatch.setattr(m, "block_end_outputs", record(type(m).__name__ + ".block_end", m.block_end_outputs))
+            if hasattr(m, "channel_major_chunks"):  # MH's segmented context path: the SSM output segment by segment
+                monkeypatch.setattr(
+                    m, "channel_major_chunks", record(type(m).__name__ + ".segments", m.channel_major_chunks)
+                )
     ids = tokens(2, SEQ, device)
     with OpDtypes() as ops, torch.autocast(device_type=device, dtype=torch.bfloat16):
         model(ids, labels=ids, use_cache=False).loss.backward()
