@@ -88,3 +88,15 @@ def _restore_default_dtype():
 def _seed():
     seed_all(0)
     yield
+
+
+class DecodeStep(torch.nn.Module):
+    """One decode step taking and returning the cache (what an exported step runs)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, token, cache):
+        out = self.model(token, past_key_values=cache, use_cache=True)
+        return out.logits, out.past_key_values

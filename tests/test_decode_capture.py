@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 import torch.utils._pytree as pytree
-from conftest import make_model
+from conftest import DecodeStep, make_model
 
 from modeling_bst import BSTCache
 
@@ -40,18 +40,6 @@ def prompt(seed=0, rows=2):
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # left padding: the rows sit at different positions
     return ids, mask
-
-
-class DecodeStep(torch.nn.Module):
-    """One decode step taking and returning the cache (what an exported step runs)."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, token, cache):
-        out = self.model(token, past_key_values=cache, use_cache=True)
-        return out.logits, out.past_key_values
 
 
 def assert_caches_equal(got: BSTCache, want: BSTCache):

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 import torch.utils._pytree as pytree
-from conftest import make_model
+from conftest import DecodeStep, make_model
 
 from modeling_bst import BSTCache
 from modeling_bst.cache_bst import SSMStateCache
@@ -243,16 +243,6 @@ def test_saved_cache_round_trip_mid_chunk():
         got, _ = step_logits(model, loaded, after)
     torch.testing.assert_close(got, want, **TOL)
     check_rows(model, got, [torch.cat([ids[r], first[r], after[r]]) for r in range(2)])
-
-
-class DecodeStep(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, token, cache):
-        out = self.model(token, past_key_values=cache, use_cache=True)
-        return out.logits, out.past_key_values
 
 
 def test_traced_steps_take_the_direct_form_and_drop_the_chunk():
