@@ -142,3 +142,65 @@ def test_unstruct_step_taps_follow_parameter_edits():
         ssm.out.weight.data.mul_(-2.0)
         expected = ssm.reverse_taps(ssm.filters(model.config.max_position_embeddings))
         torch.testing.assert_close(layer.cross_attn.context.step_constants(layer_cache), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_learned_mask_attention_equals_sdpa(dtype):
+    """The written-out path for a mask that needs a gradient computes what SDPA computes (its math path), in the
+    output and in every gradient, the mask's included; bf16 is upcast the same way."""
+    import torch.nn.functional as F
+
+    from modeling_bst.modeling_bst import learned_mask_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 4, n, 16, generator=gen, dtype=dtype, requires_grad=True) for n in (8, 24, 24))
+    mask = torch.randn(1, 4, 8, 24, generator=gen, dtype=dtype)
+    mask[..., -5:] = torch.finfo(dtype).min  # finite masked keys, as the block masks have
+    mask.requires_grad_(True)
+    grad = torch.randn(3, 8, 4, 16, generator=gen, dtype=dtype)
+    ours = learned_mask_attention(q, k, v, mask, 0.0)
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0).transpose(1, 2)
+    tol = dict(rtol=0, atol=1e-6) if dtype == torch.float32 else dict(rtol=0, atol=1e-2)
+    torch.testing.assert_close(ours, sdpa, **tol)
+    for a, b in zip(
+        torch.autograd.grad(ours, (q, k, v, mask), grad), torch.autograd.grad(sdpa, (q, k, v, mask), grad)
+    ):
+        torch.testing.assert_close(a, b, **tol)
+
+
+def test_training_block_attention_takes_the_learned_mask_path_with_sdpa_gradients(monkeypatch):
+    """Training a Slide/BST model on SDPA goes through ``learned_mask_attention`` and gives the same loss and
+    gradients as the model on eager attention (the reference)."""
+    import modeling_bst.modeling_bst as mb
+
+    calls = []
+    original = mb.learned_mask_attention
+    monkeypatch.setattr(mb, "learned_mask_attention", lambda *a: calls.append(1) or original(*a))
+    ids = torch.randint(0, 97, (2, SEQ_LEN), generator=torch.Generator().manual_seed(1))
+    grads = {}
+    for implementation in ("sdpa", "eager"):
+        model = make_model("sh-s4", dtype=torch.float64, attn_implementation=implementation)
+        model.train()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        grads[implementation] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    assert calls, "SDPA training did not use learned_mask_attention"
+    torch.testing.assert_close(grads["sdpa"][0], grads["eager"][0], rtol=0, atol=1e-12)
+    for name, g in grads["eager"][1].items():
+        torch.testing.assert_close(grads["sdpa"][1][name], g, rtol=0, atol=1e-10, msg=name)
+
+
+def test_logit_scale_is_applied_once_with_or_without_a_head_bias():
+    model = make_model("sh-s4", dtype=torch.float64)
+    ids = torch.randint(0, 97, (2, SEQ_LEN), generator=torch.Generator().manual_seed(2))
+    scale = model.config.resolved_logit_scale
+    assert scale != 1.0
+    with torch.no_grad():
+        hidden = model.model(ids).last_hidden_state
+        expected = model.lm_head(hidden) * scale
+        torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=1e-12)
+        biased = torch.nn.Linear(hidden.shape[-1], model.config.vocab_size, bias=True, dtype=torch.float64)
+        biased.weight.copy_(model.lm_head.weight)
+        biased.bias.normal_()
+        model.set_output_embeddings(biased)
+        torch.testing.assert_close(model(ids).logits, biased(hidden) * scale, rtol=0, atol=1e-12)
