@@ -247,3 +247,37 @@ def test_report_names_its_section_folder_and_machine(tmp_path, monkeypatch):
         mqar.report(out, docs, section="bad name")
     with pytest.raises(SystemExit):
         mqar.main([*argv, "--section", "a b", "--report-only"])
+
+
+def test_gpu_protocol_mqar_dry_run():
+    """`bash experiments/gpu_quality.sh --mqar --dry-run`: the accelerator protocol's MQAR sweep on the CPU at 2 steps
+    of 2 sequences (3 models, 3 tiny cells) into a temporary folder: records, section and plot there, docs/ untouched."""
+    import shutil
+    import subprocess
+
+    docs = mqar.ROOT / "docs"
+
+    def snapshot():
+        return {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in docs.rglob("*")}
+
+    before = snapshot()
+    out = subprocess.run(
+        ["bash", str(mqar.ROOT / "experiments" / "gpu_quality.sh"), "--mqar", "--dry-run"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    folder = mqar.Path(out.stdout.strip().splitlines()[-1].split("dry run complete: ")[1])
+    try:
+        assert not folder.resolve().is_relative_to(mqar.ROOT)  # a temporary folder outside the repository
+        records = sorted(p.name for p in (folder / "docs" / "results" / "mqar_gpu").glob("*.json"))
+        cells = ("L128-N4", "L128-N8", "L256-N4")
+        assert records == [f"{m}-{c}-2x2-s0.json" for m in ("attention", "bst-sh-s4", "slide") for c in cells]
+        record = json.loads((folder / "docs" / "results" / "mqar_gpu" / records[0]).read_text())
+        assert record["settings"]["steps"] == 2 and record["settings"]["num_keys"] == 64
+        assert record["command"].startswith("python -m experiments.mqar --grid gpu")
+        assert "<!-- mqar_gpu:start -->" in (folder / "docs" / "results.md").read_text()
+        assert (folder / "docs" / "results" / "mqar_gpu.png").exists()
+        assert not list(folder.rglob("*.safetensors"))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    assert snapshot() == before
