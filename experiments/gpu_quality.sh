@@ -27,13 +27,13 @@
 #   bash experiments/gpu_quality.sh --mqar --dry-run                 # CPU, 2 steps, 3 models, into a temporary folder
 #
 # Expected GPU time (an ESTIMATE, not measured on a GPU): the models are tiny (100-350k parameters), so a step costs
-# what eager PyTorch takes to launch its ops, not FLOPs. One training step is ~1.2k (Slide) to ~3.3k (BST) aten ops
-# at every length, BRecT ~3.6k at L=256 to ~20k at L=2048 (its recurrence runs block by block), HF Mamba ~1.5-1.9k
-# (counted on the CPU with a dispatch-mode counter); at ~8 us per op that is ~10-25 ms per step (BRecT up to
-# ~160 ms), while the arithmetic is ~0.1 TFLOP per step at most (the W=L reference at L=2048) and mambapy's scan
-# moves ~60 GB per step at L=2048 (~30 ms on an H100). Summed over the grid: ~3 h on one H100 (BRecT about a third;
-# ~2 h at 5 us per op, ~5 h at 15 us), checkpoints (every 100 steps) and evaluation a few minutes. On one loaded CPU
-# thread a step at L=2048 takes 3.6 s (BST:SH:S4) and 2.2 s (Slide), i.e. ~100x the GPU estimate.
+# what eager PyTorch takes to launch its ops, not FLOPs. A training step is ~1.2k (Slide) to ~3.3k (BST; BST:MH 5.1k
+# at L=2048) aten ops, BRecT ~3.6k at L=256 to ~20k at L=2048 (its recurrence runs block by block), HF Mamba
+# ~1.5-1.9k (counted on the CPU with a dispatch-mode counter); at ~8 us per op that is ~10-40 ms per step (BRecT up
+# to ~160 ms), while the arithmetic is ~0.4 TFLOP per step at most (the W=L reference at L=2048: ~10 ms in fp32)
+# and mambapy's scan moves ~60 GB per step at L=2048 (~30 ms on an H100). Summed over the grid: ~3 h on one H100
+# (BRecT about a third; ~2 h at 5 us per op, ~5 h at 15 us); checkpoints (every 100 steps) and evaluation add a few
+# minutes. For scale: on one loaded CPU thread a step at L=2048 takes 3.6 s (BST:SH:S4) and 2.2 s (Slide).
 # HF Mamba needs the pure-Python `mambapy` package in .venv (pip install mambapy) for its parallel scan; without it
 # (or the mamba_ssm kernels) transformers loops over the positions and the L=2048 run alone takes hours.
 set -euo pipefail

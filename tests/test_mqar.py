@@ -281,3 +281,10 @@ def test_gpu_protocol_mqar_dry_run():
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     assert snapshot() == before
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a CUDA device")
+def test_cuda_without_a_gpu_is_refused_up_front(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        mqar.main(["--device", "cuda", *TINY, "--output", str(tmp_path)])
+    assert "--device cuda: torch sees no CUDA device" in capsys.readouterr().err and not list(tmp_path.iterdir())
