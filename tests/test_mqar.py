@@ -249,6 +249,10 @@ def test_report_names_its_section_folder_and_machine(tmp_path, monkeypatch):
         mqar.main([*argv, "--section", "a b", "--report-only"])
 
 
+@pytest.mark.skipif(
+    not (mqar.ROOT / ".venv" / "bin" / "python").exists(),
+    reason="gpu_quality.sh runs in the repository's .venv (without one it would create it: scripts/setup.sh)",
+)
 def test_gpu_protocol_mqar_dry_run():
     """`bash experiments/gpu_quality.sh --mqar --dry-run`: the accelerator protocol's MQAR sweep on the CPU at 2 steps
     of 2 sequences (3 models, 3 tiny cells) into a temporary folder: records, section and plot there, docs/ untouched."""
