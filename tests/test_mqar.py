@@ -195,3 +195,100 @@ def test_report_has_one_table_per_budget_reference_first(tmp_path, monkeypatch):
     rows = [line for line in large.splitlines() if line.startswith("| ") and not line.startswith("| Model")]
     assert rows[0] == "| Attention (W=L) | A A | 26k | 50.0 |" and rows[1].startswith("| BST:SH:S4 | B B |")
     assert "| Slide | A A |" in small and "| Attention" not in small and "No reference run" in small
+
+
+def test_report_names_its_section_folder_and_machine(tmp_path, monkeypatch):
+    """`--section NAME` writes section NAME of `--docs` and results/NAME.png beside it, whatever the output folder;
+    the text names that folder and the records' machine (the GPU's name for CUDA records; the "sharing the CPU"
+    sentence only in the CPU protocol's `mqar` section). Without `--section`, a non-default folder is only printed."""
+    from benchmarks.docs_section import cpu_name
+
+    out = tmp_path / "runs"
+    docs = tmp_path / "docs" / "results.md"
+    docs.parent.mkdir()
+    docs.write_text("# Results\n\n<!-- mqar:start -->\nthe CPU section\n<!-- mqar:end -->\n")
+    argv = ["--models", "slide", "--steps", "1", *TINY[:-1], "--output", str(out), "--docs", str(docs)]
+    mqar.main(argv)  # no --section: the report is printed, docs/ untouched
+    assert docs.read_text().count("start -->") == 1 and not (tmp_path / "docs" / "results").exists()
+    record = json.loads(next(out.glob("*.json")).read_text())
+    assert record["settings"]["device"] == "cpu" and record["settings"]["device_name"] == cpu_name()
+    assert record["sittings"][0]["device_name"] == cpu_name()
+
+    mqar.main([*argv, "--section", "mqar_gpu", "--report-only"])
+    written = docs.read_text()
+    assert "<!-- mqar:start -->\nthe CPU section\n<!-- mqar:end -->" in written  # the other section is kept
+    section = written.split("<!-- mqar_gpu:start -->\n")[1].split("\n<!-- mqar_gpu:end -->")[0]
+    assert (tmp_path / "docs" / "results" / "mqar_gpu.png").stat().st_size > 0
+    assert "![MQAR accuracy](results/mqar_gpu.png)" in section and f"`{out.as_posix()}/`" in section
+    assert f"Machine: {cpu_name()}, one thread per run" in section and "sharing the CPU" not in section
+    assert "docs/results/mqar/" not in section and "gpu_quality.sh --mqar" in section
+
+    # the same records as if run on a GPU: the report names the GPU, not this machine's CPU
+    for path in out.glob("*.json"):
+        r = json.loads(path.read_text())
+        r["settings"].update(device="cuda", device_name="NVIDIA H100 80GB HBM3")
+        path.write_text(json.dumps(r))
+    text = mqar.report(out, docs, section="mqar_gpu")
+    assert "Machine: NVIDIA H100 80GB HBM3, one run at a time" in text and cpu_name() not in text
+    assert docs.read_text().count("<!-- mqar_gpu:start -->") == 1  # rewritten in place
+
+    # the CPU protocol's section says where its runs were made, and names its own folder
+    text = mqar.report(out, None)
+    assert "sharing the CPU" not in text  # GPU records, even in the `mqar` section
+    for path in out.glob("*.json"):
+        r = json.loads(path.read_text())
+        r["settings"].update(device="cpu", device_name="Some CPU")
+        path.write_text(json.dumps(r))
+    text = mqar.report(out, None)
+    assert "Machine: Some CPU, one thread per run unless a run's settings say otherwise, sharing the CPU with" in text
+    assert "`python -m experiments.mqar` runs the\nfirst cell" in text and "50 x 8, is kept" in text
+    assert mqar._folder(mqar.RESULTS) == "docs/results/mqar/" and mqar._folder(mqar.GPU_RESULTS).endswith("_gpu/")
+    with pytest.raises(ValueError, match="section must be"):
+        mqar.report(out, docs, section="bad name")
+    with pytest.raises(SystemExit):
+        mqar.main([*argv, "--section", "a b", "--report-only"])
+
+
+@pytest.mark.skipif(
+    not (mqar.ROOT / ".venv" / "bin" / "python").exists(),
+    reason="gpu_quality.sh runs in the repository's .venv (without one it would create it: scripts/setup.sh)",
+)
+def test_gpu_protocol_mqar_dry_run():
+    """`bash experiments/gpu_quality.sh --mqar --dry-run`: the accelerator protocol's MQAR sweep on the CPU at 2 steps
+    of 2 sequences (3 models, 3 tiny cells) into a temporary folder: records, section and plot there, docs/ untouched."""
+    import shutil
+    import subprocess
+
+    docs = mqar.ROOT / "docs"
+
+    def snapshot():
+        return {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in docs.rglob("*")}
+
+    before = snapshot()
+    out = subprocess.run(
+        ["bash", str(mqar.ROOT / "experiments" / "gpu_quality.sh"), "--mqar", "--dry-run"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    folder = mqar.Path(out.stdout.strip().splitlines()[-1].split("dry run complete: ")[1])
+    try:
+        assert not folder.resolve().is_relative_to(mqar.ROOT)  # a temporary folder outside the repository
+        records = sorted(p.name for p in (folder / "docs" / "results" / "mqar_gpu").glob("*.json"))
+        cells = ("L128-N4", "L128-N8", "L256-N4")
+        assert records == [f"{m}-{c}-2x2-s0.json" for m in ("attention", "bst-sh-s4", "slide") for c in cells]
+        record = json.loads((folder / "docs" / "results" / "mqar_gpu" / records[0]).read_text())
+        assert record["settings"]["steps"] == 2 and record["settings"]["num_keys"] == 64
+        assert record["command"].startswith("python -m experiments.mqar --grid gpu")
+        assert "<!-- mqar_gpu:start -->" in (folder / "docs" / "results.md").read_text()
+        assert (folder / "docs" / "results" / "mqar_gpu.png").exists()
+        assert not list(folder.rglob("*.safetensors"))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    assert snapshot() == before
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a CUDA device")
+def test_cuda_without_a_gpu_is_refused_up_front(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        mqar.main(["--device", "cuda", *TINY, "--output", str(tmp_path)])
+    assert "--device cuda: torch sees no CUDA device" in capsys.readouterr().err and not list(tmp_path.iterdir())
