@@ -34,8 +34,9 @@
 # and mambapy's scan moves ~60 GB per step at L=2048 (~30 ms on an H100). Summed over the grid: ~3 h on one H100
 # (BRecT about a third; ~2 h at 5 us per op, ~5 h at 15 us); checkpoints (every 100 steps) and evaluation add a few
 # minutes. For scale: on one loaded CPU thread a step at L=2048 takes 3.6 s (BST:SH:S4) and 2.2 s (Slide).
-# HF Mamba needs the pure-Python `mambapy` package in .venv (pip install mambapy) for its parallel scan; without it
-# (or the mamba_ssm kernels) transformers loops over the positions and the L=2048 run alone takes hours.
+# HF Mamba needs the pure-Python `mambapy` package (in the `train` extra, installed by scripts/setup.sh) for its
+# parallel scan; without it (or the mamba_ssm kernels) transformers loops over the positions and the L=2048 run
+# alone takes hours.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || bash scripts/setup.sh
