@@ -182,10 +182,10 @@ def compile_counters() -> dict:
     return picked
 
 
-def measure_compiled(models: dict, contexts, steps: int, device: str, mode: str) -> tuple[list, dict]:
+def measure_compiled(models: dict, contexts, steps: int, device: str, mode: str, skip=None) -> tuple[list, dict]:
     """Compiled decode steps of [`COMPILED_KINDS`]: each compile checked against eager first, then timed at every
-    context (those of them in ``models``). Returns rows (``model`` = kind + "-compiled") and per kind the check and
-    dynamo's counters."""
+    context (those of them in ``models``) but those ``skip(kind, context)`` rules out (the eager run's limits).
+    Returns rows (``model`` = kind + "-compiled") and per kind the check and dynamo's counters."""
     from torch._dynamo.utils import counters
 
     rows, report = [], {}
@@ -197,6 +197,8 @@ def measure_compiled(models: dict, contexts, steps: int, device: str, mode: str)
             "max_abs_logit_diff_vs_eager": compiled_max_diff(kind, models[kind], step_model, device)
         }
         for context in contexts:
+            if skip is not None and skip(kind, context):
+                continue
             ms, nbytes = measure(kind, models[kind], context, steps, device, step_model=step_model)
             rows.append(dict(model=f"{kind}-compiled", context=context, ms_per_token=ms, cache_bytes=nbytes))
             print(f"{kind + '-compiled':<15} {context:>8} {ms:>9.2f} {nbytes / 2**20:>10.2f}", flush=True)
@@ -354,13 +356,18 @@ def main():
         models["bst-recompute"] = models["bst-s4"]
     rows = []
     print(f"{'model':<15} {'context':>8} {'ms/token':>9} {'cache MiB':>10}")
+
+    def skipped(kind: str, context: int) -> bool:
+        """Contexts beyond a contender's limit (slow prefill or memory), the same for eager and compiled steps."""
+        if kind == "bst-recompute":
+            return context > args.recompute_max
+        if kind == "mamba":
+            return context > args.mamba_max
+        return kind.startswith("llama") and args.llama_max is not None and context > args.llama_max
+
     for context in [c for _ in range(args.repeats) for c in args.contexts]:
         for kind in kinds:
-            if kind == "bst-recompute" and context > args.recompute_max:
-                continue
-            if kind == "mamba" and context > args.mamba_max:
-                continue
-            if kind.startswith("llama") and args.llama_max is not None and context > args.llama_max:
+            if skipped(kind, context):
                 continue
             steps = args.steps if kind != "bst-recompute" else 2
             ms, nbytes = measure(kind, models[kind], context, steps, args.device, stat=args.stat)
@@ -369,7 +376,7 @@ def main():
     if args.compile is not None:
         meta["compile_mode"] = args.compile
         compiled_rows, meta["compiled"] = measure_compiled(
-            models, args.contexts, args.steps, args.device, args.compile
+            models, args.contexts, args.steps, args.device, args.compile, skip=skipped
         )
         rows += compiled_rows
     if args.no_write:
