@@ -300,6 +300,8 @@ def main():
         if part not in args.parts:
             results[part] = old[part]
             meta[f"{part}_from"] = old["meta"].get("command", "an earlier run")
+            if part == "decode":  # the kept part's settings, for its table text
+                meta.update({k: old["meta"][k] for k in ("decode_steps", "decode_chunk") if k in old["meta"]})
         elif part == "layers":
             results[part] = layer_ab(args.lengths, args.rounds, args.layers, args.paths)
         else:
