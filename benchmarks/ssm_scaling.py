@@ -42,7 +42,7 @@ import layer_speed  # noqa: E402
 from docs_section import clock, cpu_name, tune_malloc, write_section  # noqa: E402
 
 from modeling_bst import ssm_bst  # noqa: E402
-from modeling_bst.modeling_bst import MH_SEGMENT_LEN, MHContextStates, TokenContextStates  # noqa: E402
+from modeling_bst.modeling_bst import MH_SEGMENT_LEN, TokenContextStates  # noqa: E402
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,12 +57,7 @@ def set_path(module: torch.nn.Module, path: str):
         if isinstance(m, ssm_bst.S4DKernel):
             m.chunk_len = 0 if path == "whole" else ssm_bst.S4D_CHUNK_LEN
         if isinstance(m, TokenContextStates):
-            if path == "unsegmented":
-                m.segment_len = 0
-            else:
-                m.__dict__.pop("segment_len", None)  # the class default (SH: 0)
-                if isinstance(m, MHContextStates):
-                    m.segment_len = MH_SEGMENT_LEN
+            m.segment_len = 0 if path == "unsegmented" else type(m).segment_len  # the class's default
 
 
 def segmented(layer: torch.nn.Module) -> bool:

@@ -735,20 +735,23 @@ def _mamba_scan(records: list[dict]) -> str:
 
 def _how_to_extend(records: list[dict], section: str) -> list[str]:
     if section == SECTION:
-        return [
-            "The same command completes or extends the grid (finished runs are skipped; a run interrupted or stopped",
+        how = [
             "at `--deadline-minutes` continues exactly from its checkpoint): `python -m experiments.mqar` runs the",
             "first cell (L = 256, N = 8) for every model, `--grid sweep` the lengths and pair counts around it.",
         ]
-    if section == GPU_SECTION:
-        command = "`bash experiments/gpu_quality.sh --mqar` runs the whole grid on one GPU"
     else:
-        commands = [r["command"] for r in records if r.get("command")]
-        command = f"`{max(commands, key=commands.count)}` wrote most of these runs" if commands else "-"
+        if section == GPU_SECTION:
+            command = "`bash experiments/gpu_quality.sh --mqar` runs the whole grid on one GPU"
+        else:
+            commands = [r["command"] for r in records if r.get("command")]
+            command = f"`{max(commands, key=commands.count)}` wrote most of these runs" if commands else "-"
+        how = [
+            "at `--deadline-minutes` continues exactly from its checkpoint; each run's JSON holds the command that",
+            f"wrote it): {command}.",
+        ]
     return [
         "The same command completes or extends the grid (finished runs are skipped; a run interrupted or stopped",
-        "at `--deadline-minutes` continues exactly from its checkpoint; each run's JSON holds the command that",
-        f"wrote it): {command}.",
+        *how,
     ]
 
 

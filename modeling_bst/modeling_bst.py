@@ -378,14 +378,15 @@ class MHContextStates(TokenContextStates):
     """MH (multi-head, Listing 3): H SSM outputs (one C matrix per head), each lifted by its own D_s -> D projection
     and projected to that head's keys/values."""
 
+    # Long S4 sequences run segment by segment: no (B, T, H, Ds) SSM output or (B, T, H, D) lift is built.
+    segment_len = MH_SEGMENT_LEN
+
     def __init__(self, config: BSTConfig):
         super().__init__(config)
         d, heads, hd = config.hidden_size, config.num_attention_heads, config.head_dim
         self.up_proj = nn.Parameter(torch.empty(heads, config.ssm_channels, d))  # (H, Ds, D)
         self.k_proj = nn.Parameter(torch.empty(heads, d, hd))
         self.v_proj = nn.Parameter(torch.empty(heads, d, hd))
-        # Long S4 sequences run segment by segment: no (B, T, H, Ds) SSM output or (B, T, H, D) lift is built.
-        self.segment_len = MH_SEGMENT_LEN
 
     def lift_and_project(self, y: torch.Tensor):
         y = y.to(self.down_proj.weight.dtype)
@@ -531,8 +532,8 @@ def learned_mask_attention(q, k, v, mask, dropout: float) -> torch.Tensor:
     """
     dtype = q.dtype
     with torch.autocast(q.device.type, enabled=False):
-        q, k, v, mask = upcast(q), upcast(k), upcast(v), mask.to(upcast(q).dtype)
-        weights = torch.softmax(torch.matmul(q, k.transpose(-1, -2)) + mask, dim=-1)
+        q, k, v = upcast(q), upcast(k), upcast(v)
+        weights = torch.softmax(torch.matmul(q, k.transpose(-1, -2)) + mask.to(q.dtype), dim=-1)
         if dropout > 0:
             weights = F.dropout(weights, p=dropout)
         return torch.matmul(weights, v).to(dtype).transpose(1, 2).contiguous()

@@ -244,6 +244,13 @@ def transposed_vandermonde(z: torch.Tensor, log_a: torch.Tensor, chunk: int = 64
     return (partial * p_out).sum(-1)
 
 
+def stacked_states(x0: torch.Tensor) -> torch.Tensor:
+    """Complex chunk-start states `(B, n, Ds, N2)` as real `(Ds, B * n, 2 N2)` (real parts, then imaginary), the
+    left operand of the free-response matmul against [`S4DKernel.chunk_constants`]' read-out."""
+    bsz, n, ds, modes = x0.shape
+    return torch.cat([x0.real, x0.imag], -1).permute(2, 0, 1, 3).reshape(ds, bsz * n, 2 * modes)
+
+
 class S4DKernel(nn.Module):
     """Diagonal state-space kernel (S4D) with zero-order-hold discretisation.
 
@@ -369,7 +376,7 @@ class S4DKernel(nn.Module):
         y = fft_conv(u, spectrum).view(bsz, nc, self.out_channels, ds, chunk)  # within each chunk
         if nc > 1 or state is not None:
             x0 = self.chunk_start_states(z, chunk, state)
-            xs = torch.cat([x0.real, x0.imag], -1).permute(2, 0, 1, 3).reshape(ds, bsz * nc, 2 * self.n_modes)
+            xs = stacked_states(x0)  # (Ds, B*nc, 2 N2)
             free = 2 * torch.bmm(xs, readout)  # (Ds, B*nc, C*T): the free response of every chunk
             y = y + free.view(ds, bsz, nc, self.out_channels, chunk).permute(1, 2, 3, 0, 4)
         return y.permute(0, 1, 4, 2, 3).reshape(bsz, nc * chunk, self.out_channels, ds)[:, :length]
@@ -406,7 +413,7 @@ class S4DKernel(nn.Module):
             spectrum, readout = constants if constants is not None else self.chunked_constants(chunk, z.dtype)
             u_f = torch.fft.rfft(z.reshape(bsz * nc, chunk, ds).permute(2, 0, 1), n=2 * chunk)  # (Ds, B*nc, T+1)
             y = torch.fft.irfft(u_f * spectrum.unsqueeze(2), n=2 * chunk)[..., :chunk]  # (C, Ds, B*nc, T)
-            xs = torch.cat([x0.real, x0.imag], -1).permute(2, 0, 1, 3).reshape(ds, bsz * nc, 2 * self.n_modes)
+            xs = stacked_states(x0)  # (Ds, B*nc, 2 N2)
             free = torch.bmm(xs, readout).view(ds, bsz * nc, self.out_channels, chunk).permute(2, 0, 1, 3)
             return torch.add(y, free, alpha=2).reshape(self.out_channels, ds, bsz * length)
 
