@@ -214,13 +214,23 @@ def train_command(
     return cmd
 
 
-def eval_command(model: str, seed: int, proto: Protocol = CPU, device: str | None = None, eval_tokens=None) -> list:
-    d = run_dir(model, seed, proto)
+def eval_command(
+    model: str,
+    seed: int,
+    proto: Protocol = CPU,
+    device: str | None = None,
+    eval_tokens=None,
+    checkpoint: Path | None = None,
+    output: str = "eval.json",
+    run: Path | None = None,
+) -> list:
+    """Test evaluation at every length of the run's final model (or of ``checkpoint``) into ``<run>/<output>``."""
+    d = run or run_dir(model, seed, proto)
     cmd = [
-        sys.executable, "-m", "training.evaluate", "--model", str(d / "final"), "--dataset", Q.KIND[proto.corpus],
-        "--dataset_path", str(Q.WORK / "data" / proto.corpus), "--split", "test",
+        sys.executable, "-m", "training.evaluate", "--model", str(checkpoint or d / "final"),
+        "--dataset", Q.KIND[proto.corpus], "--dataset_path", str(Q.WORK / "data" / proto.corpus), "--split", "test",
         "--max_tokens_per_doc", str(eval_tokens or proto.eval_tokens), "--lengths", *map(str, proto.lengths),
-        "--output", str(d / "eval.json"),
+        "--output", str(d / output),
     ]  # fmt: skip
     if device is not None:
         cmd += ["--device", device]
@@ -233,9 +243,10 @@ def learning_curve(
     eval_tokens: int = CPU.eval_tokens,
     device: str = "cpu",
     corpus: str = CORPUS,
+    split: str = "test",
 ) -> list[dict]:
-    """Test bits per byte / token perplexity at the training length of every checkpoint of a run (cached in
-    ``curve.json``, so an interrupted evaluation continues)."""
+    """Bits per byte / token perplexity on ``split`` at the training length of every checkpoint of a run (cached in
+    ``curve.json`` for test, ``curve_<split>.json`` otherwise, so an interrupted evaluation continues)."""
     import torch
 
     from modeling_bst import BSTForCausalLM
@@ -244,9 +255,9 @@ def learning_curve(
     from training.train import complete_checkpoints
 
     torch.set_num_threads(1)
-    cache_path = model_dir / "curve.json"
+    cache_path = model_dir / ("curve.json" if split == "test" else f"curve_{split}.json")
     points = {p["step"]: p for p in json.loads(cache_path.read_text())} if cache_path.exists() else {}
-    texts = list(D.texts_of(D.load_documents("pg19", "test", path=str(Q.WORK / "data" / corpus))))
+    texts = list(D.texts_of(D.load_documents("pg19", split, path=str(Q.WORK / "data" / corpus))))
     summary = json.loads((model_dir / "train_summary.json").read_text())
     tokens_per_step = summary["seq_len"] * summary["train_batch_size"]
     for ckpt in complete_checkpoints(str(model_dir)):
@@ -261,8 +272,89 @@ def learning_curve(
         tmp = cache_path.with_suffix(".tmp")
         tmp.write_text(json.dumps([points[k] for k in sorted(points)], indent=1))
         os.replace(tmp, cache_path)
-        print(f"{model_dir.name} step {step}: {row['bits_per_byte']:.4f} bpb", flush=True)
+        print(f"{model_dir.name} step {step}: {row['bits_per_byte']:.4f} bpb ({split})", flush=True)
     return [points[k] for k in sorted(points)]
+
+
+# Checkpoint selection (early stopping). 10.24M tokens are 1.6-3.4 passes over the training books, and several runs'
+# test curves turn up on the last pass while their training loss keeps falling, so the final checkpoint's score mixes
+# the architecture with how far into over-fitting the run ended. Each record therefore also scores on test the
+# checkpoint with the lowest validation bits per byte (the held-out validation book, whole, at the training length):
+# the usual early-stopping protocol, chosen without looking at the test books. The final-checkpoint table stays.
+VALIDATION_TOKENS = 131072  # per validation book: the whole of Northanger Abbey (~115k tokens), about the test count
+
+
+def best_checkpoint(curve: list[dict]) -> dict:
+    """The point of a validation curve with the lowest bits per byte (the later one on a tie)."""
+    if not curve:
+        raise ValueError("no complete checkpoint to select from (empty validation curve)")
+    return min(curve, key=lambda p: (p["bits_per_byte"], -p["step"]))
+
+
+def select_checkpoint(
+    model: str,
+    seed: int,
+    proto: Protocol = CPU,
+    device: str = "cpu",
+    eval_tokens: int | None = None,
+    run: Path | None = None,
+    env: dict | None = None,
+    log=None,
+) -> dict:
+    """Validation curve of every checkpoint, then the test evaluation (every length) of the best one; returns the
+    record fields ``validation_curve``, ``selected_step``, ``selected_results`` and ``selection_commands``."""
+    d = run or run_dir(model, seed, proto)
+    curve_cmd = [sys.executable, "-m", "experiments.lm_long", "curve", str(d), "--split", "validation",
+                 "--length", str(proto.curve_length), "--eval_tokens", str(VALIDATION_TOKENS), "--device", device,
+                 "--corpus", proto.corpus]  # fmt: skip
+
+    def call(cmd):
+        if log is not None:
+            log.write("$ " + " ".join(cmd) + "\n")
+            log.flush()
+        subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT if log else None, check=True)
+
+    call(curve_cmd)
+    curve = json.loads((d / "curve_validation.json").read_text())
+    best = best_checkpoint(curve)
+    ckpt = d / f"checkpoint-{best['step']}"
+    eval_cmd = eval_command(
+        model, seed, proto, device, eval_tokens, checkpoint=ckpt, output="eval_selected.json", run=d
+    )
+    out = d / "eval_selected.json"
+    previous = json.loads(out.read_text()) if out.exists() else None
+    if previous is None or previous["models"][0]["path"] != str(ckpt):
+        call(eval_cmd)
+    entry = json.loads(out.read_text())["models"][0]
+    return {
+        "validation_curve": curve,
+        "selected_step": best["step"],
+        "selected_results": entry["results"],
+        "selection_commands": [" ".join(c[1:]) for c in (curve_cmd, eval_cmd)],
+        "selection_commit": _commit(),
+    }
+
+
+def add_selection(proto: Protocol = CPU, runs: Path | None = None, device: str = "cpu", force: bool = False) -> list:
+    """Adds the checkpoint selection to every record of ``proto`` that lacks it (``runs``: the folder that holds the
+    run folders, when they live elsewhere than this checkout's ``runs/``). Returns the updated record paths."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    done = []
+    for path in sorted(proto.results.glob("*.json")):
+        record = json.loads(path.read_text())
+        if "selected_results" in record and not force:
+            continue
+        d = (Path(runs) if runs else proto.work) / f"{record['model']}-s{record['seed']}"
+        if not any(d.glob("checkpoint-*")):
+            print(f"{path.name}: no checkpoints under {d}; skipped", flush=True)
+            continue
+        record.update(select_checkpoint(record["model"], record["seed"], proto, device, run=d, env=env))
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record, indent=1))
+        os.replace(tmp, path)
+        print(f"{path.name}: selected step {record['selected_step']}", flush=True)
+        done.append(path)
+    return done
 
 
 def run_long(
@@ -304,6 +396,7 @@ def run_long(
             fh.write("$ " + " ".join(cmd) + "\n")
             fh.flush()
             subprocess.run(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, check=True)
+        selection = select_checkpoint(model, seed, proto, device, eval_tokens, env=env, log=fh)
     report = json.loads((d / "eval.json").read_text())
     history = json.loads((d / "log_history.json").read_text())
     train_losses = [{"step": h["step"], "loss": h["loss"]} for h in history if "loss" in h]
@@ -331,6 +424,7 @@ def run_long(
         "dataset": report["dataset"],
         "learning_curve": json.loads((d / "curve.json").read_text()),
         "results": entry["results"],
+        **selection,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
@@ -363,21 +457,25 @@ def load_records(results_dir: Path = RESULTS) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(Path(results_dir).glob("*.json"))]
 
 
-def _bpb(record: dict, length: int) -> float | None:
-    return Q._at(record, length, "bits_per_byte")
+def _bpb(record: dict, length: int, key: str = "results") -> float | None:
+    return Q._at({"results": record.get(key) or []}, length, "bits_per_byte")
 
 
-def summarise(records: list[dict], lengths=CPU.lengths) -> dict[str, dict]:
-    """Per model: seeds, mean and spread (max - min) of test bits per byte and token perplexity at every length."""
+def summarise(records: list[dict], lengths=CPU.lengths, key: str = "results") -> dict[str, dict]:
+    """Per model: seeds, mean and spread (max - min) of test bits per byte and token perplexity at every length, from
+    the final checkpoints (``key="results"``) or the validation-selected ones (``"selected_results"``; records without
+    a selection are left out)."""
     by_model: dict[str, list[dict]] = {}
     for r in records:
-        by_model.setdefault(r["model"], []).append(r)
+        if r.get(key):
+            by_model.setdefault(r["model"], []).append(r)
     out = {}
     for model, rs in by_model.items():
         row = {"seeds": sorted(r["seed"] for r in rs), "parameters": rs[0]["parameters"], "lengths": {}}
+        row["selected_steps"] = [r.get("selected_step") for r in sorted(rs, key=lambda r: r["seed"])]
         for n in lengths:
-            vals = [v for v in (_bpb(r, n) for r in rs) if v is not None]
-            ppls = [v for v in (Q._at(r, n, "ppl_token") for r in rs) if v is not None]
+            vals = [v for v in (_bpb(r, n, key) for r in rs) if v is not None]
+            ppls = [v for v in (Q._at({"results": r[key]}, n, "ppl_token") for r in rs) if v is not None]
             if vals:
                 row["lengths"][n] = {
                     "bpb_mean": sum(vals) / len(vals),
@@ -395,7 +493,9 @@ def plot(records: list[dict], path: Path, proto: Protocol = CPU) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    selected = [r for r in records if r.get("validation_curve")]
+    fig, axes = plt.subplots(1, 3 if selected else 2, figsize=(16.5 if selected else 11, 4.2))
+    ax1, ax2 = axes[0], axes[1]
     colours = {}
     for r in sorted(records, key=lambda r: (r["model"], r["seed"])):
         c = colours.setdefault(r["model"], f"C{len(colours)}")
@@ -406,6 +506,18 @@ def plot(records: list[dict], path: Path, proto: Protocol = CPU) -> None:
         ax1.plot(*zip(*pts), style, color=c, marker=".", label=label, alpha=1.0 if r["seed"] == 0 else 0.6)
         gen = [(n, _bpb(r, n)) for n in proto.lengths if _bpb(r, n) is not None]
         ax2.plot(*zip(*gen), style, color=c, marker="o", label=label, alpha=1.0 if r["seed"] == 0 else 0.6)
+        if r.get("validation_curve"):
+            val = [(p["step"] * per_step / 1e6, p["bits_per_byte"]) for p in r["validation_curve"]]
+            axes[2].plot(*zip(*val), style, color=c, marker=".", alpha=1.0 if r["seed"] == 0 else 0.6)
+            best = next(p for p in r["validation_curve"] if p["step"] == r["selected_step"])
+            axes[2].plot(best["step"] * per_step / 1e6, best["bits_per_byte"], "*", color=c, markersize=11)
+    if selected:
+        tail = [p["bits_per_byte"] for r in selected for p in r["validation_curve"][len(r["validation_curve"]) // 3 :]]
+        axes[2].set_ylim(min(tail) - 0.02, max(tail) + 0.05)
+        axes[2].set_xlabel("training tokens (millions)")
+        axes[2].set_ylabel(f"validation bits per byte at L={proto.curve_length}")
+        axes[2].set_title("validation curves (star: the selected checkpoint)")
+        axes[2].grid(alpha=0.3)
     ax1.set_xlabel("training tokens (millions)")
     ax1.set_ylabel(f"test bits per byte at L={proto.curve_length}")
     ax1.set_title("learning curves (held-out books)")
@@ -425,24 +537,15 @@ def plot(records: list[dict], path: Path, proto: Protocol = CPU) -> None:
     plt.close(fig)
 
 
-def report(results_dir: Path | None = None, docs: Path | None | str = "default", proto: Protocol = CPU) -> str:
-    """Table-1-style table (mean and spread over seeds), learning curves and length generalisation (one PNG), written
-    into the protocol's section (``lm_long`` for the CPU one) of ``docs`` (None: only returned)."""
-    from benchmarks.docs_section import cpu_name, write_section
-
-    docs = proto.docs if docs == "default" else docs
-    records = load_records(results_dir or proto.results)
-    if not records:
-        raise SystemExit(f"no records under {results_dir}; run `python -m experiments.lm_quality long` first")
-    docs_dir = (docs or ROOT / "docs" / "results.md").parent
-    png = docs_dir / "results" / f"{proto.section}.png"
-    if docs is not None:
-        plot(records, png, proto)
-    lengths, L = proto.lengths, proto.seq_len
-    summary = summarise(records, lengths)
+def _table(summary: dict, lengths, L: int, steps: bool = False) -> list[str]:
+    """Markdown rows: mean bits per byte (± half the seed spread, change against Slide's mean) at every length."""
     slide = summary.get("slide")
-    head = "| Model | Params | seeds | " + " | ".join(f"bpb L={n}" for n in lengths) + f" | ppl L={L} | train loss |"
-    lines = [head, "|---|---|---|" + "---|" * len(lengths) + "---|---|"]
+    head = "| Model | Params | seeds | " + ("selected steps | " if steps else "")
+    head += " | ".join(f"bpb L={n}" for n in lengths) + f" | ppl L={L} |" + ("" if steps else " train loss |")
+    lines = [
+        head,
+        "|---|---|---|" + ("---|" if steps else "") + "---|" * len(lengths) + ("---|" if steps else "---|---|"),
+    ]
     order = [m for m in LONG_MODELS if m in summary] + [m for m in summary if m not in LONG_MODELS]
     for model in order:
         row = summary[model]
@@ -459,11 +562,33 @@ def report(results_dir: Path | None = None, docs: Path | None | str = "default",
                 cell += f" ({100 * (x['bpb_mean'] / slide['lengths'][n]['bpb_mean'] - 1):+.1f}%)"
             cells.append(cell)
         ppl = row["lengths"].get(L, {}).get("ppl_mean")
+        picked = f"{','.join(str(s) for s in row['selected_steps'])} | " if steps else ""
         lines.append(
-            f"| {Q.LABELS[model]} | {row['parameters'] / 1e6:.2f}M | {','.join(map(str, row['seeds']))} | "
+            f"| {Q.LABELS[model]} | {row['parameters'] / 1e6:.2f}M | {','.join(map(str, row['seeds']))} | {picked}"
             + " | ".join(cells)
-            + f" | {'–' if ppl is None else f'{ppl:.1f}'} | {row['final_train_loss']:.3f} |"
+            + f" | {'–' if ppl is None else f'{ppl:.1f}'} |"
+            + ("" if steps else f" {row['final_train_loss']:.3f} |")
         )
+    return lines
+
+
+def report(results_dir: Path | None = None, docs: Path | None | str = "default", proto: Protocol = CPU) -> str:
+    """Table-1-style table (mean and spread over seeds), learning curves and length generalisation (one PNG), written
+    into the protocol's section (``lm_long`` for the CPU one) of ``docs`` (None: only returned)."""
+    from benchmarks.docs_section import cpu_name, write_section
+
+    docs = proto.docs if docs == "default" else docs
+    records = load_records(results_dir or proto.results)
+    if not records:
+        raise SystemExit(f"no records under {results_dir}; run `python -m experiments.lm_quality long` first")
+    docs_dir = (docs or ROOT / "docs" / "results.md").parent
+    png = docs_dir / "results" / f"{proto.section}.png"
+    if docs is not None:
+        plot(records, png, proto)
+    lengths, L = proto.lengths, proto.seq_len
+    lines = _table(summarise(records, lengths), lengths, L)
+    chosen = summarise(records, lengths, key="selected_results")
+    selected_lines = _table(chosen, lengths, L, steps=True) if chosen else []
     r0 = records[0]
     machine = (
         f"{cpu_name()}, one thread per run, two runs at a time"
@@ -496,6 +621,19 @@ def report(results_dir: Path | None = None, docs: Path | None | str = "default",
             f"byte with Slide's. Records (commands, commit, curves): `{res}/*.json`; rerun one with `python -m experiments.lm_quality {rerun} --models M --seeds S`.",
             "",
             *lines,
+            *(
+                [
+                    "",
+                    "The same runs at the checkpoint with the lowest validation bits per byte (early stopping: the "
+                    f"validation book, first {VALIDATION_TOKENS} tokens, at L={L}, every {proto.save_every} steps; "
+                    "`selected steps` gives each seed's step), scored on the same test tokens "
+                    "(`python -m experiments.lm_quality long-select` adds this to finished records):",
+                    "",
+                    *selected_lines,
+                ]
+                if selected_lines
+                else []
+            ),
             "",
             f"![learning curves and length generalisation]({png.relative_to(docs_dir).as_posix()})",
         ]
@@ -514,8 +652,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eval_tokens", type=int, default=CPU.eval_tokens)
     p.add_argument("--device", default="cpu")
     p.add_argument("--corpus", default=CORPUS)
+    p.add_argument("--split", default="test", choices=["test", "validation"])
     args = p.parse_args(argv)
-    learning_curve(Path(args.run_dir), args.length, args.eval_tokens, args.device, args.corpus)
+    learning_curve(Path(args.run_dir), args.length, args.eval_tokens, args.device, args.corpus, args.split)
 
 
 if __name__ == "__main__":

@@ -455,7 +455,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
-    p.add_argument("command", choices=["prepare", "run", "report", "all", "long", "long-report"])
+    p.add_argument("command", choices=["prepare", "run", "report", "all", "long", "long-report", "long-select"])
     p.add_argument("--data_root", default=str(ROOT.parent / "shared" / "data"), help="folder with more-books/ etc.")
     p.add_argument(
         "--corpora", nargs="+", default=None, choices=[*CORPORA, "allbooks"], help="default: " + " ".join(CORPORA)
@@ -477,8 +477,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--train_args", default="", help="long: extra training.train arguments, as one string")
     p.add_argument("--out", default=None, help="long: write runs, records and report under this folder (dry runs)")
+    p.add_argument(
+        "--runs", default=None, help="long-select: the folder holding the run folders (default: this checkout's)"
+    )
+    p.add_argument("--force", action="store_true", help="long-select: redo records that already have a selection")
     args = p.parse_args(argv)
-    if args.command in ("long", "long-report"):
+    if args.command in ("long", "long-report", "long-select"):
         from experiments import lm_long
 
         proto = lm_long.PROTOCOLS[args.protocol]
@@ -495,7 +499,9 @@ def main(argv: list[str] | None = None) -> None:
                 models, args.seeds, args.jobs, args.max_steps, args.bf16, proto, device=args.device,
                 eval_tokens=args.eval_tokens, threads=args.threads or None, train_args=args.train_args.split(),
             )  # fmt: skip
-        if args.command == "long-report" or lm_long.load_records(proto.results):
+        if args.command == "long-select":  # early stopping on validation, added to finished records
+            lm_long.add_selection(proto, args.runs, args.device or "cpu", args.force)
+        if args.command in ("long-report", "long-select") or lm_long.load_records(proto.results):
             lm_long.report(proto=proto)
         if args.command == "long" and failed:
             raise SystemExit(f"{len(failed)} run(s) failed: {failed}")

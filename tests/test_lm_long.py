@@ -78,6 +78,43 @@ def test_report_means_spreads_and_relative_change(tmp_path):
     assert (docs.parent / "results" / "lm_long.png").stat().st_size > 0
 
 
+def test_report_adds_the_validation_selected_table(tmp_path):
+    """Records with a checkpoint selection get a second table (test bits per byte at the selected checkpoint, each
+    seed's step) and a third plot panel; records without one stay out of that table."""
+    results = tmp_path / "records"
+    results.mkdir()
+    for model, seed, bpb, picked, step in [
+        ("slide", 0, 2.0, 1.9, 1000), ("slide", 1, 2.2, 2.1, 1500), ("bst-sh-s4", 0, 1.9, 1.8, 500),
+        ("gss-hybrid", 0, 2.5, None, None),
+    ]:  # fmt: skip
+        record = _record(model, seed, bpb)
+        if picked is not None:
+            record["selected_results"] = _record(model, seed, picked)["results"]
+            record["selected_step"] = step
+            record["validation_curve"] = [{"step": s, "bits_per_byte": 2.0 + abs(s - step) / 1e4} for s in (500, 1000, 1500)]  # fmt: skip
+        (results / f"{model}-s{seed}.json").write_text(json.dumps(record))
+    chosen = L.summarise(L.load_records(results), key="selected_results")
+    assert set(chosen) == {"slide", "bst-sh-s4"} and chosen["slide"]["selected_steps"] == [1000, 1500]
+    assert chosen["slide"]["lengths"][512]["bpb_mean"] == pytest.approx(2.01)
+    docs = tmp_path / "docs" / "results.md"
+    docs.parent.mkdir()
+    text = L.report(results, docs)
+    final, selected = text.split("lowest validation bits per byte")
+    assert "| GSS-Hybrid |" in final and "| GSS-Hybrid |" not in selected
+    # BST at L=512: 1.81 vs Slide's selected mean 2.01 -> -10.0%
+    assert "| Slide:4L | 1.30M | 0,1 | 1000,1500 | 2.0000 ±0.1000 | 2.0100 ±0.1000 |" in selected
+    assert "| BST:SH:S4 | 1.30M | 0 | 500 | 1.8000 (-10.0%) | 1.8100 (-10.0%) |" in selected
+    assert (docs.parent / "results" / "lm_long.png").stat().st_size > 0
+
+
+def test_best_checkpoint_is_the_lowest_validation_score_latest_on_ties():
+    curve = [{"step": 500, "bits_per_byte": 2.0}, {"step": 1000, "bits_per_byte": 1.8}, {"step": 1500, "bits_per_byte": 1.8}]  # fmt: skip
+    assert L.best_checkpoint(curve)["step"] == 1500
+    assert L.best_checkpoint(curve[:2])["step"] == 1000
+    with pytest.raises(ValueError, match="no complete checkpoint"):
+        L.best_checkpoint([])
+
+
 def test_protocol_folders_stay_apart(tmp_path):
     gpu = dataclasses.replace(L.GPU, out=tmp_path)
     assert L.CPU.results.name == "lm_long" and L.GPU.results.name == "lm_long_gpu"

@@ -1,0 +1,66 @@
+"""experiments/context_use.py: the context-state ablation swaps or zeroes exactly the BST layers' context states, and
+leaves the model as it was afterwards."""
+
+import json
+
+import pytest
+import torch
+from conftest import make_model
+
+from experiments import context_use as C
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids, use_cache=False).logits
+
+
+@pytest.mark.parametrize("variant", ["sh-s4", "mh-s4", "mf-s4", "sh-unstruct"])
+def test_shuffled_and_zeroed_context(variant):
+    model = make_model(variant)
+    w = model.config.block_len
+    torch.manual_seed(1)
+    a, b = torch.randint(0, 97, (2, 16)).unbind(0)
+    pair, same = torch.stack([a, b]), torch.stack([a, a])
+    normal = _logits(model, pair)
+    with C.ablate_context(model, "shuffled") as n:
+        assert n == 2  # bst_layer_indices [0, 2]
+        shuffled = _logits(model, pair)
+        # identical windows: rolling their states over the batch changes nothing
+        torch.testing.assert_close(_logits(model, same), _logits(make_model(variant), same), rtol=0, atol=0)
+    assert (shuffled[:, w:] - normal[:, w:]).abs().amax() > 1e-4
+    # window a reads window b's states: changing b's tokens changes a's shuffled logits, never its normal ones
+    b2 = b.clone()
+    b2[: 2 * w] = (b2[: 2 * w] + 1) % 97
+    pair2 = torch.stack([a, b2])
+    torch.testing.assert_close(_logits(model, pair2)[0], normal[0], rtol=0, atol=0)
+    with C.ablate_context(model, "shuffled"):
+        assert (_logits(model, pair2)[0] - shuffled[0]).abs().amax() > 1e-4
+    with C.ablate_context(model, "zeroed"):
+        zeroed = _logits(model, pair)
+    assert (zeroed[:, w:] - normal[:, w:]).abs().amax() > 1e-4
+    # the patches are gone afterwards
+    torch.testing.assert_close(_logits(model, pair), normal, rtol=0, atol=0)
+
+
+def test_models_without_bst_layers_and_bad_modes():
+    model = make_model("slide")
+    with C.ablate_context(model, "shuffled") as n:
+        assert n == 0
+    with pytest.raises(ValueError, match="mode must be one of"):
+        with C.ablate_context(model, "reversed"):
+            pass
+    bst = make_model("sh-s4")
+    with pytest.raises(ValueError, match="at least 2 windows"):
+        with C.ablate_context(bst, "shuffled"):
+            _logits(bst, torch.zeros(1, 16, dtype=torch.long))
+
+
+def test_report_rows(tmp_path):
+    row = {"run": "bst-sh-s4-s0", "context_mode": "sh", "bst_layers": 1}
+    row.update({m: {"bits_per_byte": v} for m, v in zip(C.MODES, (1.80, 1.89, 1.98))})
+    record = {"corpus": "books", "length": 2048, "batch": 4, "eval_tokens": 65536, "out": "x.json", "rows": [row]}
+    docs = tmp_path / "results.md"
+    text = C.report(json.loads(json.dumps(record)), docs)
+    assert "| bst-sh-s4-s0 | sh | 1 | 1.8000 | 1.8900 | 1.9800 | +0.0900 (+5.0%) | +0.1800 (+10.0%) |" in text
+    assert "<!-- context_use:start -->" in docs.read_text()
