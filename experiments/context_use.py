@@ -71,7 +71,9 @@ def ablate_context(model, mode: str):
 
 
 def measure(run_dir: Path, corpus: str, length: int, batch: int, eval_tokens: int) -> dict:
-    """Test bits per byte of ``run_dir``'s final model in the three modes."""
+    """Test bits per byte of ``run_dir``'s final model in the three modes, over all test books and book by book."""
+    import math
+
     from modeling_bst import BSTForCausalLM
     from training import data as D
     from training.evaluate import evaluate_model
@@ -79,17 +81,27 @@ def measure(run_dir: Path, corpus: str, length: int, batch: int, eval_tokens: in
     model_dir = run_dir / "final"
     model = BSTForCausalLM.from_pretrained(model_dir).eval()
     tokenizer = D.load_tokenizer(str(model_dir))
-    texts = list(D.texts_of(D.load_documents("pg19", "test", path=str(Q.WORK / "data" / corpus))))
+    books = [(r.get("title") or f"book {i}", r["text"]) for i, r in enumerate(
+        D.load_documents("pg19", "test", path=str(Q.WORK / "data" / corpus)))]  # fmt: skip
     row = {"run": run_dir.name, "path": str(model_dir), "context_mode": model.config.context_mode}
     for mode in MODES:
         with ablate_context(model, mode) as n:
             if n == 0:
                 return {**row, "bst_layers": 0}
             t0 = time.time()
-            r = evaluate_model(model, tokenizer, texts, [length], batch_size=batch, max_tokens_per_doc=eval_tokens)[0]
+            per_book = {
+                title: evaluate_model(model, tokenizer, [text], [length], batch_size=batch, max_tokens_per_doc=eval_tokens)[0]
+                for title, text in books
+            }  # fmt: skip
+        nll = sum(r["nll_sum"] for r in per_book.values())
+        n_bytes = sum(r["bytes"] for r in per_book.values())
         row["bst_layers"] = n
-        row[mode] = {"bits_per_byte": r["bits_per_byte"], "ppl_token": r["ppl_token"], "tokens": r["tokens"]}
-        print(f"{run_dir.name} {mode:>8}: {r['bits_per_byte']:.4f} bpb ({time.time() - t0:.0f} s)", flush=True)
+        row[mode] = {
+            "bits_per_byte": nll / (math.log(2) * n_bytes),
+            "books": {t: r["bits_per_byte"] for t, r in per_book.items()},
+        }
+        print(f"{run_dir.name} {mode:>8}: {row[mode]['bits_per_byte']:.4f} bpb {row[mode]['books']} "
+              f"({time.time() - t0:.0f} s)", flush=True)  # fmt: skip
     return row
 
 
@@ -105,16 +117,23 @@ def report(record: dict, docs: Path | None) -> str:
         "(shuffled: same statistics, wrong information) or with zero values (zeroed). Record: "
         f"`{record['out']}`, with the exact command; `python -m experiments.context_use RUN_DIR ...` reruns it.",
         "",
-        "| run | context | BST layers | normal | shuffled | zeroed | shuffled - normal | zeroed - normal |",
-        "|---|---|---|---|---|---|---|---|",
     ]
-    for r in record["rows"]:
-        if not r.get("bst_layers"):
-            continue
+    rows = [r for r in record["rows"] if r.get("bst_layers")]
+    titles = list(rows[0]["normal"].get("books", {})) if rows else []
+    lines += [
+        "| run | context | BST layers | normal | shuffled | zeroed | shuffled - normal | zeroed - normal | "
+        + "".join(f"shuffled - normal, {t} | " for t in titles),
+        "|---|---|---|---|---|---|---|---|" + "---|" * len(titles),
+    ]
+    for r in rows:
         n, s, z = (r[m]["bits_per_byte"] for m in MODES)
+        books = "".join(
+            f"{r['shuffled']['books'][t] - r['normal']['books'][t]:+.4f} ({100 * (r['shuffled']['books'][t] / r['normal']['books'][t] - 1):+.1f}%) | "
+            for t in titles
+        )  # fmt: skip
         lines.append(
             f"| {r['run']} | {r['context_mode']} | {r['bst_layers']} | {n:.4f} | {s:.4f} | {z:.4f} | "
-            f"{s - n:+.4f} ({100 * (s / n - 1):+.1f}%) | {z - n:+.4f} ({100 * (z / n - 1):+.1f}%) |"
+            f"{s - n:+.4f} ({100 * (s / n - 1):+.1f}%) | {z - n:+.4f} ({100 * (z / n - 1):+.1f}%) | " + books
         )
     text = "\n".join(lines)
     if docs is not None:

@@ -281,7 +281,13 @@ def learning_curve(
 # the architecture with how far into over-fitting the run ended. Each record therefore also scores on test the
 # checkpoint with the lowest validation bits per byte (the held-out validation book, whole, at the training length):
 # the usual early-stopping protocol, chosen without looking at the test books. The final-checkpoint table stays.
-VALIDATION_TOKENS = 131072  # per validation book: the whole of Northanger Abbey (~115k tokens), about the test count
+VALIDATION_FACTOR = 2  # one validation book scored over twice the tokens of each of the two test books: as many tokens
+
+
+def validation_tokens(eval_tokens: int) -> int:
+    """Scored validation tokens for a test span (per book) of ``eval_tokens``: 131072 at the CPU protocol's 65536,
+    the whole of Northanger Abbey (~115k tokens)."""
+    return VALIDATION_FACTOR * int(eval_tokens)
 
 
 def best_checkpoint(curve: list[dict]) -> dict:
@@ -305,7 +311,7 @@ def select_checkpoint(
     record fields ``validation_curve``, ``selected_step``, ``selected_results`` and ``selection_commands``."""
     d = run or run_dir(model, seed, proto)
     curve_cmd = [sys.executable, "-m", "experiments.lm_long", "curve", str(d), "--split", "validation",
-                 "--length", str(proto.curve_length), "--eval_tokens", str(VALIDATION_TOKENS), "--device", device,
+                 "--length", str(proto.curve_length), "--eval_tokens", str(validation_tokens(eval_tokens or proto.eval_tokens)), "--device", device,
                  "--corpus", proto.corpus]  # fmt: skip
 
     def call(cmd):
@@ -326,13 +332,52 @@ def select_checkpoint(
     if previous is None or previous["models"][0]["path"] != str(ckpt):
         call(eval_cmd)
     entry = json.loads(out.read_text())["models"][0]
+    books_out = d / "per_book.json"
+    books_cmd = [sys.executable, "-m", "experiments.lm_long", "books", str(ckpt), "--output", str(books_out),
+                 "--lengths", str(proto.seq_len), str(max(proto.lengths)), "--eval_tokens",
+                 str(eval_tokens or proto.eval_tokens), "--device", device, "--corpus", proto.corpus]  # fmt: skip
+    previous = json.loads(books_out.read_text()) if books_out.exists() else None
+    if previous is None or previous["model"] != str(ckpt):
+        call(books_cmd)
     return {
         "validation_curve": curve,
         "selected_step": best["step"],
         "selected_results": entry["results"],
-        "selection_commands": [" ".join(c[1:]) for c in (curve_cmd, eval_cmd)],
+        "per_book": json.loads(books_out.read_text())["books"],
+        "selection_commands": [" ".join(c[1:]) for c in (curve_cmd, eval_cmd, books_cmd)],
         "selection_commit": _commit(),
     }
+
+
+def held_out_books(
+    model_dir: Path, corpus: str, lengths, eval_tokens: int, device: str = "cpu", output: Path | None = None
+) -> list[dict]:
+    """Bits per byte of ``model_dir`` on each held-out book alone (the test books and the validation book, first
+    ``eval_tokens`` tokens of each, windows of every length): the spread between books shows how much of a gap between
+    two models one book decides. Written to ``output`` as ``{"model", "books": [{title, split, results}]}``."""
+    import torch
+
+    from modeling_bst import BSTForCausalLM
+    from training import data as D
+    from training.evaluate import evaluate_model
+
+    torch.set_num_threads(1)
+    model = BSTForCausalLM.from_pretrained(model_dir).to(device)
+    tokenizer = D.load_tokenizer(str(model_dir))
+    books = []
+    for split in ("test", "validation"):
+        for row in D.load_documents("pg19", split, path=str(Q.WORK / "data" / corpus)):
+            results = evaluate_model(model, tokenizer, [row["text"]], list(lengths), max_tokens_per_doc=eval_tokens)
+            books.append(
+                {"title": row.get("title") or row.get("short_book_title"), "split": split, "results": results}
+            )
+            print(f"{model_dir} {books[-1]['title']}: " + ", ".join(
+                f"L={r['length']} {r['bits_per_byte']:.4f}" for r in results), flush=True)  # fmt: skip
+    if output is not None:
+        tmp = output.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"model": str(model_dir), "books": books}, indent=1))
+        os.replace(tmp, output)
+    return books
 
 
 def add_selection(proto: Protocol = CPU, runs: Path | None = None, device: str = "cpu", force: bool = False) -> list:
@@ -342,7 +387,7 @@ def add_selection(proto: Protocol = CPU, runs: Path | None = None, device: str =
     done = []
     for path in sorted(proto.results.glob("*.json")):
         record = json.loads(path.read_text())
-        if "selected_results" in record and not force:
+        if "selected_results" in record and "per_book" in record and not force:
             continue
         d = (Path(runs) if runs else proto.work) / f"{record['model']}-s{record['seed']}"
         if not any(d.glob("checkpoint-*")):
@@ -572,6 +617,36 @@ def _table(summary: dict, lengths, L: int, steps: bool = False) -> list[str]:
     return lines
 
 
+def _book_bpb(record: dict, title: str, length: int) -> float | None:
+    for book in record.get("per_book") or []:
+        if book["title"] == title:
+            return Q._at(book, length, "bits_per_byte")
+    return None
+
+
+def _books_table(records: list[dict], lengths: tuple[int, int]) -> list[str]:
+    """Each held-out book alone, at the training length and 16x: every run's bits per byte and, for runs that share a
+    seed with Slide, the change against that Slide run (paired by seed: same initialisation stream and data order)."""
+    have = [r for r in records if r.get("per_book")]
+    if not have:
+        return []
+    titles = [b["title"] for b in have[0]["per_book"]]
+    splits = {b["title"]: b["split"] for b in have[0]["per_book"]}
+    slide = {r["seed"]: r for r in have if r["model"] == "slide"}
+    head = "| run | " + " | ".join(f"{t} ({splits[t]}) L={n}" for t in titles for n in lengths) + " |"
+    lines = [head, "|---|" + "---|" * (len(titles) * len(lengths))]
+    order = {m: i for i, m in enumerate(LONG_MODELS)}
+    for r in sorted(have, key=lambda r: (order.get(r["model"], len(order)), r["model"], r["seed"])):
+        cells = []
+        for t in titles:
+            for n in lengths:
+                v = _book_bpb(r, t, n)
+                ref = _book_bpb(slide[r["seed"]], t, n) if r["seed"] in slide and r["model"] != "slide" else None
+                cells.append("–" if v is None else f"{v:.4f}" + (f" ({100 * (v / ref - 1):+.1f}%)" if ref else ""))
+        lines.append(f"| {Q.LABELS[r['model']]} s{r['seed']} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def report(results_dir: Path | None = None, docs: Path | None | str = "default", proto: Protocol = CPU) -> str:
     """Table-1-style table (mean and spread over seeds), learning curves and length generalisation (one PNG), written
     into the protocol's section (``lm_long`` for the CPU one) of ``docs`` (None: only returned)."""
@@ -585,11 +660,21 @@ def report(results_dir: Path | None = None, docs: Path | None | str = "default",
     png = docs_dir / "results" / f"{proto.section}.png"
     if docs is not None:
         plot(records, png, proto)
-    lengths, L = proto.lengths, proto.seq_len
+    lengths, L, r0 = proto.lengths, proto.seq_len, records[0]
     lines = _table(summarise(records, lengths), lengths, L)
     chosen = summarise(records, lengths, key="selected_results")
     selected_lines = _table(chosen, lengths, L, steps=True) if chosen else []
-    r0 = records[0]
+    if chosen and all(r.get("selected_step") == r["steps"] for r in records if r.get("selected_results")):
+        selected_lines = []  # early stopping keeps every final model: the table above is also the selected one
+        selected_note = (
+            "Early stopping on the validation book (its first "
+            f"{validation_tokens(r0['dataset'].get('max_tokens_per_doc') or proto.eval_tokens)} tokens at L={L}, every {proto.save_every} steps) selects the final checkpoint of "
+            f"every run with a selection ({', '.join(sorted(m for m in chosen))}): the validation curves fall to the "
+            "end (third panel), so the table above is also the early-stopped one."
+        )
+    else:
+        selected_note = ""
+    book_lines = _books_table(records, (L, max(lengths)))
     machine = (
         f"{cpu_name()}, one thread per run, two runs at a time"
         if proto.name == "cpu"
@@ -625,13 +710,27 @@ def report(results_dir: Path | None = None, docs: Path | None | str = "default",
                 [
                     "",
                     "The same runs at the checkpoint with the lowest validation bits per byte (early stopping: the "
-                    f"validation book, first {VALIDATION_TOKENS} tokens, at L={L}, every {proto.save_every} steps; "
+                    f"validation book, first {validation_tokens(r0['dataset'].get('max_tokens_per_doc') or proto.eval_tokens)} tokens, at L={L}, every {proto.save_every} steps; "
                     "`selected steps` gives each seed's step), scored on the same test tokens "
                     "(`python -m experiments.lm_quality long-select` adds this to finished records):",
                     "",
                     *selected_lines,
                 ]
                 if selected_lines
+                else []
+            ),
+            *(["", selected_note] if selected_note else []),
+            *(
+                [
+                    "",
+                    "Each held-out book alone (first "
+                    f"{r0['dataset'].get('max_tokens_per_doc')} tokens of each; the validation book was not used for "
+                    "anything but the early-stopping choice), bits per byte of the selected checkpoint; percentages "
+                    "compare with the Slide run of the same seed:",
+                    "",
+                    *book_lines,
+                ]
+                if book_lines
                 else []
             ),
             "",
@@ -645,15 +744,23 @@ def report(results_dir: Path | None = None, docs: Path | None | str = "default",
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="learning curve of one run (used by run_long)", allow_abbrev=False)
-    p.add_argument("command", choices=["curve"])
-    p.add_argument("run_dir")
+    p = argparse.ArgumentParser(
+        description="learning curve of one run, or its scores book by book (used by run_long)", allow_abbrev=False
+    )
+    p.add_argument("command", choices=["curve", "books"])
+    p.add_argument("run_dir", help="curve: the run folder; books: the model folder (a checkpoint)")
+    p.add_argument("--lengths", type=int, nargs="+", default=[CPU.seq_len, max(CPU.lengths)], help="books")
+    p.add_argument("--output", default=None, help="books: JSON path")
     p.add_argument("--length", type=int, default=CPU.curve_length)
     p.add_argument("--eval_tokens", type=int, default=CPU.eval_tokens)
     p.add_argument("--device", default="cpu")
     p.add_argument("--corpus", default=CORPUS)
     p.add_argument("--split", default="test", choices=["test", "validation"])
     args = p.parse_args(argv)
+    if args.command == "books":
+        out = Path(args.output) if args.output else None
+        held_out_books(Path(args.run_dir), args.corpus, args.lengths, args.eval_tokens, args.device, out)
+        return
     learning_curve(Path(args.run_dir), args.length, args.eval_tokens, args.device, args.corpus, args.split)
 
 

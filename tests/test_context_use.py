@@ -58,9 +58,10 @@ def test_models_without_bst_layers_and_bad_modes():
 
 def test_report_rows(tmp_path):
     row = {"run": "bst-sh-s4-s0", "context_mode": "sh", "bst_layers": 1}
-    row.update({m: {"bits_per_byte": v} for m, v in zip(C.MODES, (1.80, 1.89, 1.98))})
+    row.update({m: {"bits_per_byte": v, "books": {"A": v, "B": v + 0.1}} for m, v in zip(C.MODES, (1.80, 1.89, 1.98))})
     record = {"corpus": "books", "length": 2048, "batch": 4, "eval_tokens": 65536, "out": "x.json", "rows": [row]}
     docs = tmp_path / "results.md"
     text = C.report(json.loads(json.dumps(record)), docs)
-    assert "| bst-sh-s4-s0 | sh | 1 | 1.8000 | 1.8900 | 1.9800 | +0.0900 (+5.0%) | +0.1800 (+10.0%) |" in text
+    assert "| bst-sh-s4-s0 | sh | 1 | 1.8000 | 1.8900 | 1.9800 | +0.0900 (+5.0%) | +0.1800 (+10.0%) | " in text
+    assert "+0.1800 (+10.0%) | +0.0900 (+5.0%) | +0.0900 (+4.7%) |" in text  # books A and B
     assert "<!-- context_use:start -->" in docs.read_text()

@@ -107,6 +107,27 @@ def test_report_adds_the_validation_selected_table(tmp_path):
     assert (docs.parent / "results" / "lm_long.png").stat().st_size > 0
 
 
+def test_report_books_one_by_one_and_final_selection_note(tmp_path):
+    """When early stopping keeps every final checkpoint the report says so instead of repeating the table; each
+    held-out book gets its own column, paired with the Slide run of the same seed."""
+    results = tmp_path / "records"
+    results.mkdir()
+    for model, seed, bpb in [("slide", 0, 2.0), ("slide", 1, 2.2), ("bst-sh-s4", 0, 1.9), ("bst-sh-s4", 1, 2.31)]:
+        record = _record(model, seed, bpb)
+        record.update(selected_results=record["results"], selected_step=1500, validation_curve=[{"step": 1500, "bits_per_byte": 1.0}])  # fmt: skip
+        record["per_book"] = [
+            {"title": t, "split": sp, "results": [{"length": n, "bits_per_byte": bpb + k + n / 1e5} for n in (512, 8192)]}
+            for k, (t, sp) in enumerate([("Persuasion", "test"), ("Northanger Abbey", "validation")])
+        ]  # fmt: skip
+        (results / f"{model}-s{seed}.json").write_text(json.dumps(record))
+    text = L.report(results, None)
+    assert "lowest validation bits per byte" not in text and "selects the final checkpoint of every run" in text
+    assert "| run | Persuasion (test) L=512 | Persuasion (test) L=8192 | Northanger Abbey (validation) L=512 |" in text
+    assert "| Slide:4L s0 | 2.0051 | 2.0819 | 3.0051 |" in text
+    # BST seed 1 against Slide seed 1: 2.31512 / 2.20512 - 1 = +5.0%
+    assert "| BST:SH:S4 s1 | 2.3151 (+5.0%) |" in text
+
+
 def test_best_checkpoint_is_the_lowest_validation_score_latest_on_ties():
     curve = [{"step": 500, "bits_per_byte": 2.0}, {"step": 1000, "bits_per_byte": 1.8}, {"step": 1500, "bits_per_byte": 1.8}]  # fmt: skip
     assert L.best_checkpoint(curve)["step"] == 1500
