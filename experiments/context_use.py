@@ -2,18 +2,21 @@
 
     python -m experiments.context_use RUN_DIR [RUN_DIR ...] --corpus books --length 2048
 
-Each run's final model scores the test books three times, in windows of ``--length`` tokens batched ``--batch`` at a
-time (consecutive windows of one book):
+Each run's final model scores the test books (the first ``--eval_tokens`` of each, in windows of ``--length`` tokens)
+four times:
 
 - ``normal``: as trained;
-- ``shuffled``: every BST layer's context states (keys and values, from its SSM over the window) are those of another
-  window of the batch (a neighbouring stretch of the same book), so the states keep their statistics but not their
-  information about this window;
+- ``shuffled``: every BST layer's context states (keys and values, from its SSM over the window) are those of the
+  next window of the same book (batches of ``--batch`` consecutive windows, rolled by one), so they keep their
+  statistics and the book's gist (characters, style) but lose what is specific to this stretch of text, its own
+  tokens included;
+- ``other_book``: the states of a window of the other test book (windows of the two books interleaved, rolled by
+  one): statistics kept, everything specific to the book lost;
 - ``zeroed``: the context values are zero, so the cross-attention adds nothing.
 
-``shuffled - normal`` (bits per byte) is what the model draws from the information in its SSM's states;
-``zeroed - normal`` also counts what it draws from their mere presence (a learned offset). A model that ignores its
-SSM scores the same in the three. Only BST layers (``SH`` / ``MH`` / ``MF``) are ablated; BRecT's recurrent state
+``shuffled - normal`` (bits per byte) is what the model draws from the stretch-specific information in its SSM's
+states, ``other_book - normal`` also counts the book-level information, and ``zeroed - normal`` also what it draws
+from the states' mere presence (a learned offset). A model that ignores its SSM scores the same in the four. Only BST layers (``SH`` / ``MH`` / ``MF``) are ablated; BRecT's recurrent state
 and GSS layers are left alone. Writes a JSON record and the ``context_use`` section of ``docs/results.md``.
 """
 
@@ -33,7 +36,7 @@ from experiments import lm_quality as Q
 
 
 ROOT = Q.ROOT
-MODES = ("normal", "shuffled", "zeroed")
+MODES = ("normal", "shuffled", "other_book", "zeroed")
 
 
 @contextmanager
@@ -50,9 +53,9 @@ def ablate_context(model, mode: str):
     def patched(original):
         def sequence(*args, **kwargs):
             ctx_k, ctx_v, ctx_mask, zero_first = original(*args, **kwargs)
-            if mode == "shuffled":
+            if mode in ("shuffled", "other_book"):
                 if ctx_k.shape[0] < 2:
-                    raise ValueError("shuffled context needs at least 2 windows a batch (--batch)")
+                    raise ValueError(f"{mode} context needs at least 2 windows a batch (--batch)")
                 ctx_k, ctx_v = ctx_k.roll(1, 0), ctx_v.roll(1, 0)
             elif mode == "zeroed":
                 ctx_v = torch.zeros_like(ctx_v)
@@ -70,37 +73,86 @@ def ablate_context(model, mode: str):
             m.context.__dict__.pop("sequence", None)
 
 
+def _windows(tokenizer, books, length: int, eval_tokens: int):
+    """Per book: its scored byte count and its windows ``(inputs, targets)`` of ``length`` tokens over the first
+    ``eval_tokens`` text tokens (the convention of ``training.evaluate``: ``[bos] + tokens``, the last window may be
+    shorter and is dropped here so that every batch is rectangular)."""
+    from training import data as D
+
+    out = {}
+    for title, text in books:
+        ids = D.encode_document(tokenizer, text, add_bos=True, add_eos=False)[: eval_tokens + 1]
+        x = torch.tensor(ids, dtype=torch.long)
+        n = (len(ids) - 1) // length
+        wins = [(x[i * length : (i + 1) * length], x[i * length + 1 : (i + 1) * length + 1]) for i in range(n)]
+        scored = tokenizer.decode(ids[1 : n * length + 1])
+        out[title] = (len(scored.encode("utf-8")), wins)
+    return out
+
+
+@torch.no_grad()
+def _score(model, batches) -> dict[str, float]:
+    """Summed NLL (nats) per book over ``batches``: lists of ``(book, inputs, targets)``."""
+    nll: dict[str, float] = {}
+    for group in batches:
+        inp = torch.stack([g[1] for g in group])
+        tgt = torch.stack([g[2] for g in group])
+        logp = torch.log_softmax(model(inp, use_cache=False).logits.float(), dim=-1)
+        rows = -logp.gather(-1, tgt[..., None]).squeeze(-1).double().sum(-1)
+        for (book, _, _), v in zip(group, rows.tolist()):
+            nll[book] = nll.get(book, 0.0) + v
+    return nll
+
+
+def batches_for(mode: str, windows: dict, batch: int) -> list[list]:
+    """``shuffled`` (and ``normal`` / ``zeroed``): ``batch`` consecutive windows of one book a batch; ``other_book``:
+    the books' windows interleaved (window i of every book, then window i + 1, ...), so that rolling by one hands
+    every window the states of another book."""
+    titles = list(windows)
+    if mode == "other_book":
+        if len(titles) < 2:
+            raise ValueError("other_book needs at least two test books")
+        n = min(len(windows[t][1]) for t in titles)
+        flat = [(t, *windows[t][1][i]) for i in range(n) for t in titles]
+        return [flat[i : i + batch] for i in range(0, len(flat), batch)]
+    out = []
+    for t in titles:
+        wins = [(t, *w) for w in windows[t][1]]
+        out += [wins[i : i + batch] for i in range(0, len(wins), batch)]
+    return out
+
+
 def measure(run_dir: Path, corpus: str, length: int, batch: int, eval_tokens: int) -> dict:
-    """Test bits per byte of ``run_dir``'s final model in the three modes, over all test books and book by book."""
+    """Test bits per byte of ``run_dir``'s final model in every mode, over all test books and book by book. Every
+    mode scores the same windows (``other_book`` keeps as many windows per book as the shortest book has: all of
+    them when every book has ``eval_tokens`` tokens)."""
     import math
 
     from modeling_bst import BSTForCausalLM
     from training import data as D
-    from training.evaluate import evaluate_model
 
     model_dir = run_dir / "final"
     model = BSTForCausalLM.from_pretrained(model_dir).eval()
     tokenizer = D.load_tokenizer(str(model_dir))
     books = [(r.get("title") or f"book {i}", r["text"]) for i, r in enumerate(
         D.load_documents("pg19", "test", path=str(Q.WORK / "data" / corpus)))]  # fmt: skip
+    windows = _windows(tokenizer, books, length, eval_tokens)
+    if len({len(w) for _, w in windows.values()}) > 1:
+        raise ValueError(f"the test books give different window counts {[len(w) for _, w in windows.values()]}; "
+                         "lower --eval_tokens to the shortest book")  # fmt: skip
     row = {"run": run_dir.name, "path": str(model_dir), "context_mode": model.config.context_mode}
     for mode in MODES:
         with ablate_context(model, mode) as n:
             if n == 0:
                 return {**row, "bst_layers": 0}
             t0 = time.time()
-            per_book = {
-                title: evaluate_model(model, tokenizer, [text], [length], batch_size=batch, max_tokens_per_doc=eval_tokens)[0]
-                for title, text in books
-            }  # fmt: skip
-        nll = sum(r["nll_sum"] for r in per_book.values())
-        n_bytes = sum(r["bytes"] for r in per_book.values())
+            nll = _score(model, batches_for(mode, windows, batch))
         row["bst_layers"] = n
         row[mode] = {
-            "bits_per_byte": nll / (math.log(2) * n_bytes),
-            "books": {t: r["bits_per_byte"] for t, r in per_book.items()},
+            "bits_per_byte": sum(nll.values()) / (math.log(2) * sum(b for b, _ in windows.values())),
+            "books": {t: nll[t] / (math.log(2) * windows[t][0]) for t in windows},
         }
-        print(f"{run_dir.name} {mode:>8}: {row[mode]['bits_per_byte']:.4f} bpb {row[mode]['books']} "
+        print(f"{run_dir.name} {mode:>10}: {row[mode]['bits_per_byte']:.4f} bpb {row[mode]['books']} "
               f"({time.time() - t0:.0f} s)", flush=True)  # fmt: skip
     return row
 
@@ -113,27 +165,31 @@ def report(record: dict, docs: Path | None) -> str:
         "",
         f"Test bits per byte of each run's final model on the `{record['corpus']}` test books (first "
         f"{record['eval_tokens']} tokens of each) in windows of L={record['length']}, {record['batch']} consecutive "
-        "windows a batch, with every BST layer's context states as trained, taken from another window of the batch "
-        "(shuffled: same statistics, wrong information) or with zero values (zeroed). Record: "
+        "windows a batch, with every BST layer's context states as trained, taken from the next window of the same book "
+        "(shuffled), from a window of the other test book (other book), or with zero values (zeroed). Record: "
         f"`{record['out']}`, with the exact command; `python -m experiments.context_use RUN_DIR ...` reruns it.",
         "",
     ]
     rows = [r for r in record["rows"] if r.get("bst_layers")]
     titles = list(rows[0]["normal"].get("books", {})) if rows else []
     lines += [
-        "| run | context | BST layers | normal | shuffled | zeroed | shuffled - normal | zeroed - normal | "
-        + "".join(f"shuffled - normal, {t} | " for t in titles),
-        "|---|---|---|---|---|---|---|---|" + "---|" * len(titles),
+        "| run | context | BST layers | normal | shuffled - normal | other book - normal | zeroed - normal | "
+        + "".join(f"{t}: normal, shuffled, other book, zeroed | " for t in titles),
+        "|---|---|---|---|---|---|---|" + "---|" * len(titles),
     ]
+
+    def delta(r, mode, book=None):
+        a = r[mode]["books"][book] if book else r[mode]["bits_per_byte"]
+        b = r["normal"]["books"][book] if book else r["normal"]["bits_per_byte"]
+        return a - b, 100 * (a / b - 1)
+
     for r in rows:
-        n, s, z = (r[m]["bits_per_byte"] for m in MODES)
-        books = "".join(
-            f"{r['shuffled']['books'][t] - r['normal']['books'][t]:+.4f} ({100 * (r['shuffled']['books'][t] / r['normal']['books'][t] - 1):+.1f}%) | "
-            for t in titles
-        )  # fmt: skip
+        cells = [f"{d:+.4f} ({pct:+.1f}%)" for d, pct in (delta(r, m) for m in MODES[1:])]
+        books = [", ".join(f"{r[m]['books'][t]:.4f}" for m in MODES) for t in titles]
         lines.append(
-            f"| {r['run']} | {r['context_mode']} | {r['bst_layers']} | {n:.4f} | {s:.4f} | {z:.4f} | "
-            f"{s - n:+.4f} ({100 * (s / n - 1):+.1f}%) | {z - n:+.4f} ({100 * (z / n - 1):+.1f}%) | " + books
+            f"| {r['run']} | {r['context_mode']} | {r['bst_layers']} | {r['normal']['bits_per_byte']:.4f} | "
+            + " | ".join(cells + books)
+            + " |"
         )
     text = "\n".join(lines)
     if docs is not None:

@@ -56,12 +56,25 @@ def test_models_without_bst_layers_and_bad_modes():
             _logits(bst, torch.zeros(1, 16, dtype=torch.long))
 
 
+def test_other_book_batches_pair_every_window_with_another_book():
+    win = lambda i: (torch.full((3,), i), torch.full((3,), i + 1))  # noqa: E731
+    windows = {"A": (10, [win(0), win(1)]), "B": (12, [win(5), win(6)])}
+    other = C.batches_for("other_book", windows, 4)
+    assert [[g[0] for g in b] for b in other] == [["A", "B", "A", "B"]]
+    rolled = [other[0][(i - 1) % 4][0] for i in range(4)]  # whose states each window gets after roll(1)
+    assert all(r != own[0] for r, own in zip(rolled, other[0]))
+    same = C.batches_for("shuffled", windows, 2)
+    assert [[g[0] for g in b] for b in same] == [["A", "A"], ["B", "B"]]
+
+
 def test_report_rows(tmp_path):
     row = {"run": "bst-sh-s4-s0", "context_mode": "sh", "bst_layers": 1}
-    row.update({m: {"bits_per_byte": v, "books": {"A": v, "B": v + 0.1}} for m, v in zip(C.MODES, (1.80, 1.89, 1.98))})
+    row.update(
+        {m: {"bits_per_byte": v, "books": {"A": v, "B": v + 0.1}} for m, v in zip(C.MODES, (1.80, 1.89, 1.90, 1.98))}
+    )
     record = {"corpus": "books", "length": 2048, "batch": 4, "eval_tokens": 65536, "out": "x.json", "rows": [row]}
     docs = tmp_path / "results.md"
     text = C.report(json.loads(json.dumps(record)), docs)
-    assert "| bst-sh-s4-s0 | sh | 1 | 1.8000 | 1.8900 | 1.9800 | +0.0900 (+5.0%) | +0.1800 (+10.0%) | " in text
-    assert "+0.1800 (+10.0%) | +0.0900 (+5.0%) | +0.0900 (+4.7%) |" in text  # books A and B
+    assert "| bst-sh-s4-s0 | sh | 1 | 1.8000 | +0.0900 (+5.0%) | +0.1000 (+5.6%) | +0.1800 (+10.0%) | " in text
+    assert "| 1.8000, 1.8900, 1.9000, 1.9800 | 1.9000, 1.9900, 2.0000, 2.0800 |" in text  # books A and B
     assert "<!-- context_use:start -->" in docs.read_text()
