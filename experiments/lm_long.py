@@ -10,6 +10,7 @@ same tokens per step) with the previous segment's cache detached; BRecT streams 
     python -m experiments.lm_quality prepare --corpora allbooks
     python -m experiments.lm_quality long --models slide bst-sh-s4 --seeds 0 1 --jobs 2
     python -m experiments.lm_quality long-report
+    python -m experiments.lm_quality long-select   # early stopping + per-book scores for records made before them
 
 A run is a folder ``runs/lm_quality/long/allbooks/<model>-s<seed>`` (gitignored; killed runs resume from their last
 complete checkpoint when started again) and, once evaluated, a record ``docs/results/lm_long/<model>-s<seed>.json``
@@ -276,11 +277,12 @@ def learning_curve(
     return [points[k] for k in sorted(points)]
 
 
-# Checkpoint selection (early stopping). 10.24M tokens are 1.6-3.4 passes over the training books, and several runs'
-# test curves turn up on the last pass while their training loss keeps falling, so the final checkpoint's score mixes
-# the architecture with how far into over-fitting the run ended. Each record therefore also scores on test the
-# checkpoint with the lowest validation bits per byte (the held-out validation book, whole, at the training length):
-# the usual early-stopping protocol, chosen without looking at the test books. The final-checkpoint table stays.
+# Checkpoint selection (early stopping) and the held-out books one by one. Each record also scores on test the
+# checkpoint with the lowest validation bits per byte (the held-out validation book at the training length, every
+# saved checkpoint): the usual early-stopping protocol, chosen without looking at the test books. On the CPU protocol
+# every validation curve falls to the end, so it keeps every final model; the accelerator protocol's ~5 passes over
+# the data may not. The selected checkpoint is then scored on each held-out book alone (``per_book``): with two test
+# books, one of them unlike every training book, the aggregate can hide that one book decides a gap.
 VALIDATION_FACTOR = 2  # one validation book scored over twice the tokens of each of the two test books: as many tokens
 
 
@@ -307,11 +309,13 @@ def select_checkpoint(
     env: dict | None = None,
     log=None,
 ) -> dict:
-    """Validation curve of every checkpoint, then the test evaluation (every length) of the best one; returns the
-    record fields ``validation_curve``, ``selected_step``, ``selected_results`` and ``selection_commands``."""
+    """Validation curve of every checkpoint, then the test evaluation (every length) of the best one and its scores
+    book by book; returns the record fields ``validation_curve``, ``selected_step``, ``selected_results``,
+    ``per_book``, ``selection_commands`` and ``selection_commit``. Each step is cached in the run folder."""
     d = run or run_dir(model, seed, proto)
+    n_val = validation_tokens(eval_tokens or proto.eval_tokens)
     curve_cmd = [sys.executable, "-m", "experiments.lm_long", "curve", str(d), "--split", "validation",
-                 "--length", str(proto.curve_length), "--eval_tokens", str(validation_tokens(eval_tokens or proto.eval_tokens)), "--device", device,
+                 "--length", str(proto.curve_length), "--eval_tokens", str(n_val), "--device", device,
                  "--corpus", proto.corpus]  # fmt: skip
 
     def call(cmd):
@@ -381,8 +385,9 @@ def held_out_books(
 
 
 def add_selection(proto: Protocol = CPU, runs: Path | None = None, device: str = "cpu", force: bool = False) -> list:
-    """Adds the checkpoint selection to every record of ``proto`` that lacks it (``runs``: the folder that holds the
-    run folders, when they live elsewhere than this checkout's ``runs/``). Returns the updated record paths."""
+    """Adds the checkpoint selection and the per-book scores ([`select_checkpoint`]) to every record of ``proto`` that
+    lacks them (``runs``: the folder that holds the run folders, when they live elsewhere than this checkout's
+    ``runs/``; ``force``: redo every record). Returns the updated record paths."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     done = []
     for path in sorted(proto.results.glob("*.json")):
