@@ -157,6 +157,25 @@ def measure(run_dir: Path, corpus: str, length: int, batch: int, eval_tokens: in
     return row
 
 
+SETTINGS = ("corpus", "length", "batch", "eval_tokens")
+
+
+def merge_records(previous: dict, new: dict) -> dict:
+    """``new``'s rows added to ``previous`` (a row of the same run replaced); both must share every setting. The
+    merged record lists every command and commit that made it (``commands``)."""
+    differ = [k for k in SETTINGS if previous.get(k) != new.get(k)]
+    if differ:
+        raise ValueError(f"cannot append: settings differ in {differ} ({[previous.get(k) for k in differ]} vs "
+                         f"{[new.get(k) for k in differ]})")  # fmt: skip
+    names = {r["run"] for r in new["rows"]}
+    history = previous.get("commands") or [{"command": previous["command"], "commit": previous["commit"]}]
+    return {
+        **previous,
+        "rows": [r for r in previous["rows"] if r["run"] not in names] + new["rows"],
+        "commands": history + [{"command": new["command"], "commit": new["commit"]}],
+    }
+
+
 def report(record: dict, docs: Path | None) -> str:
     from benchmarks.docs_section import write_section
 
@@ -210,6 +229,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=str(ROOT / "docs" / "results" / "context_use_books.json"))
     p.add_argument("--docs", default=str(ROOT / "docs" / "results.md"), help="'' to skip the docs section")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--append", action="store_true", help="add these runs to the record at --out (same settings), replacing reruns"
+    )
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
@@ -223,11 +245,13 @@ def main(argv: list[str] | None = None) -> None:
     rel = out.resolve().relative_to(ROOT).as_posix() if out.resolve().is_relative_to(ROOT) else str(out)
     from experiments.lm_long import _commit
 
+    command = "python -m experiments.context_use " + " ".join(sys.argv[1:] if argv is None else argv)
     record = {
         "corpus": args.corpus, "length": args.length, "batch": args.batch, "eval_tokens": args.eval_tokens,
-        "command": "python -m experiments.context_use " + " ".join(sys.argv[1:] if argv is None else argv),
-        "commit": _commit(), "out": rel, "rows": rows,
+        "command": command, "commit": _commit(), "out": rel, "rows": rows,
     }  # fmt: skip
+    if args.append and out.exists():
+        record = merge_records(json.loads(out.read_text()), record)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(record, indent=1))

@@ -78,3 +78,14 @@ def test_report_rows(tmp_path):
     assert "| bst-sh-s4-s0 | sh | 1 | 1.8000 | +0.0900 (+5.0%) | +0.1000 (+5.6%) | +0.1800 (+10.0%) | " in text
     assert "| 1.8000, 1.8900, 1.9000, 1.9800 | 1.9000, 1.9900, 2.0000, 2.0800 |" in text  # books A and B
     assert "<!-- context_use:start -->" in docs.read_text()
+
+
+def test_append_replaces_reruns_and_refuses_other_settings():
+    base = {"corpus": "books", "length": 2048, "batch": 4, "eval_tokens": 65536, "out": "x.json"}
+    old = {**base, "command": "c1", "commit": "a", "rows": [{"run": "r0", "v": 1}, {"run": "r1", "v": 1}]}
+    new = {**base, "command": "c2", "commit": "b", "rows": [{"run": "r1", "v": 2}, {"run": "r2", "v": 2}]}
+    merged = C.merge_records(old, new)
+    assert [(r["run"], r["v"]) for r in merged["rows"]] == [("r0", 1), ("r1", 2), ("r2", 2)]
+    assert merged["commands"] == [{"command": "c1", "commit": "a"}, {"command": "c2", "commit": "b"}]
+    with pytest.raises(ValueError, match="settings differ in \\['length'\\]"):
+        C.merge_records(old, {**new, "length": 512})
