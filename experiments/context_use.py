@@ -16,14 +16,15 @@ four times:
 
 ``shuffled - normal`` (bits per byte) is what the model draws from the stretch-specific information in its SSM's
 states, ``other_book - normal`` also counts the book-level information, and ``zeroed - normal`` also what it draws
-from the states' mere presence (a learned offset). A model that ignores its SSM scores the same in the four. Only BST layers (``SH`` / ``MH`` / ``MF``) are ablated; BRecT's recurrent state
-and GSS layers are left alone. Writes a JSON record and the ``context_use`` section of ``docs/results.md``.
+from the states' mere presence (a learned offset). A model that ignores its SSM scores the same in the four. Only BST
+layers (``SH`` / ``MH`` / ``MF``) are ablated; BRecT's recurrent state and GSS layers are left alone. Writes a JSON record and the ``context_use`` section of ``docs/results.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -93,14 +94,13 @@ def _windows(tokenizer, books, length: int, eval_tokens: int):
 @torch.no_grad()
 def _score(model, batches) -> dict[str, float]:
     """Summed NLL (nats) per book over ``batches``: lists of ``(book, inputs, targets)``."""
+    from training.evaluate import _nll
+
     nll: dict[str, float] = {}
     for group in batches:
-        inp = torch.stack([g[1] for g in group])
-        tgt = torch.stack([g[2] for g in group])
-        logp = torch.log_softmax(model(inp, use_cache=False).logits.float(), dim=-1)
-        rows = -logp.gather(-1, tgt[..., None]).squeeze(-1).double().sum(-1)
-        for (book, _, _), v in zip(group, rows.tolist()):
-            nll[book] = nll.get(book, 0.0) + v
+        logits = model(torch.stack([g[1] for g in group]), use_cache=False).logits
+        for i, (book, _, targets) in enumerate(group):  # per window: each belongs to one book
+            nll[book] = nll.get(book, 0.0) + float(_nll(logits[i], targets))
     return nll
 
 
@@ -124,10 +124,7 @@ def batches_for(mode: str, windows: dict, batch: int) -> list[list]:
 
 def measure(run_dir: Path, corpus: str, length: int, batch: int, eval_tokens: int) -> dict:
     """Test bits per byte of ``run_dir``'s final model in every mode, over all test books and book by book. Every
-    mode scores the same windows (``other_book`` keeps as many windows per book as the shortest book has: all of
-    them when every book has ``eval_tokens`` tokens)."""
-    import math
-
+    mode scores the same windows, so every test book must give as many (its first ``eval_tokens`` tokens)."""
     from modeling_bst import BSTForCausalLM
     from training import data as D
 
@@ -197,13 +194,11 @@ def report(record: dict, docs: Path | None) -> str:
         "|---|---|---|---|---|---|---|" + "---|" * len(titles),
     ]
 
-    def delta(r, mode, book=None):
-        a = r[mode]["books"][book] if book else r[mode]["bits_per_byte"]
-        b = r["normal"]["books"][book] if book else r["normal"]["bits_per_byte"]
-        return a - b, 100 * (a / b - 1)
-
     for r in rows:
-        cells = [f"{d:+.4f} ({pct:+.1f}%)" for d, pct in (delta(r, m) for m in MODES[1:])]
+        n = r["normal"]["bits_per_byte"]
+        cells = [
+            f"{r[m]['bits_per_byte'] - n:+.4f} ({100 * (r[m]['bits_per_byte'] / n - 1):+.1f}%)" for m in MODES[1:]
+        ]
         books = [", ".join(f"{r[m]['books'][t]:.4f}" for m in MODES) for t in titles]
         lines.append(
             f"| {r['run']} | {r['context_mode']} | {r['bst_layers']} | {r['normal']['bits_per_byte']:.4f} | "

@@ -668,17 +668,17 @@ def report(results_dir: Path | None = None, docs: Path | None | str = "default",
     lengths, L, r0 = proto.lengths, proto.seq_len, records[0]
     lines = _table(summarise(records, lengths), lengths, L)
     chosen = summarise(records, lengths, key="selected_results")
-    selected_lines = _table(chosen, lengths, L, steps=True) if chosen else []
-    if chosen and all(r.get("selected_step") == r["steps"] for r in records if r.get("selected_results")):
-        selected_lines = []  # early stopping keeps every final model: the table above is also the selected one
-        selected_note = (
-            "Early stopping on the validation book (its first "
-            f"{validation_tokens(r0['dataset'].get('max_tokens_per_doc') or proto.eval_tokens)} tokens at L={L}, every {proto.save_every} steps) selects the final checkpoint of "
-            f"every run with a selection ({', '.join(sorted(m for m in chosen))}): the validation curves fall to the "
-            "end (third panel), so the table above is also the early-stopped one."
-        )
-    else:
-        selected_note = ""
+    n_val = validation_tokens(r0["dataset"].get("max_tokens_per_doc") or proto.eval_tokens)
+    all_final = bool(chosen) and all(r["selected_step"] == r["steps"] for r in records if r.get("selected_results"))
+    # early stopping that keeps every final model gets a sentence: the table above is also the selected one
+    selected_lines = _table(chosen, lengths, L, steps=True) if chosen and not all_final else []
+    selected_note = (
+        f"Early stopping on the validation book (its first {n_val} tokens at L={L}, every {proto.save_every} steps) "
+        f"selects the final checkpoint of every run with a selection ({', '.join(sorted(chosen))}): the validation "
+        "curves fall to the end (third panel), so the table above is also the early-stopped one."
+        if all_final
+        else ""
+    )
     book_lines = _books_table(records, (L, max(lengths)))
     machine = (
         f"{cpu_name()}, one thread per run, two runs at a time"
@@ -715,7 +715,7 @@ def report(results_dir: Path | None = None, docs: Path | None | str = "default",
                 [
                     "",
                     "The same runs at the checkpoint with the lowest validation bits per byte (early stopping: the "
-                    f"validation book, first {validation_tokens(r0['dataset'].get('max_tokens_per_doc') or proto.eval_tokens)} tokens, at L={L}, every {proto.save_every} steps; "
+                    f"validation book, first {n_val} tokens, at L={L}, every {proto.save_every} steps; "
                     "`selected steps` gives each seed's step), scored on the same test tokens "
                     "(`python -m experiments.lm_quality long-select` adds this to finished records):",
                     "",
