@@ -46,6 +46,8 @@ def test_every_model_gets_the_same_tokens_and_a_valid_config(proto, model, tmp_p
             assert list(getattr(config, key, None) or []) == [2 * i for i in preset.get(key) or []]
     else:
         assert config.hidden_size == 128 and config.num_hidden_layers == 4
+    # a variant's own override survives the protocol's size overrides
+    assert config.mf_independent_filters == (model == "bst-mf-s4-indep")
 
 
 def _record(model, seed, bpb, proto=L.CPU):
