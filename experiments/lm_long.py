@@ -689,6 +689,8 @@ def report(results_dir: Path | None = None, docs: Path | None | str = "default",
         else "see each record's `device`"
     )
     rerun = "long" if proto.name == "cpu" else f"long --protocol {proto.name}"
+    if proto.corpus != CORPUS:
+        rerun += f" --corpora {proto.corpus}"
     res = proto.results.relative_to(ROOT).as_posix() if proto.results.is_relative_to(ROOT) else str(proto.results)
     corpus = (
         "Corpus `books` (the ablation): the same books without the Treasury of David (9.6 MB of training text, 8 books; the same test and validation books)."
@@ -701,8 +703,8 @@ def report(results_dir: Path | None = None, docs: Path | None | str = "default",
     )
     text = "\n".join(
         [
-            f"## Long-run language modelling, {'CPU' if proto.name == 'cpu' else 'accelerator'} protocol "
-            "(paper Table 1 / Fig. 5)",
+            f"## Long-run language modelling, {'CPU' if proto.name == 'cpu' else 'accelerator'} protocol, "
+            f"`{proto.corpus}` (paper Table 1 / Fig. 5)",
             "",
             corpus,
             "",
