@@ -343,9 +343,7 @@ def select_checkpoint(
     books_cmd = [sys.executable, "-m", "experiments.lm_long", "books", str(ckpt), "--output", str(books_out),
                  "--lengths", str(proto.seq_len), str(max(proto.lengths)), "--eval_tokens",
                  str(eval_tokens or proto.eval_tokens), "--device", device, "--corpus", proto.corpus]  # fmt: skip
-    previous = json.loads(books_out.read_text()) if books_out.exists() else None
-    if previous is None or previous["model"] != str(ckpt):
-        call(books_cmd)
+    call(books_cmd)  # scores only the books that per_book.json lacks for this checkpoint
     return {
         "validation_curve": curve,
         "selected_step": best["step"],
@@ -356,12 +354,45 @@ def select_checkpoint(
     }
 
 
+# Books that a corpus leaves out although the project's data holds them, scored book by book as split "unseen": no run
+# on that corpus trained on them or selected a checkpoint with them. `books` drops the Treasury of David (a Psalms
+# commentary, in the training split of `allbooks`), so it is a second book unlike the training books beside
+# Sherlock Holmes. corpus -> (corpus whose prepared data holds them, its split, titles).
+UNSEEN_BOOKS = {"books": ("allbooks", "train", ("treasury-of-david",))}
+
+
+def _scored_books(corpus: str):
+    """``(split, title, text)`` of every book that ``held_out_books`` scores for a run on ``corpus``."""
+    from training import data as D
+
+    def rows(name: str, split: str):
+        path = Q.WORK / "data" / name
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"{path} is missing: build it with `python -m experiments.lm_quality prepare --corpora {name}`"
+            )
+        for row in D.load_documents("pg19", split, path=str(path)):
+            yield row.get("title") or row.get("short_book_title"), row["text"]
+
+    for split in ("test", "validation"):
+        for title, text in rows(corpus, split):
+            yield split, title, text
+    if corpus in UNSEEN_BOOKS:
+        source, split, titles = UNSEEN_BOOKS[corpus]
+        found = {title: text for title, text in rows(source, split) if title in titles}
+        for title in titles:
+            if title not in found:
+                raise ValueError(f"unseen book {title!r} is not in the {split} split of {source!r}")
+            yield "unseen", title, found[title]
+
+
 def held_out_books(
     model_dir: Path, corpus: str, lengths, eval_tokens: int, device: str = "cpu", output: Path | None = None
 ) -> list[dict]:
-    """Bits per byte of ``model_dir`` on each held-out book alone (the test books and the validation book, first
-    ``eval_tokens`` tokens of each, windows of every length): the spread between books shows how much of a gap between
-    two models one book decides. Written to ``output`` as ``{"model", "books": [{title, split, results}]}``."""
+    """Bits per byte of ``model_dir`` on each held-out book alone (the test books, the validation book and the corpus's
+    ``UNSEEN_BOOKS``, first ``eval_tokens`` tokens of each, windows of every length): the spread between books shows
+    how much of a gap between two models one book decides. Written to ``output`` as ``{"model", "books": [{title,
+    split, results}]}``; a book that ``output`` already holds for the same model, lengths and tokens is kept."""
     import torch
 
     from modeling_bst import BSTForCausalLM
@@ -369,20 +400,28 @@ def held_out_books(
     from training.evaluate import evaluate_model
 
     torch.set_num_threads(1)
-    model = BSTForCausalLM.from_pretrained(model_dir).to(device)
-    tokenizer = D.load_tokenizer(str(model_dir))
+    cached = {}
+    if output is not None and output.exists():
+        previous = json.loads(output.read_text())
+        if previous["model"] == str(model_dir) and previous.get("eval_tokens") == eval_tokens:
+            cached = {(b["title"], b["split"]): b for b in previous["books"]}
+    model = tokenizer = None
     books = []
-    for split in ("test", "validation"):
-        for row in D.load_documents("pg19", split, path=str(Q.WORK / "data" / corpus)):
-            results = evaluate_model(model, tokenizer, [row["text"]], list(lengths), max_tokens_per_doc=eval_tokens)
-            books.append(
-                {"title": row.get("title") or row.get("short_book_title"), "split": split, "results": results}
-            )
-            print(f"{model_dir} {books[-1]['title']}: " + ", ".join(
-                f"L={r['length']} {r['bits_per_byte']:.4f}" for r in results), flush=True)  # fmt: skip
+    for split, title, text in _scored_books(corpus):
+        old = cached.get((title, split))
+        if old is not None and [r["length"] for r in old["results"]] == list(lengths):
+            books.append(old)
+            continue
+        if model is None:
+            model = BSTForCausalLM.from_pretrained(model_dir).to(device)
+            tokenizer = D.load_tokenizer(str(model_dir))
+        results = evaluate_model(model, tokenizer, [text], list(lengths), max_tokens_per_doc=eval_tokens)
+        books.append({"title": title, "split": split, "results": results})
+        print(f"{model_dir} {title}: " + ", ".join(
+            f"L={r['length']} {r['bits_per_byte']:.4f}" for r in results), flush=True)  # fmt: skip
     if output is not None:
         tmp = output.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"model": str(model_dir), "books": books}, indent=1))
+        tmp.write_text(json.dumps({"model": str(model_dir), "eval_tokens": eval_tokens, "books": books}, indent=1))
         os.replace(tmp, output)
     return books
 
@@ -638,8 +677,11 @@ def _books_table(records: list[dict], lengths: tuple[int, int]) -> list[str]:
     have = [r for r in records if r.get("per_book")]
     if not have:
         return []
-    titles = [b["title"] for b in have[0]["per_book"]]
-    splits = {b["title"]: b["split"] for b in have[0]["per_book"]}
+    splits = {}  # every book of any record, in first-seen order (records made before a book was added lack it)
+    for r in have:
+        for b in r["per_book"]:
+            splits.setdefault(b["title"], b["split"])
+    titles = list(splits)
     slide = {r["seed"]: r for r in have if r["model"] == "slide"}
     head = "| run | " + " | ".join(f"{t} ({splits[t]}) L={n}" for t in titles for n in lengths) + " |"
     lines = [head, "|---|" + "---|" * (len(titles) * len(lengths))]

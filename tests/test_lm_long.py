@@ -122,12 +122,90 @@ def test_report_books_one_by_one_and_final_selection_note(tmp_path):
             for k, (t, sp) in enumerate([("Persuasion", "test"), ("Northanger Abbey", "validation")])
         ]  # fmt: skip
         (results / f"{model}-s{seed}.json").write_text(json.dumps(record))
+    # a later record also scores an unseen book: its columns appear, earlier records show a dash there
+    record = json.loads((results / "bst-sh-s4-s1.json").read_text())
+    record["per_book"].append({"title": "Psalms", "split": "unseen", "results": [{"length": n, "bits_per_byte": 3.5} for n in (512, 8192)]})  # fmt: skip
+    (results / "bst-sh-s4-s1.json").write_text(json.dumps(record))
     text = L.report(results, None)
     assert "lowest validation bits per byte" not in text and "selects the final checkpoint of every run" in text
     assert "| run | Persuasion (test) L=512 | Persuasion (test) L=8192 | Northanger Abbey (validation) L=512 |" in text
-    assert "| Slide:4L s0 | 2.0051 | 2.0819 | 3.0051 |" in text
+    assert "Northanger Abbey (validation) L=8192 | Psalms (unseen) L=512 | Psalms (unseen) L=8192 |" in text
+    assert "| Slide:4L s0 | 2.0051 | 2.0819 | 3.0051 | 3.0819 | – | – |" in text
     # BST seed 1 against Slide seed 1: 2.31512 / 2.20512 - 1 = +5.0%
-    assert "| BST:SH:S4 s1 | 2.3151 (+5.0%) |" in text
+    assert "| BST:SH:S4 s1 | 2.3151 (+5.0%) |" in text and "| 3.5000 | 3.5000 |" in text
+
+
+def _held_out_fixture(tmp_path, monkeypatch):
+    """A prepared `books` corpus (2 test books, 1 validation book) and `allbooks` training split holding the unseen
+    book, under a temporary work folder; model loading and evaluation replaced by a recorder of what gets scored."""
+    data = tmp_path / "work" / "data"
+    for name, split, titles in [("books", "test", ["Persuasion", "sherlock-holmes"]),
+                                ("books", "validation", ["Northanger Abbey"]),
+                                ("allbooks", "train", ["Emma", "treasury-of-david"])]:  # fmt: skip
+        (data / name).mkdir(parents=True, exist_ok=True)
+        rows = [json.dumps({"title": t, "text": f"text of {t}"}) for t in titles]
+        (data / name / f"{split}.jsonl").write_text("\n".join(rows) + "\n")
+    monkeypatch.setattr(L.Q, "WORK", tmp_path / "work")
+    scored = []
+
+    class _Model:
+        def to(self, device):
+            return self
+
+    def fake_eval(model, tokenizer, texts, lengths, max_tokens_per_doc):
+        scored.append(texts[0])
+        return [{"length": n, "bits_per_byte": len(texts[0]) / 10, "tokens": max_tokens_per_doc} for n in lengths]
+
+    import modeling_bst
+    import training.data
+    import training.evaluate
+
+    monkeypatch.setattr(modeling_bst.BSTForCausalLM, "from_pretrained", classmethod(lambda cls, *a, **k: _Model()))
+    monkeypatch.setattr(training.data, "load_tokenizer", lambda path: None)
+    monkeypatch.setattr(training.evaluate, "evaluate_model", fake_eval)
+    return scored
+
+
+def test_held_out_books_adds_the_unseen_book_and_scores_only_what_is_missing(tmp_path, monkeypatch):
+    scored = _held_out_fixture(tmp_path, monkeypatch)
+    out = tmp_path / "per_book.json"
+    books = L.held_out_books(tmp_path / "ckpt", "books", [512, 8192], 100, output=out)
+    assert [(b["title"], b["split"]) for b in books] == [
+        ("Persuasion", "test"), ("sherlock-holmes", "test"), ("Northanger Abbey", "validation"),
+        ("treasury-of-david", "unseen"),
+    ]  # fmt: skip
+    assert scored == ["text of Persuasion", "text of sherlock-holmes", "text of Northanger Abbey", "text of treasury-of-david"]  # fmt: skip
+    assert json.loads(out.read_text())["eval_tokens"] == 100
+    # an older file without the unseen book: only that book is scored, the others are kept as they were
+    saved = json.loads(out.read_text())
+    saved["books"] = saved["books"][:3]
+    out.write_text(json.dumps(saved))
+    scored.clear()
+    assert L.held_out_books(tmp_path / "ckpt", "books", [512, 8192], 100, output=out) == books
+    assert scored == ["text of treasury-of-david"]
+    # the same call again scores nothing; other tokens, lengths or another checkpoint score everything again
+    scored.clear()
+    L.held_out_books(tmp_path / "ckpt", "books", [512, 8192], 100, output=out)
+    assert scored == []
+    for kwargs in ({"eval_tokens": 200}, {"lengths": [512]}, {"model_dir": tmp_path / "other"}):
+        args = {"model_dir": tmp_path / "ckpt", "lengths": [512, 8192], "eval_tokens": 100, **kwargs}
+        scored.clear()
+        L.held_out_books(args["model_dir"], "books", args["lengths"], args["eval_tokens"], output=out)
+        assert len(scored) == 4, kwargs
+    # a corpus without unseen books scores its own three
+    scored.clear()
+    (tmp_path / "work" / "data" / "allbooks" / "test.jsonl").write_text((tmp_path / "work" / "data" / "books" / "test.jsonl").read_text())  # fmt: skip
+    (tmp_path / "work" / "data" / "allbooks" / "validation.jsonl").write_text((tmp_path / "work" / "data" / "books" / "validation.jsonl").read_text())  # fmt: skip
+    assert [b["split"] for b in L.held_out_books(tmp_path / "ckpt", "allbooks", [512], 100)] == ["test", "test", "validation"]  # fmt: skip
+
+
+def test_held_out_books_names_the_missing_corpus(tmp_path, monkeypatch):
+    _held_out_fixture(tmp_path, monkeypatch)
+    import shutil
+
+    shutil.rmtree(tmp_path / "work" / "data" / "allbooks")
+    with pytest.raises(FileNotFoundError, match="prepare --corpora allbooks"):
+        L.held_out_books(tmp_path / "ckpt", "books", [512], 100)
 
 
 def test_best_checkpoint_is_the_lowest_validation_score_latest_on_ties():
