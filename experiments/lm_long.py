@@ -777,8 +777,15 @@ def report(results_dir: Path | None = None, docs: Path | None | str = "default",
                     "",
                     "Each held-out book alone (first "
                     f"{r0['dataset'].get('max_tokens_per_doc')} tokens of each; the validation book was not used for "
-                    "anything but the early-stopping choice), bits per byte of the selected checkpoint; percentages "
-                    "compare with the Slide run of the same seed:",
+                    "anything but the early-stopping choice"
+                    + (
+                        f"; {', '.join(UNSEEN_BOOKS[proto.corpus][2])} (unseen) is a book that the `{proto.corpus}` "
+                        "corpus leaves out, so no run trained on it or selected with it"
+                        if proto.corpus in UNSEEN_BOOKS
+                        else ""
+                    )
+                    + "), bits per byte of the selected checkpoint; percentages compare with the Slide run of the "
+                    "same seed:",
                     "",
                     *book_lines,
                 ]
