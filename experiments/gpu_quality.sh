@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The long-run language-modelling comparison (issue #13) at accelerator scale: every model family (Slide, BST:SH:S4,
 # BST:MF:S4, BST:MF:S4 with independent filters, BRecT:fixed:skip, GSS-Hybrid, Transformer-XL; two seeds for Slide,
-# BST:SH:S4 and the independent-filter MF, whose CPU-scale gain over Slide this checks) at ~25-30M parameters
+# BST:SH:S4 and the independent-filter MF, two of whose three CPU-scale seeds beat Slide) at ~25-30M parameters
 # (D=512, 8 layers, W=128, L=1024), 2,000 steps of 16 x 1024 tokens in bf16 on one GPU, on the `allbooks` corpus; the
 # same JSON records, learning curves, length generalisation (128..16384) and table as the CPU protocol
 # (experiments/lm_long.py, protocol "gpu"). Records go to docs/results/lm_long_gpu/, the table and plot to the
