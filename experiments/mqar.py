@@ -773,7 +773,8 @@ def report(
     plot, into section ``section`` of ``docs`` and ``<docs folder>/results/<section>.png`` (``docs`` None: only
     returned and printed). ``length_for_pairs`` / ``pairs_at_lengths`` order the cells and pick the plot's axes
     (None: each budget's own grid). The text names ``results_dir`` and the machine of the records; the CPU
-    protocol's section (``mqar``) also says that its runs shared the CPU with two long training runs."""
+    protocol's section (``mqar``) also says that its runs shared the 2-core CPU with other runs (so its wall times are
+    not a speed benchmark)."""
     from benchmarks.docs_section import write_section
 
     check_section(section)
@@ -791,8 +792,8 @@ def report(
     machine, on_cpu = _machine(records)
     if section == SECTION and on_cpu:
         machine_lines = [
-            f"Machine: {machine}, one thread per run unless a run's settings say otherwise, sharing the CPU with",
-            "two long training runs.",
+            f"Machine: {machine}, one thread per run unless a run's settings say otherwise, each run sharing the",
+            "2-core CPU with one or two other runs (long training or MQAR), so wall times are not a speed benchmark.",
         ]
     elif on_cpu:
         machine_lines = [f"Machine: {machine}, one thread per run unless a run's settings say otherwise."]

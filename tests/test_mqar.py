@@ -199,7 +199,7 @@ def test_report_has_one_table_per_budget_reference_first(tmp_path, monkeypatch):
 
 def test_report_names_its_section_folder_and_machine(tmp_path, monkeypatch):
     """`--section NAME` writes section NAME of `--docs` and results/NAME.png beside it, whatever the output folder;
-    the text names that folder and the records' machine (the GPU's name for CUDA records; the "sharing the CPU"
+    the text names that folder and the records' machine (the GPU's name for CUDA records; the "other runs"
     sentence only in the CPU protocol's `mqar` section). Without `--section`, a non-default folder is only printed."""
     from benchmarks.docs_section import cpu_name
 
@@ -220,7 +220,7 @@ def test_report_names_its_section_folder_and_machine(tmp_path, monkeypatch):
     section = written.split("<!-- mqar_gpu:start -->\n")[1].split("\n<!-- mqar_gpu:end -->")[0]
     assert (tmp_path / "docs" / "results" / "mqar_gpu.png").stat().st_size > 0
     assert "![MQAR accuracy](results/mqar_gpu.png)" in section and f"`{out.as_posix()}/`" in section
-    assert f"Machine: {cpu_name()}, one thread per run" in section and "sharing the CPU" not in section
+    assert f"Machine: {cpu_name()}, one thread per run" in section and "other runs" not in section
     assert "docs/results/mqar/" not in section and "gpu_quality.sh --mqar" in section
 
     # the same records as if run on a GPU: the report names the GPU, not this machine's CPU
@@ -234,13 +234,14 @@ def test_report_names_its_section_folder_and_machine(tmp_path, monkeypatch):
 
     # the CPU protocol's section says where its runs were made, and names its own folder
     text = mqar.report(out, None)
-    assert "sharing the CPU" not in text  # GPU records, even in the `mqar` section
+    assert "other runs" not in text  # GPU records, even in the `mqar` section
     for path in out.glob("*.json"):
         r = json.loads(path.read_text())
         r["settings"].update(device="cpu", device_name="Some CPU")
         path.write_text(json.dumps(r))
     text = mqar.report(out, None)
-    assert "Machine: Some CPU, one thread per run unless a run's settings say otherwise, sharing the CPU with" in text
+    machine = "Machine: Some CPU, one thread per run unless a run's settings say otherwise, each run sharing the\n"
+    assert machine + "2-core CPU with one or two other runs" in text
     assert "`python -m experiments.mqar` runs the\nfirst cell" in text and "50 x 8, is kept" in text
     assert mqar._folder(mqar.RESULTS) == "docs/results/mqar/" and mqar._folder(mqar.GPU_RESULTS).endswith("_gpu/")
     with pytest.raises(ValueError, match="section must be"):
