@@ -290,6 +290,26 @@ def test_two_process_ddp_run(corpus, tmp_path, launcher):
     assert (out / "final" / "model.safetensors").exists() and (out / "final" / "tokenizer.json").exists()
 
 
+@pytest.mark.parametrize("finished", [True, False])
+def test_shutdown_destroys_the_process_group(tmp_path, finished):
+    """training.train's exit path tears every process group down before the interpreter exits (on success after a
+    barrier; after a failure without one, since the other ranks may never reach it)."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        work = dist.all_reduce(torch.ones(3), async_op=True)  # a work object the teardown must not leave behind
+        work.wait()
+        dist.new_group([0])  # sub-groups (FSDP's device mesh makes them) go too
+        T._shutdown_distributed(finished)
+        assert not dist.is_initialized()
+        T._shutdown_distributed(finished)  # nothing to tear down: a no-op
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 # ---------------------------------------------------------------------------------------------------- crash safety
 def test_sigkill_mid_run_resumes_with_the_same_losses(corpus, tmp_path):
     """A real run killed with SIGKILL resumes from its last complete checkpoint and continues with the losses of an

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import gc
 import inspect
 import json
 import logging
@@ -676,17 +677,29 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
-def _shutdown_distributed():
-    """Destroy the process group (if any) before the interpreter exits: left to exit, gloo's threads can race the
-    teardown and abort a finished run with "terminate called without an active exception"."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+def _shutdown_distributed(finished: bool) -> None:
+    """Tear the process group (if any) down while the interpreter is fully alive.
+
+    Left to interpreter exit, gloo's worker threads can still hold work objects (and the tensors in them) that are
+    destroyed after Python is gone, aborting a finished run with "terminate called without an active exception".
+    A finished run first waits for every rank (rank 0 may still be writing the final model while the others are
+    done), frees those objects, then destroys the groups on every rank together. A failed run skips the barrier: the
+    other ranks may never reach it."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    if finished:
+        torch.distributed.barrier()
+    gc.collect()
+    torch.distributed.destroy_process_group()
+    gc.collect()
 
 
 if __name__ == "__main__":
+    finished = False
     try:
         main()
+        finished = True
     except D.DatasetUnavailableError as e:  # a one-paragraph message with the offline alternatives, no traceback
         raise SystemExit(f"training.train: {e}") from None
     finally:
-        _shutdown_distributed()
+        _shutdown_distributed(finished)
