@@ -85,6 +85,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -572,7 +573,7 @@ def _cell(records: list[dict], model: str, length: int, pairs: int) -> str:
     text = f"{100 * _mean(hits):.1f}"
     if len(hits) > 1:
         accs = [100 * r["accuracy"] for r in hits]
-        text += f" ({min(accs):.0f}–{max(accs):.0f}, {len(hits)} seeds)"
+        text += f" ({min(accs):.1f}–{max(accs):.1f}, {len(hits)} seeds)"
     return text
 
 
@@ -683,11 +684,13 @@ def _budget_table(mine: list[dict], budget: str, at_length: int, at_pairs: int) 
             lines.append(f"| {label} | {shape} | {rows[0]['parameters'] / 1e3:.0f}k | {cells_text} |")
     best = max(mine, key=lambda r: r["accuracy"])
     above = [r for r in mine if r["accuracy"] > 2 * chance]
+    # One entry per cell (label, L, N), with the number of its seeds above twice chance when there are several.
+    above_cells = Counter(f"{r['label']} L={r['length']} N={r['num_pairs']}" for r in above)
     lines += [
         "",
         f"Best run: {best['label']} at L={best['length']} N={best['num_pairs']}, {100 * best['accuracy']:.1f}% "
         f"(chance {100 * chance:.1f}%); {len(above)} of {len(mine)} runs above twice chance"
-        + (": " + ", ".join(f"{r['label']} L={r['length']} N={r['num_pairs']}" for r in above) if above else "")
+        + (": " + ", ".join(c + (f" ({k} seeds)" if k > 1 else "") for c, k in above_cells.items()) if above else "")
         + ".",
         f"Final training loss over the scored tokens: {min(r['final_train_loss'] for r in mine):.2f}–"
         f"{max(r['final_train_loss'] for r in mine):.2f} nats (ln {mine[0]['settings']['num_values']} = "

@@ -197,6 +197,20 @@ def test_report_has_one_table_per_budget_reference_first(tmp_path, monkeypatch):
     assert "| Slide | A A |" in small and "| Attention" not in small and "No reference run" in small
 
 
+def test_report_gives_a_cell_of_several_seeds_once_with_its_range(tmp_path, monkeypatch):
+    out = tmp_path / "runs"
+    _tiny_run(monkeypatch, out, steps=2)
+    for path in out.glob("*.json"):  # a second seed of every run: the first at 50%, the second at 25%
+        record = json.loads(path.read_text())
+        path.write_text(json.dumps(dict(record, accuracy=0.5)))
+        path.with_name(path.name.replace("-s0.json", "-s1.json")).write_text(
+            json.dumps(dict(record, seed=1, accuracy=0.25))
+        )
+    text = mqar.report(out, None)
+    assert "| Attention (W=L) | A A | 26k | 37.5 (25.0–50.0, 2 seeds) |" in text
+    assert "4 runs above twice chance: Attention (W=L) L=48 N=4 (2 seeds), BST:SH:S4 L=48 N=4 (2 seeds)." in text
+
+
 def test_report_names_its_section_folder_and_machine(tmp_path, monkeypatch):
     """`--section NAME` writes section NAME of `--docs` and results/NAME.png beside it, whatever the output folder;
     the text names that folder and the records' machine (the GPU's name for CUDA records; the "other runs"
