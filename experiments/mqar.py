@@ -62,6 +62,14 @@ extends a grid::
     python -m experiments.mqar --grid sweep                  # lengths 256-2048 at N = 8 and N = 4-32 at L = 256
     python -m experiments.mqar --models attention slide bst-sh-s4 --deadline-minutes 170   # part of a grid per sitting
     python -m experiments.mqar --report-only                 # tables + plot into docs/results.md (``mqar``)
+    python -m experiments.mqar --models bst-sh-unstruct --set unstruct_sin_freq=1   # an ablation: its own row
+
+``--set FIELD=VALUE`` (repeatable) overrides a BSTConfig field of every model of the invocation after the preset
+(values are JSON literals: ``1``, ``0.01``, ``true``, ``"s4"``; anything else is a string). An ablation is a run of
+its own: its name and label carry the overrides (``bst-sh-unstruct+unstruct_sin_freq=1-L256-...json``,
+"BST:SH:unstruct [unstruct_sin_freq=1]"), its JSON records them (``overrides``), and the report gives it its own row
+below its model's. Fields the protocol sets itself (width, depth, W, length, vocabulary) have flags of their own and
+are refused, as are fields BSTConfig does not have and HF Mamba (whose config is not a BSTConfig).
 
 Records name their machine (``settings.device`` and ``device_name``: the GPU's name on CUDA). Run names do not say
 the machine or the number of keys, so another protocol keeps its records in its own folder and its report in its own
@@ -132,6 +140,16 @@ LR, WEIGHT_DECAY = 1e-2, 0.0
 HIDDEN, LAYERS, BLOCK_LEN = 64, 2, 32
 NUM_KEYS = NUM_VALUES = 32
 CHECKPOINT_EVERY = 100
+# BSTConfig fields ``build_config`` sets from the protocol's own flags (``--set`` refuses them, naming the flag)
+PROTOCOL_FIELDS = {
+    "vocab_size": "--num-keys/--num-values",
+    "hidden_size": "--hidden",
+    "num_hidden_layers": "--layers",
+    "head_dim": "--hidden",
+    "intermediate_size": "--hidden",
+    "block_len": "--block-len",
+    "max_position_embeddings": "the cell's length (--lengths/--length-for-pairs)",
+}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -183,6 +201,53 @@ def make_batch(
 # --------------------------------------------------------------------------------------------------------------------
 # Models
 # --------------------------------------------------------------------------------------------------------------------
+
+
+def parse_overrides(items: list[str] | None) -> dict:
+    """``["FIELD=VALUE", ...]`` -> ``{FIELD: value}`` (VALUE a JSON literal, else a string); ValueError naming the
+    item if it is malformed, sets a field the protocol sets itself, a field BSTConfig does not have, or twice."""
+    from modeling_bst import BSTConfig
+
+    known = set(BSTConfig().to_dict())
+    out: dict = {}
+    for item in items or []:
+        field, sep, text = item.partition("=")
+        field = field.strip()
+        if not sep or not field or not text:
+            raise ValueError(f"--set {item!r}: expected FIELD=VALUE, e.g. unstruct_sin_freq=1")
+        if field in PROTOCOL_FIELDS:
+            raise ValueError(f"--set {item!r}: {field} is set by the protocol; use {PROTOCOL_FIELDS[field]}")
+        if field not in known:
+            raise ValueError(f"--set {item!r}: BSTConfig has no field {field!r}")
+        if field in out:
+            raise ValueError(f"--set {item!r}: {field} is set twice")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        out[field] = value
+    return out
+
+
+def overrides_tag(overrides: dict | None) -> str:
+    """The part of a run's name that says its overrides: ``+field=value`` each, sorted by field ("" for none).
+    ValueError if a value would not make a plain file name."""
+    parts = []
+    for field, value in sorted((overrides or {}).items()):
+        text = value if isinstance(value, str) else json.dumps(value)
+        if not text or not all(c.isalnum() or c in "._-" for c in text):
+            raise ValueError(f"--set {field}={text}: the value must be letters, digits, '.', '_' or '-' (a file name)")
+        parts.append(f"+{field}={text}")
+    return "".join(parts)
+
+
+def variant_label(label: str, overrides: dict | None) -> str:
+    """``label`` with its overrides, e.g. "BST:SH:unstruct [unstruct_sin_freq=1]"."""
+    if not overrides:
+        return label
+    return f"{label} [{', '.join(f'{k}={json.dumps(v)}' for k, v in sorted(overrides.items()))}]"
+
+
 def _scale_indices(indices: list[int], old_layers: int, new_layers: int) -> list[int]:
     """Map a preset's layer layout onto ``new_layers`` layers (keeps the relative placement; distinct indices)."""
     if new_layers == old_layers:
@@ -192,13 +257,23 @@ def _scale_indices(indices: list[int], old_layers: int, new_layers: int) -> list
 
 
 def build_config(
-    model: str, hidden: int, layers: int, block_len: int, length: int, vocab: int, state_size: int = 16
+    model: str,
+    hidden: int,
+    layers: int,
+    block_len: int,
+    length: int,
+    vocab: int,
+    state_size: int = 16,
+    overrides: dict | None = None,
 ) -> dict:
     """The model's config as a dict: the preset with width/depth/block length/vocabulary/length overridden
-    (the reference ``attention``: block length = ``length``, whatever ``block_len`` says)."""
+    (the reference ``attention``: block length = ``length``, whatever ``block_len`` says), then ``overrides``
+    (BSTConfig fields, from ``--set``; refused for HF Mamba)."""
     if model not in MODELS:
         raise ValueError(f"model {model!r} is not one of {list(MODELS)}")
     label, preset = MODELS[model]
+    if overrides and preset is None:
+        raise ValueError(f"--set overrides BSTConfig fields; {model} is HF Mamba (got {sorted(overrides)})")
     if model == REFERENCE:
         block_len = length
     if preset is None:  # HF Mamba: same width and depth, SSM state as the BST presets, no dropout
@@ -235,6 +310,7 @@ def build_config(
         dropout=0.0,
         attention_dropout=0.0,
     )
+    cfg.update(overrides or {})
     return cfg
 
 
@@ -408,13 +484,15 @@ def train_and_eval(
     checkpoint: Path | None = None,
     checkpoint_every: int = CHECKPOINT_EVERY,
     deadline: float | None = None,
+    overrides: dict | None = None,
 ) -> dict | None:
     """Train one model on fresh MQAR batches for ``steps`` AdamW steps; return a result record (accuracy on
     ``eval_examples`` held-out sequences, losses, parameters, timing, a digest of the final weights).
 
     With ``checkpoint`` (a path), the run continues from that file if it exists and saves to it every
     ``checkpoint_every`` steps; at ``deadline`` (a ``time.time()`` value) it saves and returns None instead of
-    finishing. The caller deletes the checkpoint once it has stored the record."""
+    finishing. The caller deletes the checkpoint once it has stored the record. ``overrides``: BSTConfig fields set
+    after the preset (an ablation; recorded, and part of the label)."""
     if steps < 1 or batch_size < 1:
         raise ValueError(f"steps ({steps}) and batch_size ({batch_size}) must be positive")
     if checkpoint is not None and checkpoint_every < 1:
@@ -423,7 +501,8 @@ def train_and_eval(
     warmup = max(1, steps // 10) if warmup is None else warmup
     torch.manual_seed(seed)
     vocab = vocab_size(num_keys, num_values)
-    config = build_config(model, hidden, layers, block_len, length, vocab)
+    overrides = dict(overrides or {})
+    config = build_config(model, hidden, layers, block_len, length, vocab, overrides=overrides)
     net = build_model(config, model).to(device)
     net.train()
     optimizer = torch.optim.AdamW(parameter_groups(net, lr, weight_decay), betas=(0.9, 0.98))
@@ -451,6 +530,8 @@ def train_and_eval(
     }
     # what a checkpoint must agree on (threads and device may change between sittings; each sitting is recorded)
     identity = dict(settings, model=model, length=length, num_pairs=num_pairs, seed=seed)
+    if overrides:  # (runs without overrides keep the identity of checkpoints written before --set existed)
+        identity["overrides"] = overrides
     from benchmarks.docs_section import device_name
 
     machine = {"device": device, "device_name": device_name(device)}
@@ -498,7 +579,8 @@ def train_and_eval(
     tail = losses[-max(1, steps // 10) :]
     return {
         "model": model,
-        "label": MODELS[model][0],
+        "label": variant_label(MODELS[model][0], overrides),
+        "overrides": overrides,
         "length": length,
         "num_pairs": num_pairs,
         "seed": seed,
@@ -520,8 +602,10 @@ def train_and_eval(
 # --------------------------------------------------------------------------------------------------------------------
 # Grid, records, report
 # --------------------------------------------------------------------------------------------------------------------
-def run_name(model: str, length: int, pairs: int, seed: int, steps: int, batch_size: int) -> str:
-    return f"{model}-L{length}-N{pairs}-{steps}x{batch_size}-s{seed}"
+def run_name(
+    model: str, length: int, pairs: int, seed: int, steps: int, batch_size: int, overrides: dict | None = None
+) -> str:
+    return f"{model}{overrides_tag(overrides)}-L{length}-N{pairs}-{steps}x{batch_size}-s{seed}"
 
 
 def budget_of(record: dict) -> str:
@@ -558,16 +642,31 @@ def load_results(results_dir: Path = RESULTS) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(Path(results_dir).glob("*.json"))]
 
 
-def _select(records: list[dict], model: str, length: int, pairs: int) -> list[dict]:
-    return [r for r in records if r["model"] == model and r["length"] == length and r["num_pairs"] == pairs]
+def _variant(record: dict) -> str:
+    """Which ablation of its model a record is: its overrides' tag ("" for the preset itself)."""
+    return overrides_tag(record.get("overrides"))
+
+
+def _variants(records: list[dict], model: str) -> list[tuple[str, str]]:
+    """(tag, label) of each variant of ``model`` among ``records``: the preset first, then its ablations by tag."""
+    found = {_variant(r): r["label"] for r in records if r["model"] == model}
+    return sorted(found.items())
+
+
+def _select(records: list[dict], model: str, length: int, pairs: int, tag: str = "") -> list[dict]:
+    return [
+        r
+        for r in records
+        if r["model"] == model and r["length"] == length and r["num_pairs"] == pairs and _variant(r) == tag
+    ]
 
 
 def _mean(records: list[dict]) -> float:
     return sum(r["accuracy"] for r in records) / len(records)
 
 
-def _cell(records: list[dict], model: str, length: int, pairs: int) -> str:
-    hits = _select(records, model, length, pairs)
+def _cell(records: list[dict], model: str, length: int, pairs: int, tag: str = "") -> str:
+    hits = _select(records, model, length, pairs, tag)
     if not hits:
         return "–"
     text = f"{100 * _mean(hits):.1f}"
@@ -614,17 +713,19 @@ def plot(
         mine = [r for r in records if budget_of(r) == budget]
         at_length, at_pairs = _axes(mine, length_for_pairs, pairs_at_lengths)
         chance = 100 * mine[0]["chance"]
-        for model, (label, _) in MODELS.items():
+        for model, (tag, label) in ((m, v) for m in MODELS for v in _variants(mine, model=m)):
             style = ":" if model == REFERENCE else "-" if model.startswith("bst") else "--"
             color = "black" if model == REFERENCE else None
-            lengths = sorted({r["length"] for r in mine if r["model"] == model and r["num_pairs"] == at_pairs})
-            pts = [(n, 100 * _mean(_select(mine, model, n, at_pairs))) for n in lengths]
+            marker = "s" if tag else "o"  # an ablation (--set) in squares
+            ours = [r for r in mine if r["model"] == model and _variant(r) == tag]
+            lengths = sorted({r["length"] for r in ours if r["num_pairs"] == at_pairs})
+            pts = [(n, 100 * _mean(_select(mine, model, n, at_pairs, tag))) for n in lengths]
             if pts:
-                row[0].plot(*zip(*pts), style, marker="o", label=label, color=color)
-            pairs = sorted({r["num_pairs"] for r in mine if r["model"] == model and r["length"] == at_length})
-            pts = [(q, 100 * _mean(_select(mine, model, at_length, q))) for q in pairs]
+                row[0].plot(*zip(*pts), style, marker=marker, label=label, color=color)
+            pairs = sorted({r["num_pairs"] for r in ours if r["length"] == at_length})
+            pts = [(q, 100 * _mean(_select(mine, model, at_length, q, tag))) for q in pairs]
             if pts:
-                row[1].plot(*zip(*pts), style, marker="o", label=label, color=color)
+                row[1].plot(*zip(*pts), style, marker=marker, label=label, color=color)
         note = " (too small: all at chance)" if _too_small(mine) else ""
         for ax, xlabel, title in (
             (row[0], "sequence length L", f"N = {at_pairs} pairs"),
@@ -676,10 +777,10 @@ def _budget_table(mine: list[dict], budget: str, at_length: int, at_pairs: int) 
         "| Model | Layers | Params | " + " | ".join(f"L={n} N={p}" for n, p in cells) + " |",
         "|---|---|---|" + "---|" * len(cells),
     ]
-    for model, (label, _) in MODELS.items():
-        rows = [r for r in mine if r["model"] == model]
-        if rows:
-            cells_text = " | ".join(_cell(mine, model, n, p) for n, p in cells)
+    for model in MODELS:
+        for tag, label in _variants(mine, model):
+            rows = [r for r in mine if r["model"] == model and _variant(r) == tag]
+            cells_text = " | ".join(_cell(mine, model, n, p, tag) for n, p in cells)
             shape = layout(rows[0]["config"], model)
             lines.append(f"| {label} | {shape} | {rows[0]['parameters'] / 1e3:.0f}k | {cells_text} |")
     best = max(mine, key=lambda r: r["accuracy"])
@@ -870,7 +971,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--no-report", action="store_true")
     p.add_argument("--log-every", type=int, default=0)
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a BSTConfig field of every model run (an ablation: its own run name, label and report row); "
+        "repeatable, VALUE a JSON literal",
+    )
     args = p.parse_args(argv)
+    try:
+        overrides = parse_overrides(args.overrides)
+        overrides_tag(overrides)
+    except ValueError as e:
+        p.error(str(e))
+    if overrides and "mamba" in args.models and not args.report_only:
+        p.error("--set overrides BSTConfig fields; HF Mamba (--models mamba) has no BSTConfig: run it separately")
     preset = GRIDS[args.grid]
     cells_at = {k: getattr(args, k) if getattr(args, k) is not None else preset[k] for k in preset}
     if args.checkpoint_every < 1:
@@ -887,14 +1004,14 @@ def main(argv: list[str] | None = None) -> None:
         cells = grid(**cells_at)
 
         def name(t):
-            return run_name(*t, args.steps, args.batch_size)
+            return run_name(*t, args.steps, args.batch_size, overrides)
 
         todo = [
             (m, n, q, s)
             for n, q in cells
             for m in args.models
             for s in args.seeds
-            if not (out_dir / f"{run_name(m, n, q, s, args.steps, args.batch_size)}.json").exists()
+            if not (out_dir / f"{name((m, n, q, s))}.json").exists()
         ]
         # Started runs first (their checkpoint), then cheapest first, so that an interrupted sweep leaves whole cells
         # (HF Mamba's pure-PyTorch scan costs ~10x a BST-family model per token on CPU).
@@ -922,6 +1039,7 @@ def main(argv: list[str] | None = None) -> None:
                 weight_decay=args.weight_decay, hidden=args.hidden, layers=args.layers, block_len=args.block_len,
                 gap=args.gap, num_keys=args.num_keys, num_values=args.num_values, seed=seed, log_every=args.log_every,
                 device=args.device, checkpoint=ckpt, checkpoint_every=args.checkpoint_every, deadline=deadline,
+                overrides=overrides,
             )  # fmt: skip
             if record is None:
                 print("deadline reached: the run continues from its checkpoint at the next invocation", flush=True)

@@ -307,3 +307,56 @@ def test_cuda_without_a_gpu_is_refused_up_front(tmp_path, capsys):
     with pytest.raises(SystemExit):
         mqar.main(["--device", "cuda", *TINY, "--output", str(tmp_path)])
     assert "--device cuda: torch sees no CUDA device" in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
+def test_set_parses_config_overrides_and_refuses_what_it_cannot_set():
+    assert mqar.parse_overrides(["unstruct_sin_freq=1", "ssm_lr=0.01", "ssm_kind=s4", "bidirectional=true"]) == {
+        "unstruct_sin_freq": 1,
+        "ssm_lr": 0.01,
+        "ssm_kind": "s4",
+        "bidirectional": True,
+    }
+    assert mqar.overrides_tag({"ssm_lr": 0.01, "unstruct_sin_freq": 1}) == "+ssm_lr=0.01+unstruct_sin_freq=1"
+    for item, message in [
+        ("unstruct_sin_freq", "expected FIELD=VALUE"),
+        ("=1", "expected FIELD=VALUE"),
+        ("block_len=16", "use --block-len"),
+        ("max_position_embeddings=512", "the cell's length"),
+        ("no_such_field=1", "BSTConfig has no field 'no_such_field'"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            mqar.parse_overrides([item])
+    with pytest.raises(ValueError, match="set twice"):
+        mqar.parse_overrides(["ssm_lr=0.01", "ssm_lr=0.1"])
+    with pytest.raises(ValueError, match="a file name"):
+        mqar.overrides_tag({"ssm_kind": "s4/x"})
+    with pytest.raises(ValueError, match="HF Mamba"):
+        mqar.build_config("mamba", 32, 2, 8, 64, 33, overrides={"ssm_lr": 0.01})
+    with pytest.raises(SystemExit):
+        mqar.main(["--models", "mamba", "--set", "ssm_lr=0.01", "--no-report"])
+
+
+def test_an_ablation_is_a_run_and_a_report_row_of_its_own(tmp_path, monkeypatch):
+    out = tmp_path / "runs"
+    _tiny_run(monkeypatch, out, steps=2)
+    argv = ["--models", "bst-sh-s4", "--steps", "2", *TINY, "--output", str(out), "--set", "ssm_state_size=4"]
+    mqar.main(argv)
+    name = "bst-sh-s4+ssm_state_size=4-L48-N4-2x2-s0.json"
+    plain, ablation = (json.loads((out / n).read_text()) for n in ("bst-sh-s4-L48-N4-2x2-s0.json", name))
+    assert ablation["overrides"] == {"ssm_state_size": 4} and ablation["config"]["ssm_state_size"] == 4
+    assert plain["config"]["ssm_state_size"] == 16 and ablation["parameters"] < plain["parameters"]
+    assert ablation["label"] == "BST:SH:S4 [ssm_state_size=4]" and "--set ssm_state_size=4" in ablation["command"]
+    # the same command finds its run done; the preset's run is not mistaken for it (nor it for the preset's)
+    before = {p.name: p.stat().st_mtime_ns for p in out.glob("*.json")}
+    mqar.main(argv)
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.json")} == before
+    for path in out.glob("*.json"):
+        record = json.loads(path.read_text())
+        path.write_text(json.dumps(dict(record, accuracy=0.5 if "+" in path.name else 0.25)))
+    rows = [line for line in mqar.report(out, None).splitlines() if line.startswith("| BST:SH:S4")]
+    assert rows == [
+        f"| BST:SH:S4 | B B | {plain['parameters'] / 1e3:.0f}k | 25.0 |",
+        f"| BST:SH:S4 [ssm_state_size=4] | B B | {ablation['parameters'] / 1e3:.0f}k | 50.0 |",
+    ]
+    mqar.plot(mqar.load_results(out), tmp_path / "mqar.png")
+    assert (tmp_path / "mqar.png").stat().st_size > 0
