@@ -1,0 +1,127 @@
+"""How an SSM's filters look beyond the attention window (issue #13: why BST:SH:unstruct stays at chance on MQAR).
+
+    python -m experiments.filter_shape                                   # MQAR's BST models at initialisation
+    python -m experiments.filter_shape --models bst-sh-unstruct --set unstruct_sin_freq=1
+    python -m experiments.filter_shape --checkpoint RUN.ckpt.safetensors --models bst-sh-unstruct --set ...
+
+A BST layer's context state at a block boundary is the SSM output there: ``sum_l k[c, l] * z[t - l]`` per channel
+``c``. For a model to read a key-value pair from ``l`` tokens back, where the query's distance to its pair varies from
+sequence to sequence, the filter ``k[c, l]`` must weigh the pair alike over the range of distances: a filter that
+changes sign from one lag to the next adds the pair with a sign that depends on where the query happens to fall.
+
+For every BST layer of each model (built as ``experiments.mqar`` builds it: width, depth, W, length, vocabulary and
+``--set`` overrides), this prints per layer the median over its filter channels, over lags ``--from-lag`` .. L-1
+(default: the Slide receptive field ``layers x W``, where MQAR's pairs lie):
+
+- ``flips``: the fraction of adjacent lags where the tap changes sign (white noise: ~0.5; a smooth decay: ~0);
+- ``coherence``: ``|mean tap| / mean |tap|`` (1: one sign throughout; ~0: the signs cancel);
+- ``far/near``: mean ``|tap|`` over those lags over mean ``|tap|`` at lags 0-7.
+
+Weights are those at initialisation (seed ``--seed``: the seed MQAR's runs use), or those of an MQAR checkpoint
+(``--checkpoint``, a ``<run>.ckpt.safetensors`` that ``experiments.mqar`` keeps while a run is in progress; its one
+model must be given with the run's ``--set``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+import torch
+
+from experiments import mqar
+
+
+def layer_taps(module: torch.nn.Module, length: int) -> torch.Tensor:
+    """Filter taps of one SSM (``S4DKernel`` or ``UnstructFilter``) over ``length`` lags: `(channels, length)`."""
+    with torch.no_grad():
+        taps = module.filters(length) if hasattr(module, "filters") else module.kernel(length)
+    return taps.reshape(-1, length).double()
+
+
+def shape_stats(taps: torch.Tensor, from_lag: int) -> dict:
+    """Median over channels of ``flips``, ``coherence`` and ``far/near`` (module docstring) of ``taps``
+    `(channels, L)` over lags ``from_lag`` .. L-1."""
+    if not 8 <= from_lag < taps.shape[-1] - 1:
+        raise ValueError(f"from_lag must be in 8 .. {taps.shape[-1] - 2} (the filter has {taps.shape[-1]} lags)")
+    far, near = taps[:, from_lag:], taps[:, :8]
+    flips = ((far[:, 1:] * far[:, :-1]) < 0).double().mean(-1)
+    coherence = far.mean(-1).abs() / far.abs().mean(-1).clamp_min(1e-300)
+    ratio = far.abs().mean(-1) / near.abs().mean(-1).clamp_min(1e-300)
+    return {name: statistics.median(v.tolist()) for name, v in (("flips", flips), ("coherence", coherence),
+                                                                 ("far/near", ratio))}  # fmt: skip
+
+
+def model_stats(net, length: int, from_lag: int) -> list[tuple[int, dict]]:
+    """``(layer index, shape_stats)`` for every BST layer of ``net`` (a ``BSTForCausalLM``)."""
+    out = []
+    for i, layer in enumerate(net.model.layers):
+        context = getattr(getattr(layer, "cross_attn", None), "context", None)
+        if context is not None and hasattr(context, "ssm"):
+            out.append((i, shape_stats(layer_taps(context.ssm, length), from_lag)))
+    return out
+
+
+def load_weights(net, checkpoint: Path) -> None:
+    """The model weights of an ``experiments.mqar`` checkpoint (saved under ``model.``) into ``net``."""
+    from safetensors import safe_open
+
+    with safe_open(str(checkpoint), "pt") as f:
+        state = {k[len("model.") :]: f.get_tensor(k) for k in f.keys() if k.startswith("model.")}
+    missing, unexpected = net.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{checkpoint} does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+
+
+def main(argv: list[str] | None = None) -> list[str]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bst = [m for m in mqar.MODELS if m.startswith("bst")]
+    p.add_argument("--models", nargs="+", default=bst, choices=bst)
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE")
+    p.add_argument("--length", type=int, default=256)
+    p.add_argument("--hidden", type=int, default=mqar.HIDDEN)
+    p.add_argument("--layers", type=int, default=mqar.LAYERS)
+    p.add_argument("--block-len", type=int, default=mqar.BLOCK_LEN)
+    p.add_argument("--num-keys", type=int, default=mqar.NUM_KEYS)
+    p.add_argument("--num-values", type=int, default=mqar.NUM_VALUES)
+    p.add_argument("--from-lag", type=int, default=None, help="first lag looked at (default: layers x W)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint", type=Path, default=None, help="an experiments.mqar run checkpoint (one model)")
+    args = p.parse_args(argv)
+    try:
+        overrides = mqar.parse_overrides(args.overrides)
+    except ValueError as e:
+        p.error(str(e))
+    if args.checkpoint is not None and len(args.models) != 1:
+        p.error("--checkpoint holds one model's weights: give that model alone in --models")
+    from_lag = args.layers * args.block_len if args.from_lag is None else args.from_lag
+    vocab = mqar.vocab_size(args.num_keys, args.num_values)
+    lines = [
+        f"Filters beyond lag {from_lag} (L = {args.length}; median over channels; "
+        + (f"weights of {args.checkpoint})" if args.checkpoint else f"initialisation, seed {args.seed})"),
+        "",
+        "| model | layer | flips | coherence | far/near |",
+        "|---|---|---|---|---|",
+    ]
+    for model in args.models:
+        torch.manual_seed(args.seed)
+        config = mqar.build_config(
+            model, args.hidden, args.layers, args.block_len, args.length, vocab, overrides=overrides
+        )
+        net = mqar.build_model(config, model)
+        if args.checkpoint is not None:
+            load_weights(net, args.checkpoint)
+        label = mqar.variant_label(mqar.MODELS[model][0], overrides)
+        try:
+            rows = model_stats(net, args.length, from_lag)
+        except ValueError as e:
+            p.error(str(e))
+        for i, s in rows:
+            lines.append(f"| {label} | {i} | {s['flips']:.2f} | {s['coherence']:.2f} | {s['far/near']:.3f} |")
+    print("\n".join(lines))
+    return lines
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""experiments/filter_shape.py: the filter statistics behind the explanation of BST:SH:unstruct on MQAR."""
+
+import pytest
+import torch
+
+from experiments import filter_shape, mqar
+
+
+def test_shape_stats_of_known_filters():
+    lags = torch.arange(64, dtype=torch.float64)
+    smooth = torch.exp(-lags / 32)[None]
+    alternating = (smooth * (-1) ** lags)[None, 0]
+    s = filter_shape.shape_stats(smooth, 16)
+    assert s["flips"] == 0 and s["coherence"] == pytest.approx(1) and 0 < s["far/near"] < 1
+    a = filter_shape.shape_stats(alternating, 16)
+    assert a["flips"] == 1 and a["coherence"] < 0.05 and a["far/near"] == pytest.approx(s["far/near"])
+    with pytest.raises(ValueError, match="from_lag"):
+        filter_shape.shape_stats(smooth, 63)
+
+
+def test_at_initialisation_unstruct_filters_flip_sign_lag_to_lag_unless_their_sine_is_slow():
+    def flips(model, *overrides):
+        lines = filter_shape.main(["--models", model, *[a for o in overrides for a in ("--set", o)]])
+        rows = [line.split(" | ") for line in lines if line.startswith("| BST")]
+        assert [int(r[1]) for r in rows] == [0, 1]  # both layers are BST at 2 layers
+        return max(float(r[2]) for r in rows)
+
+    assert flips("bst-sh-s4") < 0.1  # S4D kernels: a few slow oscillations over lags 64-255
+    assert flips("bst-sh-unstruct") > 0.4  # sin(14 x) filters (safari's Pile setting): nearly white noise
+    assert flips("bst-sh-unstruct", "unstruct_sin_freq=1") < 0.15
+
+
+def test_learned_weights_come_from_an_mqar_checkpoint(tmp_path):
+    kw = dict(steps=3, batch_size=2, hidden=32, layers=2, block_len=8, num_keys=16, num_values=16, eval_examples=8)
+    ckpt = tmp_path / "run.ckpt.safetensors"
+    assert mqar.train_and_eval("bst-sh-unstruct", 48, 4, **kw, checkpoint=ckpt, deadline=0.0) is None
+    argv = ["--length", "48", "--hidden", "32", "--block-len", "8", "--num-keys", "16", "--num-values", "16"]
+    learned = filter_shape.main([*argv, "--models", "bst-sh-unstruct", "--checkpoint", str(ckpt)])
+    initial = filter_shape.main([*argv, "--models", "bst-sh-unstruct"])
+    assert "weights of" in learned[0] and learned[4:] != initial[4:]  # one AdamW step moved the filters
+    with pytest.raises(ValueError, match="does not fit the model"):
+        filter_shape.main([*argv, "--models", "bst-sh-s4", "--checkpoint", str(ckpt)])
+    with pytest.raises(SystemExit):
+        filter_shape.main([*argv, "--models", "bst-sh-s4", "bst-sh-unstruct", "--checkpoint", str(ckpt)])
