@@ -648,9 +648,10 @@ def _variant(record: dict) -> str:
 
 
 def _variants(records: list[dict], model: str) -> list[tuple[str, str]]:
-    """(tag, label) of each variant of ``model`` among ``records``: the preset first, then its ablations by tag."""
+    """(tag, label) of each variant of ``model`` among ``records``: the preset first, then its ablations (fewer
+    overrides first, then by tag)."""
     found = {_variant(r): r["label"] for r in records if r["model"] == model}
-    return sorted(found.items())
+    return sorted(found.items(), key=lambda item: (item[0].count("+"), item[0]))
 
 
 def _select(records: list[dict], model: str, length: int, pairs: int, tag: str = "") -> list[dict]:
