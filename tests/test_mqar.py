@@ -270,7 +270,8 @@ def test_report_names_its_section_folder_and_machine(tmp_path, monkeypatch):
 )
 def test_gpu_protocol_mqar_dry_run():
     """`bash experiments/gpu_quality.sh --mqar --dry-run`: the accelerator protocol's MQAR sweep on the CPU at 2 steps
-    of 2 sequences (3 models, 3 tiny cells) into a temporary folder: records, section and plot there, docs/ untouched."""
+    of 2 sequences (3 models and the BST:SH:unstruct ablation, 3 tiny cells) into a temporary folder: records, section
+    and plot there, docs/ untouched."""
     import shutil
     import subprocess
 
@@ -290,7 +291,8 @@ def test_gpu_protocol_mqar_dry_run():
         assert not folder.resolve().is_relative_to(mqar.ROOT)  # a temporary folder outside the repository
         records = sorted(p.name for p in (folder / "docs" / "results" / "mqar_gpu").glob("*.json"))
         cells = ("L128-N4", "L128-N8", "L256-N4")
-        assert records == [f"{m}-{c}-2x2-s0.json" for m in ("attention", "bst-sh-s4", "slide") for c in cells]
+        models = ("attention", "bst-sh-s4", "bst-sh-unstruct+unstruct_decay_target=0.5+unstruct_sin_freq=1", "slide")
+        assert records == [f"{m}-{c}-2x2-s0.json" for m in models for c in cells]
         record = json.loads((folder / "docs" / "results" / "mqar_gpu" / records[0]).read_text())
         assert record["settings"]["steps"] == 2 and record["settings"]["num_keys"] == 64
         assert record["command"].startswith("python -m experiments.mqar --grid gpu")
