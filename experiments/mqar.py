@@ -149,6 +149,8 @@ PROTOCOL_FIELDS = {
     "intermediate_size": "--hidden",
     "block_len": "--block-len",
     "max_position_embeddings": "the cell's length (--lengths/--length-for-pairs)",
+    "model_type": "--models",
+    "architectures": "--models",
 }
 
 

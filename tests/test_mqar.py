@@ -324,6 +324,7 @@ def test_set_parses_config_overrides_and_refuses_what_it_cannot_set():
         ("=1", "expected FIELD=VALUE"),
         ("block_len=16", "use --block-len"),
         ("max_position_embeddings=512", "the cell's length"),
+        ("model_type=llama", "use --models"),
         ("no_such_field=1", "BSTConfig has no field 'no_such_field'"),
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
