@@ -935,6 +935,24 @@ def report(
     return text
 
 
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags that shape a model as ``build_config`` builds it (shared with ``experiments.filter_shape``)."""
+    p.add_argument("--hidden", type=int, default=HIDDEN)
+    p.add_argument("--layers", type=int, default=LAYERS)
+    p.add_argument("--block-len", type=int, default=BLOCK_LEN, help="W of every model but the reference (W = L)")
+    p.add_argument("--num-keys", type=int, default=NUM_KEYS)
+    p.add_argument("--num-values", type=int, default=NUM_VALUES)
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a BSTConfig field of every model run (an ablation: its own run name, label and report row); "
+        "repeatable, VALUE a JSON literal",
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -948,11 +966,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-size", type=int, default=BATCH)
     p.add_argument("--lr", type=float, default=LR)
     p.add_argument("--weight-decay", type=float, default=WEIGHT_DECAY)
-    p.add_argument("--hidden", type=int, default=HIDDEN)
-    p.add_argument("--layers", type=int, default=LAYERS)
-    p.add_argument("--block-len", type=int, default=BLOCK_LEN, help="W of every model but the reference (W = L)")
-    p.add_argument("--num-keys", type=int, default=NUM_KEYS)
-    p.add_argument("--num-values", type=int, default=NUM_VALUES)
+    add_model_arguments(p)
     p.add_argument("--gap", type=int, default=None, help="filler between pairs and queries (default: layers x W)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu")
@@ -974,15 +988,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--no-report", action="store_true")
     p.add_argument("--log-every", type=int, default=0)
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="FIELD=VALUE",
-        help="override a BSTConfig field of every model run (an ablation: its own run name, label and report row); "
-        "repeatable, VALUE a JSON literal",
-    )
     args = p.parse_args(argv)
     try:
         overrides = parse_overrides(args.overrides)
