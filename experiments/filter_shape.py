@@ -15,7 +15,12 @@ For every BST layer of each model (built as ``experiments.mqar`` builds it: widt
 
 - ``flips``: the fraction of adjacent lags where the tap changes sign (white noise: ~0.5; a smooth decay: ~0);
 - ``coherence``: ``|mean tap| / mean |tap|`` (1: one sign throughout; ~0: the signs cancel);
-- ``far/near``: mean ``|tap|`` over those lags over mean ``|tap|`` at lags 0-7.
+- ``far/near``: mean ``|tap|`` over those lags over mean ``|tap|`` at lags 0-7;
+- ``grad SSM / rest``: on one MQAR training batch (``--pairs`` pairs, ``--batch-size`` sequences, MQAR's gap), the
+  norm of the gradient of the layer's SSM parameters over the norm of the gradient of every parameter outside the
+  SSMs. Training clips the norm of the whole gradient at 1: where one SSM's share dominates it, clipping shrinks
+  every update by that norm, and the filter's loss surface is rough (a small change of its weights changes the taps
+  a lot).
 
 Weights are those at initialisation (seed ``--seed``: the seed MQAR's runs use), or those of an MQAR checkpoint
 (``--checkpoint``, a ``<run>.ckpt.safetensors`` that ``experiments.mqar`` keeps while a run is in progress; its one
@@ -63,6 +68,25 @@ def model_stats(net, length: int, from_lag: int) -> list[tuple[int, dict]]:
     return out
 
 
+def ssm_gradient_ratios(net, ids: torch.Tensor, labels: torch.Tensor) -> dict[int, float]:
+    """``{layer index: |grad of that layer's SSM parameters| / |grad of all non-SSM parameters|}`` for one batch."""
+    net.zero_grad(set_to_none=True)
+    net(ids, labels=labels).loss.backward()
+    ssm_sq: dict[int, float] = {}
+    in_ssm = set()
+    for i, layer in enumerate(net.model.layers):
+        context = getattr(getattr(layer, "cross_attn", None), "context", None)
+        if context is not None and hasattr(context, "ssm"):
+            params = [q for q in context.ssm.parameters() if q.grad is not None]
+            in_ssm.update(id(q) for q in context.ssm.parameters())
+            ssm_sq[i] = sum(float(q.grad.double().pow(2).sum()) for q in params)
+    rest = sum(
+        float(q.grad.double().pow(2).sum()) for q in net.parameters() if q.grad is not None and id(q) not in in_ssm
+    )
+    net.zero_grad(set_to_none=True)
+    return {i: (v / rest) ** 0.5 if rest > 0 else float("inf") for i, v in ssm_sq.items()}
+
+
 def load_weights(net, checkpoint: Path) -> None:
     """The model weights of an ``experiments.mqar`` checkpoint (saved under ``model.``) into ``net``."""
     from safetensors import safe_open
@@ -83,6 +107,8 @@ def main(argv: list[str] | None = None) -> list[str]:
     p.add_argument("--from-lag", type=int, default=None, help="first lag looked at (default: layers x W)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint", type=Path, default=None, help="an experiments.mqar run checkpoint (one model)")
+    p.add_argument("--pairs", type=int, default=8, help="key-value pairs of the gradient batch")
+    p.add_argument("--batch-size", type=int, default=mqar.BATCH, help="sequences of the gradient batch")
     args = p.parse_args(argv)
     try:
         overrides = mqar.parse_overrides(args.overrides)
@@ -96,9 +122,14 @@ def main(argv: list[str] | None = None) -> list[str]:
         f"Filters beyond lag {from_lag} (L = {args.length}; median over channels; "
         + (f"weights of {args.checkpoint})" if args.checkpoint else f"initialisation, seed {args.seed})"),
         "",
-        "| model | layer | flips | coherence | far/near |",
-        "|---|---|---|---|---|",
+        "| model | layer | flips | coherence | far/near | grad SSM / rest |",
+        "|---|---|---|---|---|---|",
     ]
+    # One MQAR training batch (MQAR's gap: the Slide receptive field), the same for every model.
+    ids, labels, _ = mqar.make_batch(
+        args.batch_size, args.length, args.pairs, args.layers * args.block_len, torch.Generator().manual_seed(args.seed),
+        num_keys=args.num_keys, num_values=args.num_values,
+    )  # fmt: skip
     for model in args.models:
         torch.manual_seed(args.seed)
         config = mqar.build_config(
@@ -112,8 +143,11 @@ def main(argv: list[str] | None = None) -> list[str]:
             rows = model_stats(net, args.length, from_lag)
         except ValueError as e:
             p.error(str(e))
+        grads = ssm_gradient_ratios(net, ids, labels)
         for i, s in rows:
-            lines.append(f"| {label} | {i} | {s['flips']:.2f} | {s['coherence']:.2f} | {s['far/near']:.3f} |")
+            lines.append(
+                f"| {label} | {i} | {s['flips']:.2f} | {s['coherence']:.2f} | {s['far/near']:.3f} | {grads[i]:.3g} |"
+            )
     print("\n".join(lines))
     return lines
 

@@ -19,15 +19,35 @@ def test_shape_stats_of_known_filters():
 
 
 def test_at_initialisation_unstruct_filters_flip_sign_lag_to_lag_unless_their_sine_is_slow():
-    def flips(model, *overrides):
-        lines = filter_shape.main(["--models", model, *[a for o in overrides for a in ("--set", o)]])
-        rows = [line.split(" | ") for line in lines if line.startswith("| BST")]
+    def stats(model, *overrides):
+        argv = ["--models", model, "--batch-size", "4", *[a for o in overrides for a in ("--set", o)]]
+        rows = [line.strip(" |").split(" | ") for line in filter_shape.main(argv) if line.startswith("| BST")]
         assert [int(r[1]) for r in rows] == [0, 1]  # both layers are BST at 2 layers
-        return max(float(r[2]) for r in rows)
+        return max(float(r[2]) for r in rows), max(float(r[5]) for r in rows)  # flips, grad SSM / rest
 
-    assert flips("bst-sh-s4") < 0.1  # S4D kernels: a few slow oscillations over lags 64-255
-    assert flips("bst-sh-unstruct") > 0.4  # sin(14 x) filters (safari's Pile setting): nearly white noise
-    assert flips("bst-sh-unstruct", "unstruct_sin_freq=1") < 0.15
+    s4, preset, slow = stats("bst-sh-s4"), stats("bst-sh-unstruct"), stats("bst-sh-unstruct", "unstruct_sin_freq=1")
+    assert s4[0] < 0.1  # S4D kernels: a few slow oscillations over lags 64-255
+    assert preset[0] > 0.4  # sin(14 x) filters (safari's Pile setting): nearly white noise
+    assert slow[0] < 0.15
+    # Three sin(14 .) layers: the taps move ~14^3 times faster than the filter MLP's weights, and its gradient
+    # outweighs the rest of the model's many times over; with sin(1 .) it does not.
+    assert s4[1] < 1 and slow[1] < 2 and preset[1] > 20
+
+
+def test_ssm_gradient_ratio_is_the_ssm_share_of_the_gradient():
+    torch.manual_seed(0)
+    config = mqar.build_config("bst-sh-s4", 32, 2, 8, 48, mqar.vocab_size(16, 16))
+    net = mqar.build_model(config, "bst-sh-s4")
+    ids, labels, _ = mqar.make_batch(2, 48, 4, 16, torch.Generator().manual_seed(0), num_keys=16, num_values=16)
+    ratios = filter_shape.ssm_gradient_ratios(net, ids, labels)
+    assert sorted(ratios) == [0, 1] and all(p.grad is None for p in net.parameters())  # gradients left cleared
+    net(ids, labels=labels).loss.backward()
+    ssm = [net.model.layers[i].cross_attn.context.ssm for i in (0, 1)]
+    ssm_ids = {id(q) for m in ssm for q in m.parameters()}
+    rest = torch.sqrt(sum(q.grad.double().pow(2).sum() for q in net.parameters() if id(q) not in ssm_ids))
+    for i, m in enumerate(ssm):
+        own = torch.sqrt(sum(q.grad.double().pow(2).sum() for q in m.parameters()))
+        assert ratios[i] == pytest.approx(float(own / rest), rel=1e-9)
 
 
 def test_learned_weights_come_from_an_mqar_checkpoint(tmp_path):
