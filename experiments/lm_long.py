@@ -622,10 +622,12 @@ def plot(records: list[dict], path: Path, proto: Protocol = CPU) -> None:
     ax2.set_title("length generalisation (paper Fig. 5)")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
-    ax2.legend(fontsize=7)
+    # One legend for all panels, right of them, so that it never covers a curve (there are ~20 runs).
+    handles, labels = ax2.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=7, frameon=False)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
