@@ -58,33 +58,35 @@ def shape_stats(taps: torch.Tensor, from_lag: int) -> dict:
                                                                  ("far/near", ratio))}  # fmt: skip
 
 
-def model_stats(net, length: int, from_lag: int) -> list[tuple[int, dict]]:
-    """``(layer index, shape_stats)`` for every BST layer of ``net`` (a ``BSTForCausalLM``)."""
-    out = []
+def layer_ssms(net) -> dict[int, torch.nn.Module]:
+    """``{layer index: SSM}`` for every BST layer of ``net`` (a ``BSTForCausalLM``)."""
+    out = {}
     for i, layer in enumerate(net.model.layers):
         context = getattr(getattr(layer, "cross_attn", None), "context", None)
         if context is not None and hasattr(context, "ssm"):
-            out.append((i, shape_stats(layer_taps(context.ssm, length), from_lag)))
+            out[i] = context.ssm
     return out
+
+
+def model_stats(net, length: int, from_lag: int) -> list[tuple[int, dict]]:
+    """``(layer index, shape_stats)`` for every BST layer of ``net`` (a ``BSTForCausalLM``)."""
+    return [(i, shape_stats(layer_taps(ssm, length), from_lag)) for i, ssm in layer_ssms(net).items()]
 
 
 def ssm_gradient_ratios(net, ids: torch.Tensor, labels: torch.Tensor) -> dict[int, float]:
     """``{layer index: |grad of that layer's SSM parameters| / |grad of all non-SSM parameters|}`` for one batch."""
+
+    def sq(params) -> float:
+        return sum(float(q.grad.double().pow(2).sum()) for q in params if q.grad is not None)
+
     net.zero_grad(set_to_none=True)
     net(ids, labels=labels).loss.backward()
-    ssm_sq: dict[int, float] = {}
-    in_ssm = set()
-    for i, layer in enumerate(net.model.layers):
-        context = getattr(getattr(layer, "cross_attn", None), "context", None)
-        if context is not None and hasattr(context, "ssm"):
-            params = [q for q in context.ssm.parameters() if q.grad is not None]
-            in_ssm.update(id(q) for q in context.ssm.parameters())
-            ssm_sq[i] = sum(float(q.grad.double().pow(2).sum()) for q in params)
-    rest = sum(
-        float(q.grad.double().pow(2).sum()) for q in net.parameters() if q.grad is not None and id(q) not in in_ssm
-    )
+    ssms = layer_ssms(net)
+    in_ssm = {id(q) for ssm in ssms.values() for q in ssm.parameters()}
+    rest = sq(q for q in net.parameters() if id(q) not in in_ssm)
+    ratios = {i: (sq(ssm.parameters()) / rest) ** 0.5 if rest > 0 else float("inf") for i, ssm in ssms.items()}
     net.zero_grad(set_to_none=True)
-    return {i: (v / rest) ** 0.5 if rest > 0 else float("inf") for i, v in ssm_sq.items()}
+    return ratios
 
 
 def load_weights(net, checkpoint: Path) -> None:

@@ -92,13 +92,9 @@ MODELS["brect-fixed-skip-nostream"] = ("brect-tiny", [])  # random segments, sta
 # Whether the smooth Hyena filters that solve MQAR (docs/results.md, "Reading of the MQAR runs") change language
 # modelling: the preset's sin(14 x) filters are noise-like beyond the window at init, here too (lags 64-511 of 8192
 # taps: sign flips at ~50% of lags; with sin(1 x): 0.2%). Same preset and recipe, two filter settings changed.
-MODELS["bst-sh-unstruct-smooth"] = (
-    "bst-tiny-sh-unstruct",
-    [
-        "--model_overrides",
-        json.dumps({"max_position_embeddings": 8192, "unstruct_sin_freq": 1, "unstruct_decay_target": 0.5}),
-    ],
-)
+_preset, (_flag, _over) = MODELS["bst-sh-unstruct"]
+_smooth = {**json.loads(_over), "unstruct_sin_freq": 1, "unstruct_decay_target": 0.5}
+MODELS["bst-sh-unstruct-smooth"] = (_preset, [_flag, json.dumps(_smooth)])
 ABLATIONS = {
     "ssm_state_size": ["bst-sh-s4-n8", "bst-sh-s4", "bst-sh-s4-n32", "bst-sh-s4-n64"],
     "ssm_lr": ["bst-sh-s4", "bst-sh-s4-ssmlr"],
