@@ -52,11 +52,13 @@ L = 256, batch 32, 2 layers, one loaded core: ~0.65 s (the reference, W = L), ~0
 Runs span sessions: every ``--checkpoint-every`` steps a run saves its state (weights, optimiser state, step,
 losses, the data and torch generators' states, in one safetensors file written atomically) as
 ``<output>/<run>.ckpt.safetensors``; the same command resumes it exactly (bitwise the same final weights, losses and
-accuracy as an uninterrupted run: ``tests/test_mqar.py``) and deletes the checkpoint once the run's JSON is
-written. ``--deadline-minutes`` stops at a checkpoint instead of being killed. One run per (model, length, pairs,
-budget, seed) writes ``docs/results/mqar/<model>-L<length>-N<pairs>-<steps>x<batch>-s<seed>.json`` with the command,
-git commit and a SHA-256 of the final weights. Runs whose JSON exists are skipped, so the same command resumes or
-extends a grid::
+accuracy as an uninterrupted run: ``tests/test_mqar.py``) and deletes the checkpoint once the run's JSON is written.
+``--deadline-minutes`` stops at a checkpoint instead of being killed. A run longer than one sitting (HF Mamba at L =
+256: ~3 s per step on a loaded Intel Xeon core, ~5 h per run) has its checkpoint committed when it stops (0.9-1.8
+MB; a safetensors file of tensors only, nothing unpickled), so that a fresh clone continues it with the same
+command; the commit that adds the run's JSON deletes it. One run per (model, length, pairs, budget, seed) writes
+``docs/results/mqar/<model>-L<length>-N<pairs>-<steps>x<batch>-s<seed>.json`` with the command, git commit and a
+SHA-256 of the final weights. Runs whose JSON exists are skipped, so the same command resumes or extends a grid::
 
     python -m experiments.mqar                               # --grid first: L = 256, N = 8, every model, then the report
     python -m experiments.mqar --grid sweep                  # lengths 256-2048 at N = 8 and N = 4-32 at L = 256
@@ -407,17 +409,27 @@ def save_checkpoint(path: Path, net, optimizer, data: torch.Generator, losses: l
     os.replace(tmp, path)
 
 
+def checkpoint_meta(path: Path) -> dict:
+    """The metadata of a :func:`save_checkpoint` file (``identity``, ``step``, ``train_seconds``, ``sittings``),
+    read from its header without loading a tensor. ValueError if it is not an MQAR checkpoint."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            header = f.metadata() or {}
+    except Exception as e:  # safetensors' own error type is not a ValueError
+        raise ValueError(f"{path}: not a safetensors file ({e})") from e
+    if header.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path}: not an MQAR checkpoint (format {header.get('format')!r}, want {CHECKPOINT_FORMAT})")
+    return json.loads(header["meta"])
+
+
 def load_checkpoint(path: Path, net, optimizer, data: torch.Generator, identity: dict) -> tuple[list[float], dict]:
     """Restore a :func:`save_checkpoint` file into ``net``, ``optimizer`` and ``data`` (and torch's generator);
     returns (losses, meta). Raises ValueError if the checkpoint belongs to a run with other settings."""
-    from safetensors import safe_open
     from safetensors.torch import load_file
 
-    with safe_open(str(path), framework="pt") as f:
-        header = f.metadata() or {}
-    if header.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{path}: not an MQAR checkpoint (format {header.get('format')!r}, want {CHECKPOINT_FORMAT})")
-    meta = json.loads(header["meta"])
+    meta = checkpoint_meta(path)
     saved = meta["identity"]
     diff = sorted(k for k in set(saved) | set(identity) if saved.get(k) != identity.get(k))
     if diff:
@@ -463,6 +475,49 @@ def evaluate(model, ids: torch.Tensor, labels: torch.Tensor, batch_size: int = 3
     return correct / total, loss_sum / total
 
 
+def run_settings(
+    *,
+    steps: int = STEPS,
+    batch_size: int = BATCH,
+    lr: float = LR,
+    weight_decay: float = WEIGHT_DECAY,
+    warmup: int | None = None,
+    hidden: int = HIDDEN,
+    layers: int = LAYERS,
+    block_len: int = BLOCK_LEN,
+    gap: int | None = None,
+    num_keys: int = NUM_KEYS,
+    num_values: int = NUM_VALUES,
+    eval_examples: int = 256,
+) -> dict:
+    """A run's protocol settings as its record and checkpoint hold them (``gap`` None: ``layers x block_len``;
+    ``warmup`` None: 10% of ``steps``)."""
+    return {
+        "steps": steps,
+        "batch_size": batch_size,
+        "examples": steps * batch_size,
+        "lr": lr,
+        "weight_decay": weight_decay,
+        "warmup": max(1, steps // 10) if warmup is None else warmup,
+        "hidden_size": hidden,
+        "num_layers": layers,
+        "block_len": block_len,
+        "gap": layers * block_len if gap is None else gap,
+        "num_keys": num_keys,
+        "num_values": num_values,
+        "eval_examples": eval_examples,
+    }
+
+
+def run_identity(model: str, length: int, num_pairs: int, seed: int, settings: dict, overrides=None) -> dict:
+    """What a checkpoint must agree on to be resumed (threads and device may change between sittings; each sitting
+    is recorded)."""
+    identity = dict(settings, model=model, length=length, num_pairs=num_pairs, seed=seed)
+    if overrides:  # (runs without overrides keep the identity of checkpoints written before --set existed)
+        identity["overrides"] = dict(overrides)
+    return identity
+
+
 def train_and_eval(
     model: str,
     length: int,
@@ -499,8 +554,6 @@ def train_and_eval(
         raise ValueError(f"steps ({steps}) and batch_size ({batch_size}) must be positive")
     if checkpoint is not None and checkpoint_every < 1:
         raise ValueError(f"checkpoint_every must be positive, got {checkpoint_every}")
-    gap = layers * block_len if gap is None else gap
-    warmup = max(1, steps // 10) if warmup is None else warmup
     torch.manual_seed(seed)
     vocab = vocab_size(num_keys, num_values)
     overrides = dict(overrides or {})
@@ -515,25 +568,13 @@ def train_and_eval(
             return (step + 1) / warmup
         return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
-    settings = {
-        "steps": steps,
-        "batch_size": batch_size,
-        "examples": steps * batch_size,
-        "lr": lr,
-        "weight_decay": weight_decay,
-        "warmup": warmup,
-        "hidden_size": hidden,
-        "num_layers": layers,
-        "block_len": block_len,
-        "gap": gap,
-        "num_keys": num_keys,
-        "num_values": num_values,
-        "eval_examples": eval_examples,
-    }
-    # what a checkpoint must agree on (threads and device may change between sittings; each sitting is recorded)
-    identity = dict(settings, model=model, length=length, num_pairs=num_pairs, seed=seed)
-    if overrides:  # (runs without overrides keep the identity of checkpoints written before --set existed)
-        identity["overrides"] = overrides
+    settings = run_settings(
+        steps=steps, batch_size=batch_size, lr=lr, weight_decay=weight_decay, warmup=warmup, hidden=hidden,
+        layers=layers, block_len=block_len, gap=gap, num_keys=num_keys, num_values=num_values,
+        eval_examples=eval_examples,
+    )  # fmt: skip
+    gap, warmup = settings["gap"], settings["warmup"]
+    identity = run_identity(model, length, num_pairs, seed, settings, overrides)
     from benchmarks.docs_section import device_name
 
     machine = {"device": device, "device_name": device_name(device)}
@@ -862,6 +903,32 @@ def _how_to_extend(records: list[dict], section: str) -> list[str]:
     ]
 
 
+def _in_progress(results_dir: Path) -> list[str]:
+    """A line per run stopped at its deadline (its checkpoint beside the records): how far it got, so that a
+    half-done run is visible in the report rather than only in the folder."""
+    lines = []
+    for path in sorted(Path(results_dir).glob("*.ckpt.safetensors")):
+        try:
+            meta = checkpoint_meta(path)
+        except ValueError as e:  # a file of another format: say so rather than hide it
+            lines.append(f"- `{path.name}`: unreadable ({e})")
+            continue
+        ident, n = meta["identity"], len(meta["sittings"])
+        label = variant_label(MODELS[ident["model"]][0], ident.get("overrides"))
+        lines.append(
+            f"- {label} L={ident['length']} N={ident['num_pairs']} seed {ident['seed']}, budget "
+            f"{ident['steps']}x{ident['batch_size']}: step {meta['step']} of {ident['steps']} "
+            f"({meta['train_seconds'] / 3600:.1f} h of training in {n} sitting{'s' if n > 1 else ''})"
+        )
+    if not lines:
+        return []
+    return [
+        f"Runs in progress (a checkpoint in `{_folder(results_dir)}`; the command that started each continues it):",
+        *lines,
+        "",
+    ]
+
+
 def check_section(section: str) -> str:
     """``section`` if it can name a docs/results.md section (its markers) and a PNG file, else ValueError."""
     if not section or not all(c.isalnum() or c in "_-" for c in section):
@@ -924,6 +991,7 @@ def report(
             *machine_lines,
             "",
             *tables,
+            *_in_progress(results_dir),
             f"![MQAR accuracy]({rel})",
             "",
             *_how_to_extend(records, section),

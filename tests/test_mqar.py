@@ -126,6 +126,22 @@ def test_pipeline_at_toy_size(tmp_path):
     assert f"{100 * record['accuracy']:.1f}" in slide_row and "L=64 N=2" in text
 
 
+def test_report_lists_a_run_stopped_at_its_deadline(tmp_path):
+    out = tmp_path / "runs"
+    mqar.main(["--models", "slide", "--steps", "2", *TINY, "--output", str(out)])
+    kw = dict(steps=5, batch_size=2, hidden=32, layers=2, block_len=8, num_keys=16, num_values=16, eval_examples=8)
+    ckpt = mqar.checkpoint_path(out, mqar.run_name("bst-sh-s4", 48, 4, 0, 5, 2))
+    assert mqar.train_and_eval("bst-sh-s4", 48, 4, **kw, checkpoint=ckpt, deadline=0.0) is None
+    text = mqar.report(out, None)
+    assert "Runs in progress" in text
+    assert "- BST:SH:S4 L=48 N=4 seed 0, budget 5x2: step 1 of 5 (0.0 h of training in 1 sitting)" in text
+    (out / "junk.ckpt.safetensors").write_bytes(b"not a checkpoint")
+    assert "`junk.ckpt.safetensors`: unreadable" in mqar.report(out, None)
+    ckpt.unlink()
+    (out / "junk.ckpt.safetensors").unlink()
+    assert "Runs in progress" not in mqar.report(out, None)
+
+
 TINY = ["--lengths", "48", "--pairs-at-lengths", "4", "--pairs", "4", "--length-for-pairs", "48", "--batch-size", "2"]
 TINY += ["--hidden", "32", "--block-len", "8", "--num-keys", "16", "--num-values", "16", "--no-report"]
 SAME = ("accuracy", "eval_loss", "train_losses", "final_train_loss", "weights_sha256", "parameters", "settings")
@@ -176,6 +192,35 @@ def test_a_run_stopped_at_its_deadline_resumes_bitwise(tmp_path):
     # a checkpoint of other settings is refused, naming the field
     with pytest.raises(ValueError, match=r"lr: 0\.01 there, 0\.001 here"):
         mqar.train_and_eval("bst-sh-s4", 48, 4, **dict(kw, lr=1e-3), checkpoint=ckpt)
+
+
+# Runs longer than one sitting commit their checkpoint (experiments/mqar.py, "Runs span sessions"): each must be one
+# that the default command continues on a fresh clone, with today's code.
+COMMITTED = sorted(mqar.RESULTS.glob("*.ckpt.safetensors"))
+
+
+@pytest.mark.parametrize("path", COMMITTED, ids=lambda p: p.name)
+def test_a_committed_checkpoint_continues_under_the_default_command(path, tmp_path):
+    meta = mqar.checkpoint_meta(path)
+    ident = meta["identity"]
+    model, length, pairs, seed = ident["model"], ident["length"], ident["num_pairs"], ident["seed"]
+    steps, batch, overrides = ident["steps"], ident["batch_size"], ident.get("overrides")
+    name = mqar.run_name(model, length, pairs, seed, steps, batch, overrides)
+    assert path.name == f"{name}.ckpt.safetensors"
+    assert not (path.parent / f"{name}.json").exists(), "a finished run's checkpoint must be deleted"
+    defaults = mqar.run_settings(steps=steps, batch_size=batch)
+    assert ident == mqar.run_identity(model, length, pairs, seed, defaults, overrides)
+    assert 0 < meta["step"] < steps and len(meta["sittings"]) >= 1
+    # today's model code loads it and takes the next step (a copy: the committed file stays as it is)
+    copy = tmp_path / path.name
+    copy.write_bytes(path.read_bytes())
+    kw = {k: v for k, v in defaults.items() if k not in ("examples", "hidden_size", "num_layers")}
+    kw.update(hidden=defaults["hidden_size"], layers=defaults["num_layers"])
+    assert (
+        mqar.train_and_eval(model, length, pairs, seed=seed, overrides=overrides, checkpoint=copy, deadline=0.0, **kw)
+        is None
+    )
+    assert mqar.checkpoint_meta(copy)["step"] == meta["step"] + 1
 
 
 def test_report_has_one_table_per_budget_reference_first(tmp_path, monkeypatch):
