@@ -54,7 +54,7 @@ losses, the data and torch generators' states, in one safetensors file written a
 ``<output>/<run>.ckpt.safetensors``; the same command resumes it exactly (bitwise the same final weights, losses and
 accuracy as an uninterrupted run: ``tests/test_mqar.py``) and deletes the checkpoint once the run's JSON is written.
 ``--deadline-minutes`` stops at a checkpoint instead of being killed. A run longer than one sitting (HF Mamba at L =
-256: ~3 s per step on a loaded Intel Xeon core, ~5 h per run) has its checkpoint committed when it stops (0.9-1.8
+256: ~2.3 s per step on a loaded Intel Xeon core, ~4 h per run) has its checkpoint committed when it stops (0.9-1.8
 MB; a safetensors file of tensors only, nothing unpickled), so that a fresh clone continues it with the same
 command; the commit that adds the run's JSON deletes it. One run per (model, length, pairs, budget, seed) writes
 ``docs/results/mqar/<model>-L<length>-N<pairs>-<steps>x<batch>-s<seed>.json`` with the command, git commit and a
@@ -412,12 +412,12 @@ def save_checkpoint(path: Path, net, optimizer, data: torch.Generator, losses: l
 def checkpoint_meta(path: Path) -> dict:
     """The metadata of a :func:`save_checkpoint` file (``identity``, ``step``, ``train_seconds``, ``sittings``),
     read from its header without loading a tensor. ValueError if it is not an MQAR checkpoint."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), framework="pt") as f:
             header = f.metadata() or {}
-    except Exception as e:  # safetensors' own error type is not a ValueError
+    except SafetensorError as e:  # not a ValueError: say which file and why
         raise ValueError(f"{path}: not a safetensors file ({e})") from e
     if header.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{path}: not an MQAR checkpoint (format {header.get('format')!r}, want {CHECKPOINT_FORMAT})")
@@ -475,49 +475,6 @@ def evaluate(model, ids: torch.Tensor, labels: torch.Tensor, batch_size: int = 3
     return correct / total, loss_sum / total
 
 
-def run_settings(
-    *,
-    steps: int = STEPS,
-    batch_size: int = BATCH,
-    lr: float = LR,
-    weight_decay: float = WEIGHT_DECAY,
-    warmup: int | None = None,
-    hidden: int = HIDDEN,
-    layers: int = LAYERS,
-    block_len: int = BLOCK_LEN,
-    gap: int | None = None,
-    num_keys: int = NUM_KEYS,
-    num_values: int = NUM_VALUES,
-    eval_examples: int = 256,
-) -> dict:
-    """A run's protocol settings as its record and checkpoint hold them (``gap`` None: ``layers x block_len``;
-    ``warmup`` None: 10% of ``steps``)."""
-    return {
-        "steps": steps,
-        "batch_size": batch_size,
-        "examples": steps * batch_size,
-        "lr": lr,
-        "weight_decay": weight_decay,
-        "warmup": max(1, steps // 10) if warmup is None else warmup,
-        "hidden_size": hidden,
-        "num_layers": layers,
-        "block_len": block_len,
-        "gap": layers * block_len if gap is None else gap,
-        "num_keys": num_keys,
-        "num_values": num_values,
-        "eval_examples": eval_examples,
-    }
-
-
-def run_identity(model: str, length: int, num_pairs: int, seed: int, settings: dict, overrides=None) -> dict:
-    """What a checkpoint must agree on to be resumed (threads and device may change between sittings; each sitting
-    is recorded)."""
-    identity = dict(settings, model=model, length=length, num_pairs=num_pairs, seed=seed)
-    if overrides:  # (runs without overrides keep the identity of checkpoints written before --set existed)
-        identity["overrides"] = dict(overrides)
-    return identity
-
-
 def train_and_eval(
     model: str,
     length: int,
@@ -554,6 +511,8 @@ def train_and_eval(
         raise ValueError(f"steps ({steps}) and batch_size ({batch_size}) must be positive")
     if checkpoint is not None and checkpoint_every < 1:
         raise ValueError(f"checkpoint_every must be positive, got {checkpoint_every}")
+    gap = layers * block_len if gap is None else gap
+    warmup = max(1, steps // 10) if warmup is None else warmup
     torch.manual_seed(seed)
     vocab = vocab_size(num_keys, num_values)
     overrides = dict(overrides or {})
@@ -568,13 +527,25 @@ def train_and_eval(
             return (step + 1) / warmup
         return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
-    settings = run_settings(
-        steps=steps, batch_size=batch_size, lr=lr, weight_decay=weight_decay, warmup=warmup, hidden=hidden,
-        layers=layers, block_len=block_len, gap=gap, num_keys=num_keys, num_values=num_values,
-        eval_examples=eval_examples,
-    )  # fmt: skip
-    gap, warmup = settings["gap"], settings["warmup"]
-    identity = run_identity(model, length, num_pairs, seed, settings, overrides)
+    settings = {
+        "steps": steps,
+        "batch_size": batch_size,
+        "examples": steps * batch_size,
+        "lr": lr,
+        "weight_decay": weight_decay,
+        "warmup": warmup,
+        "hidden_size": hidden,
+        "num_layers": layers,
+        "block_len": block_len,
+        "gap": gap,
+        "num_keys": num_keys,
+        "num_values": num_values,
+        "eval_examples": eval_examples,
+    }
+    # what a checkpoint must agree on (threads and device may change between sittings; each sitting is recorded)
+    identity = dict(settings, model=model, length=length, num_pairs=num_pairs, seed=seed)
+    if overrides:  # (runs without overrides keep the identity of checkpoints written before --set existed)
+        identity["overrides"] = overrides
     from benchmarks.docs_section import device_name
 
     machine = {"device": device, "device_name": device_name(device)}
