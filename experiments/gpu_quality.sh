@@ -42,10 +42,18 @@
 # HF Mamba needs the pure-Python `mambapy` package (in the `train` extra, installed by scripts/setup.sh) for its
 # parallel scan; without it (or the mamba_ssm kernels) transformers loops over the positions and the L=2048 run
 # alone takes hours.
+#
+# Uses .venv when present; otherwise the current python3 if it has torch, transformers and datasets (a GPU machine's
+# own PyTorch; carry this package's pinned transformers as a wheel where that one is older); otherwise creates .venv
+# with scripts/setup.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ -x .venv/bin/python ] || bash scripts/setup.sh
-. .venv/bin/activate
+if [ -x .venv/bin/python ]; then
+    . .venv/bin/activate
+elif ! python3 -c "import torch, transformers, datasets" 2>/dev/null; then
+    bash scripts/setup.sh
+    . .venv/bin/activate
+fi
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 if [ "${1:-}" = "--dry-run" ] && [ "${2:-}" = "--mqar" ]; then
@@ -53,7 +61,7 @@ if [ "${1:-}" = "--dry-run" ] && [ "${2:-}" = "--mqar" ]; then
 fi
 if [ "${1:-}" = "--mqar" ]; then
     shift
-    mqar=(python -m experiments.mqar --grid gpu --num-keys 64 --num-values 64 --section mqar_gpu)
+    mqar=(python3 -m experiments.mqar --grid gpu --num-keys 64 --num-values 64 --section mqar_gpu)
     ablation=(--models bst-sh-unstruct --set unstruct_sin_freq=1 --set unstruct_decay_target=0.5)
     [[ " $* " == *" --models "* ]] && ablation=()
     if [ "${1:-}" = "--dry-run" ]; then
@@ -71,7 +79,7 @@ if [ "${1:-}" = "--mqar" ]; then
         echo "dry run complete: $out"
         exit 0
     fi
-    python -c "import mambapy" 2>/dev/null ||
+    python3 -c "import mambapy" 2>/dev/null ||
         echo "warning: mambapy is not installed: HF Mamba runs use transformers' sequential scan (hours at L=2048)" >&2
     "${mqar[@]}" --device cuda --output docs/results/mqar_gpu "$@"
     if [ ${#ablation[@]} -gt 0 ]; then
@@ -87,7 +95,7 @@ fi
 if [ "${1:-}" = "--dry-run" ]; then
     shift
     out="$(mktemp -d)"
-    python -m experiments.lm_quality long --protocol gpu --device cpu --max_steps 2 --batch_size 1 --eval_tokens 256 \
+    python3 -m experiments.lm_quality long --protocol gpu --device cpu --max_steps 2 --batch_size 1 --eval_tokens 256 \
         --models bst-sh-s4 trsf-xl --seeds 0 --jobs 1 --threads 1 --out "$out" \
         --train_args="--max_eval_segments 1" "$@"
     ls "$out/docs/results/lm_long_gpu"
@@ -97,10 +105,10 @@ fi
 
 args=("$@")
 if [[ " ${args[*]} " == *" --models "* ]]; then
-    python -m experiments.lm_quality long --protocol gpu --bf16 --jobs 1 --threads 0 "${args[@]}"
+    python3 -m experiments.lm_quality long --protocol gpu --bf16 --jobs 1 --threads 0 "${args[@]}"
 else
-    python -m experiments.lm_quality long --protocol gpu --bf16 --jobs 1 --threads 0 --seeds 0 "${args[@]}"
-    python -m experiments.lm_quality long --protocol gpu --bf16 --jobs 1 --threads 0 --seeds 1 \
+    python3 -m experiments.lm_quality long --protocol gpu --bf16 --jobs 1 --threads 0 --seeds 0 "${args[@]}"
+    python3 -m experiments.lm_quality long --protocol gpu --bf16 --jobs 1 --threads 0 --seeds 1 \
         --models slide bst-sh-s4 bst-mf-s4-indep "${args[@]}"
 fi
 if [ -n "${OUT:-}" ]; then

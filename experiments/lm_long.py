@@ -165,6 +165,10 @@ def record_path(model: str, seed: int, proto: Protocol = CPU) -> Path:
 
 
 def _commit() -> str:
+    """The source commit (``+dirty`` with local changes to the code); ``$BST_SOURCE_COMMIT`` where the tree has no
+    git metadata (a copy sent to an accelerator machine)."""
+    if os.environ.get("BST_SOURCE_COMMIT") and not (ROOT / ".git").exists():
+        return os.environ["BST_SOURCE_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "--", "modeling_bst", "training", "experiments"],
