@@ -156,6 +156,12 @@ STEPS, SAVE_EVERY, TOKENS_PER_STEP, LENGTHS = CPU.steps, CPU.save_every, CPU.tok
 CURVE_LENGTH, EVAL_TOKENS, RESULTS, WORK = CPU.curve_length, CPU.eval_tokens, CPU.results, CPU.work
 
 
+def label(model: str, proto: Protocol = CPU) -> str:
+    """The model's name in tables, with this protocol's depth (the tiny presets' Slide:4L is Slide:8L at GPU scale)."""
+    layers = proto.size.get("num_hidden_layers")
+    return Q.LABELS[model].replace(":4L", f":{layers}L") if layers else Q.LABELS[model]
+
+
 def run_dir(model: str, seed: int, proto: Protocol = CPU) -> Path:
     return proto.work / f"{model}-s{seed}"
 
@@ -165,9 +171,10 @@ def record_path(model: str, seed: int, proto: Protocol = CPU) -> Path:
 
 
 def _commit() -> str:
-    """The source commit (``+dirty`` with local changes to the code); ``$BST_SOURCE_COMMIT`` where the tree has no
-    git metadata (a copy sent to an accelerator machine)."""
-    if os.environ.get("BST_SOURCE_COMMIT") and not (ROOT / ".git").exists():
+    """The source commit (``+dirty`` with local changes to the code), or ``$BST_SOURCE_COMMIT`` where it is set: a
+    copy of the tree sent to an accelerator machine may carry no git metadata, or stale metadata (the device tool's
+    copy reported the session's first commit with the later commits' changes as local edits)."""
+    if os.environ.get("BST_SOURCE_COMMIT"):
         return os.environ["BST_SOURCE_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
@@ -501,7 +508,7 @@ def run_long(
     result = {
         "corpus": proto.corpus,
         "model": model,
-        "label": Q.LABELS[model],
+        "label": label(model, proto),
         "preset": Q.MODELS[model][0],
         "seed": seed,
         "protocol": proto.name,
@@ -596,12 +603,12 @@ def plot(records: list[dict], path: Path, proto: Protocol = CPU) -> None:
     for r in sorted(records, key=lambda r: (r["model"], r["seed"])):
         c = colours.setdefault(r["model"], f"C{len(colours)}")
         style = "-" if r["model"].startswith("bst") else "--"
-        label = f"{r['label']} s{r['seed']}"
+        name = f"{r['label']} s{r['seed']}"
         per_step = r["tokens"] / r["steps"]  # records before train_tokens existed: from the step
         pts = [(p["step"] * per_step / 1e6, p["bits_per_byte"]) for p in r["learning_curve"]]
-        ax1.plot(*zip(*pts), style, color=c, marker=".", label=label, alpha=1.0 if r["seed"] == 0 else 0.6)
+        ax1.plot(*zip(*pts), style, color=c, marker=".", label=name, alpha=1.0 if r["seed"] == 0 else 0.6)
         gen = [(n, _bpb(r, n)) for n in proto.lengths if _bpb(r, n) is not None]
-        ax2.plot(*zip(*gen), style, color=c, marker="o", label=label, alpha=1.0 if r["seed"] == 0 else 0.6)
+        ax2.plot(*zip(*gen), style, color=c, marker=".", label=name, alpha=1.0 if r["seed"] == 0 else 0.6)
         if r.get("validation_curve"):
             val = [(p["step"] * per_step / 1e6, p["bits_per_byte"]) for p in r["validation_curve"]]
             axes[2].plot(*zip(*val), style, color=c, marker=".", alpha=1.0 if r["seed"] == 0 else 0.6)
@@ -635,7 +642,7 @@ def plot(records: list[dict], path: Path, proto: Protocol = CPU) -> None:
     plt.close(fig)
 
 
-def _table(summary: dict, lengths, L: int, steps: bool = False) -> list[str]:
+def _table(summary: dict, lengths, L: int, steps: bool = False, proto: Protocol = CPU) -> list[str]:
     """Markdown rows: mean bits per byte (± half the seed spread, change against Slide's mean) at every length."""
     slide = summary.get("slide")
     head = "| Model | Params | seeds | " + ("selected steps | " if steps else "")
@@ -662,7 +669,7 @@ def _table(summary: dict, lengths, L: int, steps: bool = False) -> list[str]:
         ppl = row["lengths"].get(L, {}).get("ppl_mean")
         picked = f"{','.join(str(s) for s in row['selected_steps'])} | " if steps else ""
         lines.append(
-            f"| {Q.LABELS[model]} | {row['parameters'] / 1e6:.2f}M | {','.join(map(str, row['seeds']))} | {picked}"
+            f"| {label(model, proto)} | {row['parameters'] / 1e6:.2f}M | {','.join(map(str, row['seeds']))} | {picked}"
             + " | ".join(cells)
             + f" | {'–' if ppl is None else f'{ppl:.1f}'} |"
             + ("" if steps else f" {row['final_train_loss']:.3f} |")
@@ -677,7 +684,7 @@ def _book_bpb(record: dict, title: str, length: int) -> float | None:
     return None
 
 
-def _books_table(records: list[dict], lengths: tuple[int, int]) -> list[str]:
+def _books_table(records: list[dict], lengths: tuple[int, int], proto: Protocol = CPU) -> list[str]:
     """Each held-out book alone, at the training length and 16x: every run's bits per byte and, for runs that share a
     seed with Slide, the change against that Slide run (paired by seed: same initialisation stream and data order)."""
     have = [r for r in records if r.get("per_book")]
@@ -699,7 +706,7 @@ def _books_table(records: list[dict], lengths: tuple[int, int]) -> list[str]:
                 v = _book_bpb(r, t, n)
                 ref = _book_bpb(slide[r["seed"]], t, n) if r["seed"] in slide and r["model"] != "slide" else None
                 cells.append("–" if v is None else f"{v:.4f}" + (f" ({100 * (v / ref - 1):+.1f}%)" if ref else ""))
-        lines.append(f"| {Q.LABELS[r['model']]} s{r['seed']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {label(r['model'], proto)} s{r['seed']} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -717,12 +724,12 @@ def report(results_dir: Path | None = None, docs: Path | None | str = "default",
     if docs is not None:
         plot(records, png, proto)
     lengths, L, r0 = proto.lengths, proto.seq_len, records[0]
-    lines = _table(summarise(records, lengths), lengths, L)
+    lines = _table(summarise(records, lengths), lengths, L, proto=proto)
     chosen = summarise(records, lengths, key="selected_results")
     n_val = validation_tokens(r0["dataset"].get("max_tokens_per_doc") or proto.eval_tokens)
     all_final = bool(chosen) and all(r["selected_step"] == r["steps"] for r in records if r.get("selected_results"))
     # early stopping that keeps every final model gets a sentence: the table above is also the selected one
-    selected_lines = _table(chosen, lengths, L, steps=True) if chosen and not all_final else []
+    selected_lines = _table(chosen, lengths, L, steps=True, proto=proto) if chosen and not all_final else []
     selected_note = (
         f"Early stopping on the validation book (its first {n_val} tokens at L={L}, every {proto.save_every} steps) "
         f"selects the final checkpoint of every run with a selection ({', '.join(sorted(chosen))}): the validation "
@@ -730,7 +737,7 @@ def report(results_dir: Path | None = None, docs: Path | None | str = "default",
         if all_final
         else ""
     )
-    book_lines = _books_table(records, (L, max(lengths)))
+    book_lines = _books_table(records, (L, max(lengths)), proto)
     machine = (
         f"{cpu_name()}, one thread per run, two runs at a time"
         if proto.name == "cpu"

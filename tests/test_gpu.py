@@ -140,13 +140,25 @@ def decode_token_by_token(model, ids: torch.Tensor, prefix: int) -> torch.Tensor
 @pytest.mark.parametrize("variant", list(GPU_VARIANTS))
 @pytest.mark.parametrize("device", DEVICES)
 def test_decoding_equals_parallel_forward_on_device(device, variant):
+    """Token-by-token decoding is as exact as the parallel forward: both are measured against the float64 CPU model,
+    and stepping may add at most twice the parallel forward's own fp32 error (plus 1e-5).
+
+    An absolute bound on step - parallel alone does not hold on a GPU: the unstruct filters' fp32 rounding is ~1e-4 on
+    the logits (their MLP and positional features; 1.8e-4 against float64 on the CPU, 2026-11-26), and on an H200 the
+    stepped path (taps generated for all Lmax positions) and the parallel one (L positions) round differently by
+    1.1e-4 (SH) and 2.4e-4 (MF); on the CPU the two agree to 1e-6. A broken state across a block boundary is off by
+    ~1e-1."""
     model = build(variant, device).eval()
     ids = tokens(2, DECODE_SEQ, device, seed=1)
     with torch.no_grad():
-        ref = model(ids).logits
+        truth = build(variant, "cpu", torch.float64).eval()(ids.cpu()).logits
+        parallel_err = (model(ids).logits.double().cpu() - truth).abs().max().item()
     for prefix in (1, 7):  # prefill inside a block and at a block's start, then steps across every later boundary
-        diff = (decode_token_by_token(model, ids, prefix) - ref).abs().max().item()
-        assert diff <= 1e-4, f"{variant} on {device}: step logits differ from the parallel forward by {diff:.2e}"
+        step_err = (decode_token_by_token(model, ids, prefix).double().cpu() - truth).abs().max().item()
+        assert step_err <= 2 * parallel_err + 1e-5, (
+            f"{variant} on {device}, prefill {prefix}: stepped logits are {step_err:.2e} from the float64 model, "
+            f"the parallel forward {parallel_err:.2e}"
+        )
 
 
 def greedy_margin(model, sequences: torch.Tensor, prompt_len: int) -> float:

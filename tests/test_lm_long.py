@@ -239,3 +239,19 @@ def test_gpu_protocol_dry_run_on_cpu():
     assert record["protocol"] == "gpu" and record["steps"] == 2 and record["parameters"] > 20e6
     assert [r["length"] for r in record["results"]] == list(L.GPU.lengths)
     assert record["learning_curve"][-1]["step"] == 2
+
+
+def test_labels_name_the_protocols_depth():
+    """The tiny presets' Slide:4L has 8 layers under the accelerator protocol, and its tables say so."""
+    assert L.label("slide", L.CPU) == "Slide:4L"
+    assert L.label("slide", L.GPU) == "Slide:8L"
+    assert L.label("bst-sh-s4", L.GPU) == "BST:SH:S4"
+
+
+def test_a_stated_source_commit_names_the_records_commit(monkeypatch):
+    """A tree copied to an accelerator machine may carry stale git metadata (the device tool's copy reported the
+    session's first commit): BST_SOURCE_COMMIT, where set, is what the records name."""
+    monkeypatch.setenv("BST_SOURCE_COMMIT", "0123abc")
+    assert L._commit() == "0123abc"
+    monkeypatch.delenv("BST_SOURCE_COMMIT")
+    assert L._commit() != "0123abc"
