@@ -313,6 +313,52 @@ def best_checkpoint(curve: list[dict]) -> dict:
     return min(curve, key=lambda p: (p["bits_per_byte"], -p["step"]))
 
 
+def same_model(a: Path, b: Path) -> bool:
+    """Whether two saved model folders score alike: the same config (but ``use_cache``, which the training run writes
+    as False into checkpoints and True into ``final``, and which the evaluation sets per call) and bit-equal weights.
+    False where either folder lacks a readable ``config.json`` or single-file ``model.safetensors``."""
+    import torch
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    def config(folder: Path) -> dict:
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg.pop("use_cache", None)
+        return cfg
+
+    try:
+        if config(a) != config(b):
+            return False
+        wa, wb = (load_file(str(folder / "model.safetensors")) for folder in (a, b))
+    except (OSError, ValueError, SafetensorError):
+        return False
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def reuse_final_evaluation(run: Path, ckpt: Path, out: Path, eval_tokens: int, lengths, device: str) -> bool:
+    """Write ``out`` from the final model's test evaluation (``<run>/eval.json``) when ``ckpt`` is that model (the
+    usual case: the last checkpoint is selected) and that evaluation scored the same span at the same lengths on the
+    same device; True if it did. Saves scoring the same model twice (~25 s a run on an H200, minutes on a CPU thread)."""
+    final_eval = run / "eval.json"
+    if not final_eval.exists() or not same_model(ckpt, run / "final"):
+        return False
+    report = json.loads(final_eval.read_text())
+    entry = report["models"][0]
+    settings = report.get("settings", {})
+    if (report["dataset"].get("max_tokens_per_doc"), settings.get("lengths"), settings.get("device")) != (
+        eval_tokens,
+        list(lengths),
+        device,
+    ):
+        return False
+    entry["path"] = str(ckpt)
+    report["reused"] = f"{final_eval.name}: {ckpt.name} has the final model's config and weights"
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report, indent=1))
+    os.replace(tmp, out)
+    return True
+
+
 def select_checkpoint(
     model: str,
     seed: int,
@@ -348,7 +394,8 @@ def select_checkpoint(
     out = d / "eval_selected.json"
     previous = json.loads(out.read_text()) if out.exists() else None
     if previous is None or previous["models"][0]["path"] != str(ckpt):
-        call(eval_cmd)
+        if not reuse_final_evaluation(d, ckpt, out, eval_tokens or proto.eval_tokens, proto.lengths, device):
+            call(eval_cmd)
     entry = json.loads(out.read_text())["models"][0]
     books_out = d / "per_book.json"
     books_cmd = [sys.executable, "-m", "experiments.lm_long", "books", str(ckpt), "--output", str(books_out),

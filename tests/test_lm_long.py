@@ -255,3 +255,37 @@ def test_a_stated_source_commit_names_the_records_commit(monkeypatch):
     assert L._commit() == "0123abc"
     monkeypatch.delenv("BST_SOURCE_COMMIT")
     assert L._commit() != "0123abc"
+
+
+def test_the_selected_final_checkpoint_reuses_the_final_evaluation(tmp_path):
+    """When the last checkpoint is selected it is the final model (checkpoints carry use_cache=False, final True):
+    its test scores are copied from eval.json instead of scored again; a changed weight, another span, lengths or
+    device score it anew."""
+    import torch
+    from conftest import make_model
+
+    run, lengths = tmp_path / "run", [64, 512]
+    model = make_model("sh-s4")
+    model.config.use_cache = False
+    model.save_pretrained(run / "checkpoint-8")
+    model.config.use_cache = True
+    model.save_pretrained(run / "final")
+    report = {
+        "dataset": {"split": "test", "max_tokens_per_doc": 256},
+        "settings": {"lengths": lengths, "device": "cpu"},
+        "models": [{"path": str(run / "final"), "results": [{"length": n, "bits_per_byte": 2.0} for n in lengths]}],
+    }
+    (run / "eval.json").write_text(json.dumps(report))
+    out, ckpt = run / "eval_selected.json", run / "checkpoint-8"
+    for other in ((128, lengths, "cpu"), (256, [64], "cpu"), (256, lengths, "cuda")):
+        assert not L.reuse_final_evaluation(run, ckpt, out, *other) and not out.exists(), other
+    assert L.reuse_final_evaluation(run, ckpt, out, 256, lengths, "cpu")
+    copied = json.loads(out.read_text())
+    assert copied["models"][0]["path"] == str(ckpt) and copied["models"][0]["results"] == report["models"][0]["results"]
+    out.unlink()
+    with torch.no_grad():
+        next(model.parameters()).add_(1e-6)
+    model.config.use_cache = False
+    model.save_pretrained(ckpt)
+    assert not L.same_model(ckpt, run / "final")
+    assert not L.reuse_final_evaluation(run, ckpt, out, 256, lengths, "cpu") and not out.exists()
