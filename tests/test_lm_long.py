@@ -281,7 +281,9 @@ def test_the_selected_final_checkpoint_reuses_the_final_evaluation(tmp_path):
         assert not L.reuse_final_evaluation(run, ckpt, out, *other) and not out.exists(), other
     assert L.reuse_final_evaluation(run, ckpt, out, 256, lengths, "cpu")
     copied = json.loads(out.read_text())
-    assert copied["models"][0]["path"] == str(ckpt) and copied["models"][0]["results"] == report["models"][0]["results"]
+    assert (
+        copied["models"][0]["path"] == str(ckpt) and copied["models"][0]["results"] == report["models"][0]["results"]
+    )
     out.unlink()
     with torch.no_grad():
         next(model.parameters()).add_(1e-6)
