@@ -78,6 +78,14 @@ MAIN = tuple(MODELS)
 for n in (8, 32, 64):
     MODELS[f"bst-sh-s4-n{n}"] = ("bst-tiny-sh-s4", ["--model_overrides", json.dumps({"ssm_state_size": n})])
 MODELS["bst-sh-s4-ssmlr"] = ("bst-tiny-sh-s4", ["--ssm_lr", "5e-3"])  # SSM at the model's learning rate
+# Two settings the paper leaves at S4D's defaults (issue #13, "still untested"): the step-size range, ten times
+# smaller (timescales of ~100-10,000 tokens instead of ~10-1,000: book-level memory), and the BST layers' placement,
+# one layer later ([1, 3] of 4 instead of [0, 2]: the SSM reads the first layer's output rather than the embeddings).
+MODELS["bst-sh-s4-dtlong"] = (
+    "bst-tiny-sh-s4",
+    ["--model_overrides", json.dumps({"ssm_dt_min": 1e-4, "ssm_dt_max": 1e-2})],
+)
+MODELS["bst-sh-s4-layers13"] = ("bst-tiny-sh-s4", ["--model_overrides", json.dumps({"bst_layer_indices": [1, 3]})])
 # Why BST:MF trails SH here (issue #13): MF's SSM is D/8 = 16 channels wide at D = 128 (SH: D/4), its S = 8 filters
 # read one shared state, and it sees only 8 context states per block. One change each, same recipe otherwise.
 for _name, _over in {
@@ -111,6 +119,8 @@ LABELS = {
     "gss-hybrid": "GSS-Hybrid",
     **{f"bst-sh-s4-n{n}": f"BST:SH:S4 N={n}" for n in (8, 32, 64)},
     "bst-sh-s4-ssmlr": "BST:SH:S4 ssm_lr=5e-3",
+    "bst-sh-s4-dtlong": "BST:SH:S4 dt 1e-4..1e-2",
+    "bst-sh-s4-layers13": "BST:SH:S4 BST layers 1, 3",
     "bst-mf-s4-ds32": "BST:MF:S4 D_s=32",
     "bst-mf-s4-indep": "BST:MF:S4 independent filters",
     "bst-mf-s4-s16": "BST:MF:S4 S=16",
