@@ -40,8 +40,8 @@ if [ "$prepare" = 1 ]; then
     mkdir -p .whl
     python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
-        "transformers==$(python -c 'import transformers; print(transformers.__version__)')" \
-        "datasets==$(python -c 'import datasets; print(datasets.__version__)')" "dill==0.4.0" "multiprocess==0.70.18"
+        $(python -c 'from importlib.metadata import version as v
+print(*(f"{n}=={v(n)}" for n in ("transformers", "datasets", "dill", "multiprocess")))')
     HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 python -m experiments.lm_quality prepare --corpora allbooks
     git check-ignore -q .whl || echo "note: .whl is not ignored; add /.whl/ to .git/info/exclude" >&2
     ls -la .whl
