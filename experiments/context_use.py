@@ -225,8 +225,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--docs", default=str(ROOT / "docs" / "results.md"), help="'' to skip the docs section")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument(
-        "--append", action="store_true", help="add these runs to the record at --out (same settings), replacing reruns"
+        "--replace",
+        action="store_true",
+        help="start a new record at --out; by default these runs join the record there (same settings), a rerun "
+        "replacing its row",
     )
+    p.add_argument("--append", action="store_true", help=argparse.SUPPRESS)  # the default since 2026-11-26
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
@@ -245,8 +249,11 @@ def main(argv: list[str] | None = None) -> None:
         "corpus": args.corpus, "length": args.length, "batch": args.batch, "eval_tokens": args.eval_tokens,
         "command": command, "commit": _commit(), "out": rel, "rows": rows,
     }  # fmt: skip
-    if args.append and out.exists():
-        record = merge_records(json.loads(out.read_text()), record)
+    if out.exists() and not args.replace:
+        try:
+            record = merge_records(json.loads(out.read_text()), record)
+        except ValueError as exc:
+            raise SystemExit(f"{out}: {exc}; pass --replace to start a new record there, or --out another file") from None
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(record, indent=1))

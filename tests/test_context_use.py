@@ -89,3 +89,29 @@ def test_append_replaces_reruns_and_refuses_other_settings():
     assert merged["commands"] == [{"command": "c1", "commit": "a"}, {"command": "c2", "commit": "b"}]
     with pytest.raises(ValueError, match="settings differ in \\['length'\\]"):
         C.merge_records(old, {**new, "length": 512})
+
+
+def test_a_second_run_joins_the_record_by_default(tmp_path, monkeypatch):
+    """The command adds its runs to an existing record (it replaced the whole record before, which lost 15 rows once);
+    other settings stop it with a message naming --replace, and --replace starts a new record."""
+
+    def fake_measure(d, corpus, length, batch, eval_tokens):
+        return {"run": d.name, "context_mode": "sh", "bst_layers": 1} | {
+            m: {"bits_per_byte": 1.8, "books": {"A": 1.8}} for m in C.MODES
+        }
+
+    monkeypatch.setattr(C, "measure", fake_measure)
+    runs = []
+    for name in ("run-a", "run-b"):
+        (tmp_path / name / "final").mkdir(parents=True)
+        runs.append(str(tmp_path / name))
+    out, docs = tmp_path / "record.json", tmp_path / "results.md"
+    common = ["--out", str(out), "--docs", str(docs)]
+    C.main([runs[0], *common])
+    C.main([runs[1], *common])
+    assert [r["run"] for r in json.loads(out.read_text())["rows"]] == ["run-a", "run-b"]
+    with pytest.raises(SystemExit, match="--replace"):
+        C.main([runs[1], *common, "--length", "512"])
+    C.main([runs[1], *common, "--length", "512", "--replace"])
+    record = json.loads(out.read_text())
+    assert record["length"] == 512 and [r["run"] for r in record["rows"]] == ["run-b"]
