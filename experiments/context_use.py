@@ -253,7 +253,9 @@ def main(argv: list[str] | None = None) -> None:
         try:
             record = merge_records(json.loads(out.read_text()), record)
         except ValueError as exc:
-            raise SystemExit(f"{out}: {exc}; pass --replace to start a new record there, or --out another file") from None
+            raise SystemExit(
+                f"{out}: {exc}; pass --replace to start a new record there, or --out another file"
+            ) from None
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(record, indent=1))
