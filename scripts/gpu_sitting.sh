@@ -52,6 +52,7 @@ T0=$(date +%s)
 elapsed() { echo $(( $(date +%s) - T0 )); }
 out="${OUT:-$REPO/gpu_sitting}"
 mkdir -p "$out"
+rm -rf /tmp/gpu_sitting_tests /tmp/gpu_sitting_bench  # an earlier sitting's suite output
 if [ ${#dry[@]} -eq 0 ] && ls .whl/*.whl >/dev/null 2>&1; then  # the device's python; not for a dry run here
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl ||
         exit 3
