@@ -655,7 +655,7 @@ def plot(records: list[dict], path: Path, proto: Protocol = CPU) -> None:
         pts = [(p["step"] * per_step / 1e6, p["bits_per_byte"]) for p in r["learning_curve"]]
         ax1.plot(*zip(*pts), style, color=c, marker=".", label=name, alpha=1.0 if r["seed"] == 0 else 0.6)
         gen = [(n, _bpb(r, n)) for n in proto.lengths if _bpb(r, n) is not None]
-        ax2.plot(*zip(*gen), style, color=c, marker=".", label=name, alpha=1.0 if r["seed"] == 0 else 0.6)
+        ax2.plot(*zip(*gen), style, color=c, marker="o", label=name, alpha=1.0 if r["seed"] == 0 else 0.6)
         if r.get("validation_curve"):
             val = [(p["step"] * per_step / 1e6, p["bits_per_byte"]) for p in r["validation_curve"]]
             axes[2].plot(*zip(*val), style, color=c, marker=".", alpha=1.0 if r["seed"] == 0 else 0.6)
