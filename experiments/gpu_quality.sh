@@ -43,6 +43,11 @@
 # and mambapy's scan moves ~60 GB per step at L=2048 (~30 ms on an H100). Summed over the grid: ~3 h on one H100
 # (BRecT about a third; ~2 h at 5 us per op, ~5 h at 15 us); checkpoints (every 100 steps) and evaluation add a few
 # minutes. For scale: on one loaded CPU thread a step at L=2048 takes 3.6 s (BST:SH:S4) and 2.2 s (Slide).
+# Because a step is bound by launching ops from Python, the grid runs 10 at a time (each a process of its own, one
+# CPU core each; the ablation's 3 beside them) and shares the GPU: the estimate becomes ~20-40 min of wall time, the
+# single longest run (BRecT at L=2048, ~16 min) setting the floor. A sitting shorter than that stops every run at
+# --deadline-minutes with its state in docs/results/mqar_gpu/*.ckpt.safetensors (~1-2 MB each; commit them, like the
+# CPU protocol's) and the next sitting's same command continues them exactly (scripts/gpu_sitting.sh --mqar).
 # HF Mamba needs the pure-Python `mambapy` package (in the `train` extra, installed by scripts/setup.sh) for its
 # parallel scan; without it (or the mamba_ssm kernels) transformers loops over the positions and the L=2048 run
 # alone takes hours.
@@ -71,7 +76,7 @@ if [ "${1:-}" = "--mqar" ]; then
     if [ "${1:-}" = "--dry-run" ]; then
         shift
         out="$(mktemp -d)"
-        "${mqar[@]}" --device cpu --threads 1 --steps 2 --batch-size 2 --models attention slide bst-sh-s4 \
+        "${mqar[@]}" --device cpu --threads 1 --jobs 2 --steps 2 --batch-size 2 --models attention slide bst-sh-s4 \
             --lengths 128 256 --pairs 4 8 --length-for-pairs 128 --pairs-at-lengths 4 \
             --output "$out/docs/results/mqar_gpu" --docs "$out/docs/results.md" "$@"
         if [ ${#ablation[@]} -gt 0 ]; then
@@ -85,15 +90,20 @@ if [ "${1:-}" = "--mqar" ]; then
     fi
     python3 -c "import mambapy" 2>/dev/null ||
         echo "warning: mambapy is not installed: HF Mamba runs use transformers' sequential scan (hours at L=2048)" >&2
-    "${mqar[@]}" --device cuda --output docs/results/mqar_gpu "$@"
+    # The grid and the ablation side by side (one --deadline-minutes holds for both), then one report.
+    "${mqar[@]}" --device cuda --jobs 10 --output docs/results/mqar_gpu --no-report "$@" &
+    grid=$!
+    status=0
     if [ ${#ablation[@]} -gt 0 ]; then
-        "${mqar[@]}" --device cuda --output docs/results/mqar_gpu "${ablation[@]}" "$@"
+        "${mqar[@]}" --device cuda --jobs 3 --output docs/results/mqar_gpu --no-report "${ablation[@]}" "$@" || status=$?
     fi
+    wait "$grid" || status=$?
+    "${mqar[@]}" --report-only --output docs/results/mqar_gpu
     if [ -n "${OUT:-}" ]; then
         mkdir -p "$OUT/results"
         cp -r docs/results/mqar_gpu docs/results/mqar_gpu.png docs/results.md "$OUT/results/" 2>/dev/null || true
     fi
-    exit 0
+    exit "$status"
 fi
 
 if [ "${1:-}" = "--dry-run" ]; then

@@ -86,6 +86,10 @@ MODELS["bst-sh-s4-dtlong"] = (
     ["--model_overrides", json.dumps({"ssm_dt_min": 1e-4, "ssm_dt_max": 1e-2})],
 )
 MODELS["bst-sh-s4-layers13"] = ("bst-tiny-sh-s4", ["--model_overrides", json.dumps({"bst_layer_indices": [1, 3]})])
+# What the SSM reads (issue #13: "SSM input, normed vs raw embeddings"): the layer's input before its RMS norm, i.e.
+# the token embeddings themselves for the first BST layer (the residual stream for the second), instead of the normed
+# input that its attention reads.
+MODELS["bst-sh-s4-rawssm"] = ("bst-tiny-sh-s4", ["--model_overrides", json.dumps({"ssm_input": "raw"})])
 # Why BST:MF trails SH here (issue #13): MF's SSM is D/8 = 16 channels wide at D = 128 (SH: D/4), its S = 8 filters
 # read one shared state, and it sees only 8 context states per block. One change each, same recipe otherwise.
 for _name, _over in {
@@ -121,6 +125,7 @@ LABELS = {
     "bst-sh-s4-ssmlr": "BST:SH:S4 ssm_lr=5e-3",
     "bst-sh-s4-dtlong": "BST:SH:S4 dt 1e-4..1e-2",
     "bst-sh-s4-layers13": "BST:SH:S4 BST layers 1, 3",
+    "bst-sh-s4-rawssm": "BST:SH:S4 SSM reads un-normed input",
     "bst-mf-s4-ds32": "BST:MF:S4 D_s=32",
     "bst-mf-s4-indep": "BST:MF:S4 independent filters",
     "bst-mf-s4-s16": "BST:MF:S4 S=16",

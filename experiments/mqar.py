@@ -628,6 +628,10 @@ def budget_of(record: dict) -> str:
 
 
 def git_commit() -> str | None:
+    """HEAD, or ``$BST_SOURCE_COMMIT`` where it is set (a tree copied to an accelerator machine may carry stale or
+    no git metadata; experiments/lm_long.py does the same)."""
+    if os.environ.get("BST_SOURCE_COMMIT"):
+        return os.environ["BST_SOURCE_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
         return out.stdout.strip()
@@ -992,6 +996,48 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def run_task(task: tuple[str, int, int, int], job: dict) -> str:
+    """Train and record one run of a grid, ``task`` = (model, length, pairs, seed); ``job``: the output folder, the
+    invocation's command, torch threads and ``train_and_eval``'s keyword arguments (its ``deadline`` included).
+    Returns "done" (its JSON written, its checkpoint deleted), "stopped" (at the deadline, its state in its
+    checkpoint) or "not started" (the deadline had passed). A process of its own under ``--jobs``."""
+    model, length, pairs, seed = task
+    train = job["train"]
+    deadline = train["deadline"]
+    if deadline is not None and time.time() >= deadline:
+        print(
+            f"deadline reached: {model} L={length} N={pairs} seed {seed} is left for the next invocation", flush=True
+        )
+        return "not started"
+    torch.set_num_threads(job["threads"])
+    out_dir = Path(job["out_dir"])
+    name = run_name(model, length, pairs, seed, train["steps"], train["batch_size"], train["overrides"])
+    ckpt = checkpoint_path(out_dir, name)
+    t0 = time.time()
+    record = train_and_eval(model, length, pairs, seed=seed, checkpoint=ckpt, **train)
+    if record is None:
+        print(f"deadline reached: {name} continues from its checkpoint at the next invocation", flush=True)
+        return "stopped"
+    record.update(
+        command=job["command"],
+        git_commit=git_commit(),
+        uncommitted_changes=uncommitted(),
+        wall_seconds=round(time.time() - t0, 1),
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, path)
+    ckpt.unlink(missing_ok=True)
+    print(
+        f"{record['label']:>16} L={length:<5} N={pairs:<3} seed {seed}: accuracy {record['accuracy']:.3f} "
+        f"(loss {record['final_train_loss']:.3f}, {record['train_seconds']:.0f} s)",
+        flush=True,
+    )
+    return "done"
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -1007,7 +1053,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--weight-decay", type=float, default=WEIGHT_DECAY)
     add_model_arguments(p)
     p.add_argument("--gap", type=int, default=None, help="filler between pairs and queries (default: layers x W)")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="torch threads of each run")
+    p.add_argument(
+        "--jobs", type=int, default=1, help="runs at once, each a process of its own (GPU: several share it)"
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument(
         "--deadline-minutes",
@@ -1037,6 +1086,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--set overrides BSTConfig fields; HF Mamba (--models mamba) has no BSTConfig: run it separately")
     preset = GRIDS[args.grid]
     cells_at = {k: getattr(args, k) if getattr(args, k) is not None else preset[k] for k in preset}
+    if args.jobs < 1:
+        p.error(f"--jobs must be positive, got {args.jobs}")
     if args.checkpoint_every < 1:
         p.error(f"--checkpoint-every must be positive, got {args.checkpoint_every}")
     try:
@@ -1071,43 +1122,31 @@ def main(argv: list[str] | None = None) -> None:
                 t[3],
             )
         )
-        print(f"{len(todo)} runs to do", flush=True)
+        print(f"{len(todo)} runs to do" + (f", {args.jobs} at a time" if args.jobs > 1 else ""), flush=True)
         started = time.time()
         deadline = None if args.deadline_minutes is None else started + 60 * args.deadline_minutes
         command = "python -m experiments.mqar " + " ".join(sys.argv[1:] if argv is None else argv)
-        for model, length, pairs, seed in todo:
-            if deadline is not None and time.time() >= deadline:
-                print("deadline reached: the remaining runs are left for the next invocation", flush=True)
-                break
-            t0 = time.time()
-            ckpt = checkpoint_path(out_dir, name((model, length, pairs, seed)))
-            record = train_and_eval(
-                model, length, pairs, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                weight_decay=args.weight_decay, hidden=args.hidden, layers=args.layers, block_len=args.block_len,
-                gap=args.gap, num_keys=args.num_keys, num_values=args.num_values, seed=seed, log_every=args.log_every,
-                device=args.device, checkpoint=ckpt, checkpoint_every=args.checkpoint_every, deadline=deadline,
-                overrides=overrides,
-            )  # fmt: skip
-            if record is None:
-                print("deadline reached: the run continues from its checkpoint at the next invocation", flush=True)
-                break
-            record.update(
-                command=command,
-                git_commit=git_commit(),
-                uncommitted_changes=uncommitted(),
-                wall_seconds=round(time.time() - t0, 1),
-            )
-            out_dir.mkdir(parents=True, exist_ok=True)
-            path = out_dir / f"{name((model, length, pairs, seed))}.json"
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(record, indent=1))
-            os.replace(tmp, path)
-            ckpt.unlink(missing_ok=True)
-            print(
-                f"{record['label']:>16} L={length:<5} N={pairs:<3} seed {seed}: accuracy {record['accuracy']:.3f} "
-                f"(loss {record['final_train_loss']:.3f}, {record['train_seconds']:.0f} s)",
-                flush=True,
-            )
+        common = dict(
+            steps=args.steps, batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
+            hidden=args.hidden, layers=args.layers, block_len=args.block_len, gap=args.gap, num_keys=args.num_keys,
+            num_values=args.num_values, log_every=args.log_every, device=args.device,
+            checkpoint_every=args.checkpoint_every, deadline=deadline, overrides=overrides,
+        )  # fmt: skip
+        job = dict(out_dir=str(out_dir), command=command, threads=args.threads, train=common)
+        if args.jobs == 1:
+            for task in todo:
+                if run_task(task, job) != "done":
+                    break
+        else:
+            # One process per run, up to --jobs at once ("spawn": CUDA cannot be used in forked children). On a GPU
+            # the tiny models are bound by launching ops from Python, so runs side by side share it well.
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            context = multiprocessing.get_context("spawn")
+            with ProcessPoolExecutor(max_workers=args.jobs, mp_context=context) as pool:
+                outcomes = list(pool.map(run_task, todo, [job] * len(todo)))
+            print(f"{outcomes.count('done')} of {len(todo)} runs finished", flush=True)
     if not args.no_report:
         write = args.section is not None or out_dir.resolve() == RESULTS.resolve()
         docs = Path(args.docs) if write else None

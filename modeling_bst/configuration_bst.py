@@ -30,6 +30,7 @@ CONTEXT_MODES = ("sh", "mh", "mf")
 SSM_KINDS = ("s4", "unstruct")
 SSM_INITS = ("lin", "inv")
 CROSS_MASKS = ("inclusive", "strict")
+SSM_INPUTS = ("normed", "raw")
 # One entry per layer: a plain Block-Transformer ("Slide") layer, a BST layer (SSM + context cross-attention), a
 # Block-Recurrent Transformer layer, or a Gated State Space layer.
 LAYER_TYPES = ("block", "bst", "recurrent", "gss")
@@ -193,6 +194,10 @@ class BSTConfig(PreTrainedConfig):
         ssm_init (`str`, defaults to `"lin"`): S4D initialisation of the state matrix, ``"lin"`` or ``"inv"``.
         ssm_dt_min / ssm_dt_max (`float`, defaults to 1e-3 / 1e-1): range of the log-uniform step size init.
         ssm_lr (`float`, defaults to 1e-3): learning rate of SSM parameters (Lambda, B, dt, filter MLP), wd 0.
+        ssm_input (`str`, defaults to `"normed"`): what a BST layer's SSM reads (through its down-projection):
+            ``"normed"`` the layer's RMS-normed input, as its attention does (meliad, Listing 1 of the paper);
+            ``"raw"`` the layer's input before the norm (the embeddings for a first-layer BST), whose scale grows
+            with depth.
         unstruct_emb_dim / unstruct_order / unstruct_num_inner_mlps / unstruct_sin_freq: Hyena filter MLP shape.
         unstruct_decay_target / unstruct_decay_fast / unstruct_decay_slow: Hyena exponential-decay envelope.
         unstruct_finite_filter (`bool`, defaults to `True`): an ``unstruct`` filter has ``max_position_embeddings``
@@ -260,6 +265,7 @@ class BSTConfig(PreTrainedConfig):
     ssm_dt_min: float | int = 1e-3
     ssm_dt_max: float | int = 1e-1
     ssm_lr: float | int = 1e-3
+    ssm_input: Literal[SSM_INPUTS] = "normed"
     unstruct_emb_dim: int = _checked(_odd_at_least_3, 33)
     unstruct_order: int = _checked(_positive, 64)
     unstruct_num_inner_mlps: int = 2

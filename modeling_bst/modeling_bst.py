@@ -1113,16 +1113,25 @@ class BSTContextCrossAttention(BSTCrossAttention):
         self.context = CONTEXT_BUILDERS[config.context_mode](config)
 
     def forward(
-        self, xn, lengths=None, layer_cache=None, positions=None, fill_cache=False, num_positions=None, weights=False
+        self,
+        xn,
+        lengths=None,
+        layer_cache=None,
+        positions=None,
+        fill_cache=False,
+        num_positions=None,
+        weights=False,
+        ssm_x=None,
     ):
-        """Full-sequence form: ``xn`` `(B, T, D)`, T a multiple of W (the context builder runs the SSM over it and,
-        with ``fill_cache``, writes its state). Returns `(B, T, H * d_h)` and the weights `(B, H, T, S_c)` (None
-        unless ``weights``)."""
+        """Full-sequence form: ``xn`` `(B, T, D)`, T a multiple of W (the context builder runs the SSM over it, or
+        over ``ssm_x`` where given (``ssm_input="raw"``), and, with ``fill_cache``, writes its state). Returns
+        `(B, T, H * d_h)` and the weights `(B, H, T, S_c)` (None unless ``weights``)."""
         cfg = self.config
         bsz, seq_len, _ = xn.shape
         w, heads, hd = self.block_len, cfg.num_attention_heads, cfg.head_dim
         nb = seq_len // w
-        ctx_k, ctx_v, ctx_mask, zero_first = self.context.sequence(xn, lengths, layer_cache, positions, fill_cache)
+        ssm_x = xn if ssm_x is None else ssm_x
+        ctx_k, ctx_v, ctx_mask, zero_first = self.context.sequence(ssm_x, lengths, layer_cache, positions, fill_cache)
         drop = cfg.attention_dropout if self.training else 0.0
         s_c = ctx_k.shape[2]
         if not weights and use_flex(self, xn, drop, ctx_k, ctx_v):
@@ -1164,11 +1173,13 @@ class BSTContextCrossAttention(BSTCrossAttention):
             out = torch.cat([torch.zeros_like(out[:, :1]), out[:, 1:]], 1)
         return out.reshape(bsz, seq_len, heads * hd), probs
 
-    def step(self, xn, layer_cache: BSTLayerCache, positions, weights=False):
-        """Recurrent form for one token ``xn`` `(B, 1, D)`: the context builder advances the SSM and context state in
-        ``layer_cache``. Returns `(B, 1, H * d_h)` and the weights `(B, H, 1, S_c)` (None unless ``weights``)."""
+    def step(self, xn, layer_cache: BSTLayerCache, positions, weights=False, ssm_x=None):
+        """Recurrent form for one token ``xn`` `(B, 1, D)`: the context builder advances the SSM (over ``ssm_x``
+        where given) and context state in ``layer_cache``. Returns `(B, 1, H * d_h)` and the weights `(B, H, 1, S_c)`
+        (None unless ``weights``)."""
         bsz = xn.shape[0]
-        ctx_k, ctx_v, ctx_mask, any_valid = self.context.step(xn, layer_cache, positions)
+        ssm_x = xn if ssm_x is None else ssm_x
+        ctx_k, ctx_v, ctx_mask, any_valid = self.context.step(ssm_x, layer_cache, positions)
         q2 = self.query(xn).transpose(1, 2)  # (B, H, 1, d)
         out, probs = attention(self, q2, ctx_k.transpose(1, 2), ctx_v.transpose(1, 2), ctx_mask, 0.0, True)
         if any_valid is not None:
@@ -1402,6 +1413,7 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
         """
         step = layer_cache is not None and positions is not None and hidden_states.shape[1] == 1
         xn = self.input_norm(hidden_states)
+        raw = self.kind == "bst" and self.config.ssm_input == "raw"  # the SSM reads the un-normed layer input
         if step:
             # Recurrent form: one token per row at ``positions``; the cache advances in place.
             q, k, v = self.self_attn.project(xn)  # (B, 1, H, d)
@@ -1409,7 +1421,8 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
             if isinstance(self.cross_attn, BSTRecurrentCrossAttention):
                 cross = self.cross_attn.step(xn, ring, layer_cache, positions, output_attentions)
             elif self.cross_attn is not None:
-                cross = self.cross_attn.step(xn, layer_cache, positions, output_attentions)
+                ssm_x = hidden_states if raw else None
+                cross = self.cross_attn.step(xn, layer_cache, positions, output_attentions, ssm_x=ssm_x)
         else:
             # Full-sequence form. A continued sequence (cache filled, rows block-aligned) sees the cached previous
             # block and the cached SSM / recurrent state.
@@ -1423,8 +1436,9 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
                     xn, k, v, previous, lengths, layer_cache, positions, fill_cache, num_positions, output_attentions
                 )
             elif self.cross_attn is not None:
+                ssm_x = self.dropout(hidden_states) if raw else None
                 cross = self.cross_attn(
-                    xn, lengths, layer_cache, positions, fill_cache, num_positions, output_attentions
+                    xn, lengths, layer_cache, positions, fill_cache, num_positions, output_attentions, ssm_x=ssm_x
                 )
             if fill_cache:
                 self.self_attn.write_cache(layer_cache, k, v, lengths, positions)

@@ -16,10 +16,16 @@
 #     them in the time left of --total (default 545 s). Results: $OUT/results.tgz (records, report, logs, suite), or
 #     gpu_sitting/results.tgz in the repository without $OUT. Set BST_SOURCE_COMMIT to the commit the tree was sent
 #     from. --dry-run: the same sitting on the CPU with the scripts' own dry runs (tiny sizes, a temporary folder).
+#   bash scripts/gpu_sitting.sh --mqar 8
+#     instead of the LM runs and benchmarks: the GPU MQAR grid (experiments/gpu_quality.sh --mqar, 13 runs at a time)
+#     for 8 minutes beside the `gpu` tests. Runs stopped at the deadline keep their state in
+#     docs/results/mqar_gpu/*.ckpt.safetensors; they come back as mqar_ckpt.tgz.part-NN (split below the device
+#     tool's 16 MiB per file; here: `cat mqar_ckpt.tgz.part-* | tar xzf -` in the repository), the records, report and
+#     plot inside results.tgz. Commit both: the next sitting's same command continues every stopped run exactly.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
-models="slide bst-sh-s4" seeds="0" deadline=480 total=545 bench="layer_speed decode train" prepare=0 dry=()
+models="slide bst-sh-s4" seeds="0" deadline=480 total=545 bench="layer_speed decode train" prepare=0 dry=() mqar=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --models) models="$2"; shift 2 ;;
@@ -28,6 +34,7 @@ while [ $# -gt 0 ]; do
         --total) total="$2"; shift 2 ;;
         --bench) bench="$2"; shift 2 ;;
         --prepare) prepare=1; shift ;;
+        --mqar) mqar="$2"; shift 2 ;;
         --dry-run) dry=(--dry-run); shift ;;
         *) echo "gpu_sitting.sh: unknown argument $1" >&2; exit 2 ;;
     esac
@@ -41,13 +48,17 @@ if [ "$prepare" = 1 ]; then
     python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
         $(python -c 'from importlib.metadata import version as v
-print(*(f"{n}=={v(n)}" for n in ("transformers", "datasets", "dill", "multiprocess")))')
+print(*(f"{n}=={v(n)}" for n in ("transformers", "datasets", "dill", "multiprocess", "mambapy")))')
     HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 python -m experiments.lm_quality prepare --corpora allbooks
     git check-ignore -q .whl || echo "note: .whl is not ignored; add /.whl/ to .git/info/exclude" >&2
     ls -la .whl
     exit 0
 fi
 
+if [ -n "$mqar" ] && ! [[ "$mqar" =~ ^[1-9][0-9]*$ ]]; then
+    echo "gpu_sitting.sh: --mqar takes whole minutes (the MQAR runs' deadline), got '$mqar'" >&2
+    exit 2
+fi
 T0=$(date +%s)
 elapsed() { echo $(( $(date +%s) - T0 )); }
 out="${OUT:-$REPO/gpu_sitting}"
@@ -62,8 +73,14 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHO
 pack() {
     cd "$REPO" || return
     tar czf "$out/results.tgz" --exclude='checkpoint-*' --exclude='final' --exclude='*.safetensors' \
-        docs/results/lm_long_gpu docs/results/lm_long_gpu.png docs/results.md runs/lm_quality/logs \
-        runs/lm_quality/long-gpu /tmp/gpu_sitting_tests /tmp/gpu_sitting_bench 2>/dev/null
+        docs/results/lm_long_gpu docs/results/lm_long_gpu.png docs/results/mqar_gpu docs/results/mqar_gpu.png \
+        docs/results.md runs/lm_quality/logs runs/lm_quality/long-gpu /tmp/gpu_sitting_tests /tmp/gpu_sitting_bench \
+        2>/dev/null
+    # MQAR runs stopped at their deadline: their checkpoints, in parts below the 16 MiB a returned file may have
+    local ckpts=(docs/results/mqar_gpu/*.ckpt.safetensors)
+    if [ -e "${ckpts[0]}" ]; then
+        tar czf - "${ckpts[@]}" | split -b 15M -d - "$out/mqar_ckpt.tgz.part-"
+    fi
     ls -la "$out"
 }
 trap pack EXIT
@@ -76,16 +93,29 @@ cat "$out/env.txt"
 
 # timeout runs its command in a process group of its own (its pid) and signals that group at the deadline; what the
 # deadline leaves behind is killed through the same group below, nothing else on the machine.
-# shellcheck disable=SC2086  # models and seeds are word lists
-timeout "$deadline" bash experiments/gpu_quality.sh "${dry[@]}" --models $models --seeds $seeds --jobs 2 --threads 6 \
-    > "$out/lm.log" 2>&1 &
+if [ -n "$mqar" ]; then
+    # the runs stop themselves at --deadline-minutes (saving their state); timeout is the backstop
+    timeout $(( mqar * 60 + 120 )) bash experiments/gpu_quality.sh --mqar "${dry[@]}" --deadline-minutes "$mqar" \
+        > "$out/mqar.log" 2>&1 &
+else
+    # shellcheck disable=SC2086  # models and seeds are word lists
+    timeout "$deadline" bash experiments/gpu_quality.sh "${dry[@]}" --models $models --seeds $seeds --jobs 2 --threads 6 \
+        > "$out/lm.log" 2>&1 &
+fi
 lm=$!
 timeout 200 bash benchmarks/gpu_suite.sh /tmp/gpu_sitting_tests "${dry[@]}" --parts tests --budget tests=170 \
     > "$out/tests.log" 2>&1
 echo "tests done at $(elapsed) s"
 wait $lm
-echo "lm rc $? at $(elapsed) s" >> "$out/lm.log"
+rc=$?
 kill -- "-$lm" 2>/dev/null && sleep 2
+if [ -n "$mqar" ]; then
+    echo "mqar rc $rc at $(elapsed) s" >> "$out/mqar.log"
+    tail -5 "$out/mqar.log"
+    echo "sitting done at $(elapsed) s"
+    exit 0
+fi
+echo "lm rc $rc at $(elapsed) s" >> "$out/lm.log"
 echo "lm done at $(elapsed) s"
 tail -5 "$out/lm.log"
 left=$(( total - $(elapsed) ))

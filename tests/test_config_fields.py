@@ -47,6 +47,7 @@ EARLIER_INIT_DEFAULTS = dict(
     ssm_dt_min=0.001,
     ssm_dt_max=0.1,
     ssm_lr=0.001,
+    ssm_input="normed",
     unstruct_emb_dim=33,
     unstruct_order=64,
     unstruct_num_inner_mlps=2,
@@ -128,6 +129,7 @@ INVALID = {
     "ssm_state_size": (5, "BSTConfig.ssm_state_size must be even"),
     "bst_layer_indices": ([1, 1], "BSTConfig.bst_layer_indices has repeated entries"),
     "layer_types": (["bst", "attention", "block"], "BSTConfig.layer_types entries must be in"),
+    "ssm_input": ("embeddings", "BSTConfig.ssm_input must be one of ('normed', 'raw'), got 'embeddings'"),
 }
 
 

@@ -1,8 +1,10 @@
 """Where the paper is silent, meliad's choices as config fields (issue #12): final dropout before the logits, MF
-context-ID embeddings after the norm, truncated-normal init with the variance correction."""
+context-ID embeddings after the norm, truncated-normal init with the variance correction; and what the SSM reads
+(``ssm_input``, an ablation of issue #13)."""
 
 import math
 
+import pytest
 import torch
 from conftest import tiny_config
 
@@ -76,3 +78,30 @@ def test_mf_independent_filters_step_exactly_and_span_more_than_a_shared_state()
         # A shared state bounds the span by N + 1 = 5 whatever the parameters; independent filters exceed it (at
         # init their dt differ while Lambda and B start equal, so some directions are small but present).
         assert ranks[False] <= 5 < ranks[True], ranks
+
+
+@pytest.mark.parametrize("context_mode", ["sh", "mf"])
+def test_ssm_input_raw_reads_the_layer_input_before_the_norm_and_decodes_exactly(context_mode):
+    """``ssm_input="raw"``: a BST layer's SSM reads its input before the RMS norm (its attention still reads the normed
+    input); every other layer is unchanged, and decoding equals the parallel forward across block boundaries."""
+    ids = torch.randint(0, 97, (2, 21))
+    models = {}
+    for mode in ("normed", "raw"):
+        torch.manual_seed(0)
+        models[mode] = BSTForCausalLM(tiny_config(context_mode=context_mode, ssm_input=mode)).double().eval()
+    layer = models["raw"].model.layers[0]
+    assert layer.kind == "bst"
+    seen = []
+    hook = layer.cross_attn.context.down_proj.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    embeddings = models["raw"].model.embed_tokens(ids)
+    with torch.no_grad():
+        models["raw"](ids, use_cache=False)
+        hook.remove()
+        torch.testing.assert_close(seen[0][:, : ids.shape[1]], embeddings, atol=0, rtol=0)  # not normed
+        a, b = (models[m](ids, use_cache=False).logits for m in ("normed", "raw"))
+        assert (a - b).abs().max() > 1e-3  # the same weights read another input
+        model = models["raw"]
+        full = model(ids, use_cache=False).logits
+        cache = model(ids[:, :3], use_cache=True).past_key_values
+        stepped = torch.cat([model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(3, 21)], 1)
+        torch.testing.assert_close(stepped, full[:, 3:], atol=1e-9, rtol=0)

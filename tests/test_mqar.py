@@ -181,6 +181,29 @@ def test_an_interrupted_run_resumes_bitwise(tmp_path, monkeypatch):
     assert not list(tmp_path.glob("*/*.safetensors*"))  # checkpoints are deleted once the JSON is written
 
 
+def test_runs_side_by_side_give_the_records_of_runs_one_after_another(tmp_path, capfd):
+    """--jobs N trains up to N runs at once, each in a process of its own (how the GPU sweep shares one GPU): every
+    record is the one the sequential invocation writes (weights bit for bit), and a deadline that has passed starts
+    nothing."""
+    argv = ["--models", "bst-sh-s4", "attention", "slide", "--steps", "3", *TINY]
+    mqar.main([*argv, "--output", str(tmp_path / "one")])
+    mqar.main([*argv, "--output", str(tmp_path / "two"), "--jobs", "2"])
+    assert "3 runs to do, 2 at a time" in capfd.readouterr().out
+    names = sorted(p.name for p in (tmp_path / "one").glob("*.json"))
+    assert len(names) == 3 and names == sorted(p.name for p in (tmp_path / "two").glob("*.json"))
+    for name in names:
+        a, b = (json.loads((tmp_path / d / name).read_text()) for d in ("one", "two"))
+        assert {k: a[k] for k in SAME} == {k: b[k] for k in SAME}, name
+        assert b["command"].endswith("--jobs 2")
+    mqar.main([*argv, "--output", str(tmp_path / "late"), "--jobs", "2", "--deadline-minutes", "0"])
+    out = capfd.readouterr().out
+    assert "0 of 3 runs finished" in out and "is left for the next invocation" in out
+    assert not (tmp_path / "late").exists()
+    with pytest.raises(SystemExit):
+        mqar.main([*argv, "--jobs", "0"])
+    assert "--jobs must be positive, got 0" in capfd.readouterr().err
+
+
 def test_a_run_stopped_at_its_deadline_resumes_bitwise(tmp_path):
     kw = dict(steps=5, batch_size=2, hidden=32, layers=2, block_len=8, num_keys=16, num_values=16, eval_examples=8)
     straight = mqar.train_and_eval("bst-sh-s4", 48, 4, **kw)
@@ -405,3 +428,26 @@ def test_an_ablation_is_a_run_and_a_report_row_of_its_own(tmp_path, monkeypatch)
     ]
     mqar.plot(mqar.load_results(out), tmp_path / "mqar.png")
     assert (tmp_path / "mqar.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_gpu_sitting_mqar_dry_run(tmp_path):
+    """`bash scripts/gpu_sitting.sh --dry-run --mqar 1`: the MQAR sweep's dry run (runs side by side) beside the `gpu`
+    tests part, its log and the packed archive in $OUT; minutes that are not whole are refused."""
+    import os
+    import subprocess
+    import tarfile
+
+    script = str(mqar.ROOT / "scripts" / "gpu_sitting.sh")
+    out = subprocess.run(
+        ["bash", script, "--dry-run", "--mqar", "1"],
+        capture_output=True, text=True, timeout=900, env={**os.environ, "OUT": str(tmp_path)},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    log = (tmp_path / "mqar.log").read_text()
+    assert "dry run complete" in log and "mqar rc 0" in log and "runs to do, 2 at a time" in log
+    assert "tests: ok" in (tmp_path / "tests.log").read_text()
+    with tarfile.open(tmp_path / "results.tgz") as tar:
+        assert any(n.endswith("gpu_suite.json") for n in tar.getnames())
+    bad = subprocess.run(["bash", script, "--mqar", "0.5"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--mqar takes whole minutes" in bad.stderr
