@@ -13,7 +13,9 @@
 #   bash scripts/gpu_sitting.sh [--models "slide bst-sh-s4"] [--seeds "1"] [--deadline 480] [--bench "train"]
 #     --models/--seeds: the LM runs (two at a time; a finished run's record is skipped); --deadline: seconds for
 #     them (an unfinished run is lost: its checkpoints are too large to bring back); --bench: gpu_suite parts run after
-#     them in the time left of --total (default 545 s). Results: $OUT/results.tgz (records, report, logs, suite), or
+#     them in the time left of --total (default 545 s). Each finished model's per-token losses on the held-out books
+#     (experiments/token_losses.py, at L and 16L) come back as token_losses.tgz. Results: $OUT/results.tgz (records,
+#     report, logs, suite), or
 #     gpu_sitting/results.tgz in the repository without $OUT. Set BST_SOURCE_COMMIT to the commit the tree was sent
 #     from. --dry-run: the same sitting on the CPU with the scripts' own dry runs (tiny sizes, a temporary folder).
 #   bash scripts/gpu_sitting.sh --mqar 8
@@ -76,6 +78,7 @@ pack() {
         docs/results/lm_long_gpu docs/results/lm_long_gpu.png docs/results/mqar_gpu docs/results/mqar_gpu.png \
         docs/results.md runs/lm_quality/logs runs/lm_quality/long-gpu /tmp/gpu_sitting_tests /tmp/gpu_sitting_bench \
         2>/dev/null
+    [ -d runs/lm_quality/token_losses ] && tar czf "$out/token_losses.tgz" runs/lm_quality/token_losses
     # MQAR runs stopped at their deadline: their checkpoints, in parts below the 16 MiB a returned file may have
     local ckpts=(docs/results/mqar_gpu/*.ckpt.safetensors)
     if [ -e "${ckpts[0]}" ]; then
@@ -117,6 +120,17 @@ if [ -n "$mqar" ]; then
 fi
 echo "lm rc $rc at $(elapsed) s" >> "$out/lm.log"
 echo "lm done at $(elapsed) s"
+# Every held-out token's loss under each finished model, at the training length and 16x (experiments/token_losses.py;
+# ~0.5 MB a book, where the models themselves are too large to bring back).
+for final in runs/lm_quality/long-gpu/allbooks/*/final; do
+    [ -d "$final" ] || continue
+    name=$(basename "$(dirname "$final")")
+    for L in 1024 16384; do
+        timeout 60 python3 -m experiments.token_losses dump "$final" --corpus allbooks --length "$L" --device cuda \
+            --out "runs/lm_quality/token_losses/$name-L$L.safetensors" >> "$out/lm.log" 2>&1
+    done
+done
+echo "token losses done at $(elapsed) s"
 tail -5 "$out/lm.log"
 left=$(( total - $(elapsed) ))
 if [ -n "$bench" ] && [ "$left" -ge 60 ]; then
