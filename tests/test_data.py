@@ -294,6 +294,27 @@ def test_shipped_32k_tokenizer():
     assert (D.SHIPPED_TOKENIZERS_DIR / D.DEFAULT_TOKENIZER / "NOTICE").exists()
 
 
+def test_the_tokenizer_of_a_model_folder_loads_without_asking_to_run_its_code(tmp_path):
+    """A model folder carries modeling code and an ``auto_map``; loading its tokenizer must not stop to ask whether to
+    run that code (in a terminal it waits for an answer), as AutoTokenizer does when trust_remote_code is not given."""
+    import subprocess
+    import sys
+
+    tok = D.train_bpe_tokenizer(["a tokenizer for a model folder " * 50], vocab_size=280)
+    tok.save_pretrained(tmp_path)
+    config = {"model_type": "bst", "auto_map": {"AutoConfig": "configuration_bst.BSTConfig"}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "configuration_bst.py").write_text("raise SystemExit('the folder code ran')\n")
+    script = f"from training import data as D; print(len(D.load_tokenizer({str(tmp_path)!r})))"
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=D.Path(D.__file__).resolve().parents[1], capture_output=True,
+        text=True, timeout=120, input="", env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == str(len(tok))
+    assert "Do you wish to run the custom code" not in out.stdout + out.stderr
+
+
 # ---------------------------------------------------------------------------------------------------- corpora
 def test_corpora_assembler_books_and_code_offline(tmp_path):
     import sysconfig

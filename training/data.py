@@ -394,14 +394,19 @@ def group_rows_by_repository(ds, code_column: str = "code"):
 # --------------------------------------------------------------------------------------------------------------------
 # Tokenizers
 # --------------------------------------------------------------------------------------------------------------------
-def load_tokenizer(name_or_path: str = DEFAULT_TOKENIZER):
+def load_tokenizer(name_or_path: str = DEFAULT_TOKENIZER, trust_remote_code: bool = False):
     """A fast tokenizer: a shipped one by name (``training/tokenizers/<name>``: ``mistral-v1-32k``, the 32,000-piece
     SentencePiece BPE with byte fallback, Apache-2.0), else a local folder or Hub id via ``AutoTokenizer``.
-    A missing pad token is set to the EOS token (padding is masked out of the loss and attention anyway)."""
+    A missing pad token is set to the EOS token (padding is masked out of the loss and attention anyway).
+
+    ``trust_remote_code`` is False unless asked for: a model folder written by this package carries its modeling code
+    and an ``auto_map``, and without an explicit answer ``AutoTokenizer`` stops to ask whether to run that code
+    (in a terminal it waits for the answer) although the tokenizer itself needs none."""
     from transformers import AutoTokenizer
 
     shipped = SHIPPED_TOKENIZERS_DIR / name_or_path
-    tok = AutoTokenizer.from_pretrained(str(shipped) if shipped.is_dir() else name_or_path)
+    path = str(shipped) if shipped.is_dir() else name_or_path
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token
     return tok

@@ -207,7 +207,7 @@ def load_model(path: str, device: str = "cpu", dtype: str = "float32", trust_rem
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code
     )
-    return model.to(device).eval(), D.load_tokenizer(path)
+    return model.to(device).eval(), D.load_tokenizer(path, trust_remote_code=trust_remote_code)
 
 
 def main(argv: list[str] | None = None) -> dict:
