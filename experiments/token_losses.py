@@ -12,7 +12,8 @@ the sum over the classes of each split is the whole difference:
 * layout: the first token of a line (the token before it ends a line), a token that holds a line break, the rest;
 * reach: whether the token continues a trigram seen earlier in its window *beyond* the attention's reach
   (``--far`` tokens back, default 2W: block attention sees W to 2W - 1 tokens back), only within it, or not at all;
-* place: where the token sits in its window, in blocks of W (block 0 has no earlier block to attend to).
+* place: where the token sits in its window: the first block of W (nothing before it, for attention or the SSM),
+  the second, then spans four times longer each (2W-8W, 8W-32W, ...).
 
 Bits per byte use each book's UTF-8 bytes, as ``training.evaluate`` does; per-class numbers are nats per token and
 each class's share of the whole difference.
@@ -118,6 +119,20 @@ def load(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return meta, load_file(str(path))
 
 
+def _place(p: int, block_len: int) -> str:
+    """The span of window positions that ``p`` falls in: the first block (nothing before it to attend to or in the
+    SSM), the second, then spans four times longer each (2W-8W, 8W-32W, ...): how much of the window the SSM has
+    read."""
+    if p < 2 * block_len:
+        lo, hi = (0, block_len) if p < block_len else (block_len, 2 * block_len)
+    else:
+        lo = 2 * block_len
+        while p >= 4 * lo:
+            lo *= 4
+        hi = 4 * lo
+    return f"positions {lo}-{hi - 1}"
+
+
 def token_classes(ids: torch.Tensor, tokenizer_pieces: dict[int, str] | None, length: int, block_len: int, far: int):
     """Per scored token (``ids[1:]``), its class in each split: ``{"layout": [...], "reach": [...], "place": [...]}``
     (lists of labels, one per token). ``tokenizer_pieces`` maps ids to their text (None: no layout split)."""
@@ -153,7 +168,7 @@ def token_classes(ids: torch.Tensor, tokenizer_pieces: dict[int, str] | None, le
             last_seen[gram] = t
         else:
             classes["reach"].append("new in its window")
-        classes["place"].append(f"block {min(p // block_len, 3)}" + ("+" if p // block_len >= 3 else ""))
+        classes["place"].append(_place(p, block_len))
     return classes
 
 

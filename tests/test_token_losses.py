@@ -65,8 +65,11 @@ def test_token_classes_and_the_comparison_split_the_whole_difference(tmp_path):
     assert len(classes["reach"]) == len(ids) - 1 and classes["reach"][0] == "new in its window"
     assert classes["reach"][3] == "new in its window" and classes["reach"][11] == "repeats from >= 4 back only"
     assert classes["reach"][7] == "repeats within 4"
-    assert classes["place"][:7] == ["block 0", "block 0", "block 1", "block 1", "block 2", "block 2", "block 3+"]
-    assert classes["place"][12] == "block 0"  # a new window starts at input 12
+    assert classes["place"][:9] == ["positions 0-1"] * 2 + ["positions 2-3"] * 2 + ["positions 4-15"] * 5
+    assert classes["place"][12] == "positions 0-1"  # a new window starts at input 12
+    assert [TL._place(p, 64) for p in (63, 64, 128, 511, 512, 2047, 2048, 8191)] == [
+        "positions 0-63", "positions 64-127", "positions 128-511", "positions 128-511", "positions 512-2047",
+        "positions 512-2047", "positions 2048-8191", "positions 2048-8191"]  # fmt: skip
     assert classes["layout"][4] == "holds a line break" and classes["layout"][9] == "first of a line"
     torch.manual_seed(0)
     a = torch.rand(len(ids) - 1).tolist()
