@@ -18,7 +18,7 @@ the sum over the classes of each split is the whole difference:
 Bits per byte use each book's UTF-8 bytes, as ``training.evaluate`` does; per-class numbers are nats per token and
 each class's share of the whole difference.
 
-    python -m experiments.token_losses dump RUN/final --corpus books --length 512 --out slide.safetensors
+    python -m experiments.token_losses dump RUN/final --corpus books --length 512 8192 --out slide-L{length}.safetensors
     python -m experiments.token_losses compare slide.safetensors bst.safetensors --book sherlock-holmes
 """
 
@@ -43,69 +43,78 @@ def _key(title: str) -> str:
 
 
 @torch.no_grad()
-def token_nll(model, ids: list[int], length: int, batch_size: int = 1) -> torch.Tensor:
-    """The loss (nats, float32) of every token after the first of ``ids``, scored in non-overlapping windows of
-    ``length`` inputs (the last window may be shorter), as ``training.evaluate.evaluate_model``."""
+def window_losses(model, ids: list[int], length: int, batch_size: int = 1) -> torch.Tensor:
+    """The loss (nats, float32) of every token after the first of ``ids``, scored in the non-overlapping windows of
+    ``length`` inputs that ``training.evaluate.evaluate_model`` uses (the last window may be shorter)."""
+    from training.evaluate import token_nll, window_starts
+
     device = next(model.parameters()).device
     x = torch.tensor(ids, dtype=torch.long, device=device)
     n = len(ids) - 1
     out = torch.empty(n, dtype=torch.float32)
-    starts = list(range(0, n, length))
-    full = [s for s in starts if s + length <= n]
+    full, rest = window_starts(n, length)
 
     def score(inp, tgt):
-        logp = torch.log_softmax(model(inp, use_cache=False).logits.float(), dim=-1)
-        return -logp.gather(-1, tgt[..., None]).squeeze(-1)
+        return token_nll(model(inp, use_cache=False).logits, tgt).cpu()
 
     for i in range(0, len(full), batch_size):
         group = full[i : i + batch_size]
         inp = torch.stack([x[s : s + length] for s in group])
         tgt = torch.stack([x[s + 1 : s + length + 1] for s in group])
-        for s, row in zip(group, score(inp, tgt).cpu()):
+        for s, row in zip(group, score(inp, tgt)):
             out[s : s + length] = row
-    for s in starts[len(full) :]:
-        out[s:n] = score(x[None, s:n], x[None, s + 1 : n + 1])[0].cpu()
+    for s in rest:
+        out[s:n] = score(x[None, s:n], x[None, s + 1 : n + 1])[0]
     return out
 
 
-def dump(model_dir: Path, corpus: str, length: int, eval_tokens: int, out: Path, device: str = "cpu") -> dict:
-    """Every held-out book's token ids and losses under ``model_dir`` into ``out`` (safetensors, written atomically);
-    returns the metadata (model, corpus, length, W, per-book bytes and bits per byte)."""
+def dump(model_dir: Path, corpus: str, lengths: list[int], eval_tokens: int, out: str, device: str = "cpu") -> list:
+    """Every held-out book's token ids and losses under ``model_dir``, one safetensors file per window length at
+    ``out`` (a path; with several lengths it must hold ``{length}``), each written atomically; the model is loaded
+    and the books tokenised once. Returns each file's metadata (model, corpus, length, W, per-book bytes and bits
+    per byte)."""
     from safetensors.torch import save_file
 
     from experiments import lm_long
     from modeling_bst import BSTForCausalLM
     from training import data as D
+    from training.evaluate import scored_document
 
+    if len(lengths) > 1 and "{length}" not in out:
+        raise ValueError(f"--out {out!r} must hold '{{length}}' to name one file per length ({lengths})")
     model = BSTForCausalLM.from_pretrained(model_dir).to(device).eval()
     tokenizer = D.load_tokenizer(str(model_dir))
-    tensors, books = {}, []
-    for split, title, text in lm_long._scored_books(corpus):
-        ids = D.encode_document(tokenizer, text, add_bos=True, add_eos=False)[: eval_tokens + 1]
-        nll = token_nll(model, ids, length)
-        n_bytes = len(tokenizer.decode(ids[1:]).encode("utf-8"))
-        key = _key(title)
-        tensors[f"{key}.ids"] = torch.tensor(ids, dtype=torch.int32)
-        tensors[f"{key}.nll"] = nll
-        bpb = float(nll.double().sum()) / (math.log(2) * n_bytes)
-        books.append({"title": title, "key": key, "split": split, "bytes": n_bytes, "bits_per_byte": bpb})
-        print(f"{model_dir} {title}: L={length} {bpb:.4f} bits per byte", flush=True)
-    meta = {
-        "format": FORMAT,
-        "model": str(model_dir),
-        "corpus": corpus,
-        "length": length,
-        "eval_tokens": eval_tokens,
-        "block_len": model.config.block_len,
-        "layer_types": list(model.config.layer_types),
-        "commit": lm_long._commit(),
-        "books": books,
-    }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"meta": json.dumps(meta)})
-    os.replace(tmp, out)
-    return meta
+    books = [(split, title, scored_document(tokenizer, text, eval_tokens))
+             for split, title, text in lm_long._scored_books(corpus)]  # fmt: skip
+    metas = []
+    for length in lengths:
+        tensors, rows = {}, []
+        for split, title, (ids, n_bytes, _) in books:
+            nll = window_losses(model, ids, length)
+            key = _key(title)
+            tensors[f"{key}.ids"] = torch.tensor(ids, dtype=torch.int32)
+            tensors[f"{key}.nll"] = nll
+            bpb = float(nll.double().sum()) / (math.log(2) * n_bytes)
+            rows.append({"title": title, "key": key, "split": split, "bytes": n_bytes, "bits_per_byte": bpb})
+            print(f"{model_dir} {title}: L={length} {bpb:.4f} bits per byte", flush=True)
+        meta = {
+            "format": FORMAT,
+            "model": str(model_dir),
+            "corpus": corpus,
+            "length": length,
+            "eval_tokens": eval_tokens,
+            "block_len": model.config.block_len,
+            "layer_types": list(model.config.layer_types),
+            "commit": lm_long._commit(),
+            "books": rows,
+        }
+        path = Path(out.format(length=length))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        save_file(tensors, str(tmp), metadata={"meta": json.dumps(meta)})
+        os.replace(tmp, path)
+        metas.append(meta)
+    return metas
 
 
 def load(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -207,8 +216,9 @@ def compare(a: Path, b: Path, books: list[str] | None = None, far: int | None = 
         }
         for split, labels in token_classes(ta[f"{key}.ids"], pieces, length, w, far).items():
             groups = {}
-            for label in sorted(set(labels)):
-                mask = np.array([x == label for x in labels])
+            labels = np.array(labels)
+            for label in sorted(set(labels.tolist())):
+                mask = labels == label
                 d = float(diff[mask].sum())
                 groups[label] = {
                     "tokens": int(mask.sum()),
@@ -250,10 +260,10 @@ def main(argv: list[str] | None = None) -> None:
     d = sub.add_parser("dump", help="every held-out token's loss under one model")
     d.add_argument("model_dir")
     d.add_argument("--corpus", required=True)
-    d.add_argument("--length", type=int, required=True)
+    d.add_argument("--length", type=int, nargs="+", required=True, help="window lengths (one file each)")
     d.add_argument("--eval_tokens", type=int, default=65536)
     d.add_argument("--device", default="cpu")
-    d.add_argument("--out", required=True)
+    d.add_argument("--out", required=True, help="the file; with several lengths a path holding {length}")
     c = sub.add_parser("compare", help="B - A by token class")
     c.add_argument("a")
     c.add_argument("b")
@@ -263,8 +273,10 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--json", default=None, help="also write the result here")
     args = p.parse_args(argv)
     if args.command == "dump":
-        torch.set_num_threads(max(1, torch.get_num_threads()))
-        dump(Path(args.model_dir), args.corpus, args.length, args.eval_tokens, Path(args.out), args.device)
+        try:
+            dump(Path(args.model_dir), args.corpus, args.length, args.eval_tokens, args.out, args.device)
+        except ValueError as e:
+            p.error(str(e))
         return
     tokenizer = None
     if args.tokenizer:

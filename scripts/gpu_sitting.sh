@@ -125,10 +125,8 @@ echo "lm done at $(elapsed) s"
 for final in runs/lm_quality/long-gpu/allbooks/*/final; do
     [ -d "$final" ] || continue
     name=$(basename "$(dirname "$final")")
-    for L in 1024 16384; do
-        timeout 60 python3 -m experiments.token_losses dump "$final" --corpus allbooks --length "$L" --device cuda \
-            --out "runs/lm_quality/token_losses/$name-L$L.safetensors" >> "$out/lm.log" 2>&1
-    done
+    timeout 120 python3 -m experiments.token_losses dump "$final" --corpus allbooks --length 1024 16384 --device cuda \
+        --out "runs/lm_quality/token_losses/$name-L{length}.safetensors" >> "$out/lm.log" 2>&1
 done
 echo "token losses done at $(elapsed) s"
 tail -5 "$out/lm.log"

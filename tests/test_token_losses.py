@@ -37,15 +37,19 @@ def test_token_losses_add_up_to_the_evaluation(saved, monkeypatch, tmp_path):
     folder, tok, model = saved
     books = [("test", "A Book", TEXT * 4), ("validation", "Other", TEXT[:90])]
     monkeypatch.setattr(lm_long, "_scored_books", lambda corpus: iter(books))
-    meta = TL.dump(folder, "toy", 24, 60, tmp_path / "a.safetensors")
-    meta2, tensors = TL.load(tmp_path / "a.safetensors")
-    assert meta == meta2 and meta["block_len"] == model.config.block_len and meta["length"] == 24
-    for book, (_, _, text) in zip(meta["books"], books):
-        row = E.evaluate_model(model, tok, [text], [24], max_tokens_per_doc=60)[0]
-        nll = tensors[f"{book['key']}.nll"].double()
-        assert nll.numel() == row["tokens"] and math.isclose(float(nll.sum()), row["nll_sum"], rel_tol=1e-5)
-        assert book["bytes"] == row["bytes"]
-        assert math.isclose(book["bits_per_byte"], row["bits_per_byte"], rel_tol=1e-5)
+    # two window lengths from one model load: one file each
+    metas = TL.dump(folder, "toy", [24, 16], 60, str(tmp_path / "a-L{length}.safetensors"))
+    for meta, length in zip(metas, (24, 16)):
+        meta2, tensors = TL.load(tmp_path / f"a-L{length}.safetensors")
+        assert meta == meta2 and meta["block_len"] == model.config.block_len and meta["length"] == length
+        for book, (_, _, text) in zip(meta["books"], books):
+            row = E.evaluate_model(model, tok, [text], [length], max_tokens_per_doc=60)[0]
+            nll = tensors[f"{book['key']}.nll"].double()
+            assert nll.numel() == row["tokens"] and math.isclose(float(nll.sum()), row["nll_sum"], rel_tol=1e-5)
+            assert book["bytes"] == row["bytes"]
+            assert math.isclose(book["bits_per_byte"], row["bits_per_byte"], rel_tol=1e-5)
+    with pytest.raises(ValueError, match="must hold '{length}'"):
+        TL.dump(folder, "toy", [24, 16], 60, str(tmp_path / "a.safetensors"))
 
 
 def _dump(path, ids, nll, length=12, block_len=2, eval_tokens=100):

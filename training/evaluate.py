@@ -35,10 +35,34 @@ import torch
 from training import data as D
 
 
+def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token NLL (nats, float32) of each of ``targets`` `(B, T)` under ``logits`` `(B, T, V)`."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -logp.gather(-1, targets[..., None]).squeeze(-1)
+
+
 def _nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed next-token NLL (nats, float64) of ``targets`` `(B, T)` under ``logits`` `(B, T, V)`."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -logp.gather(-1, targets[..., None]).squeeze(-1).double().sum()
+    return token_nll(logits, targets).double().sum()
+
+
+def scored_document(tokenizer, text: str, max_tokens: int | None = None) -> tuple[list[int], int, int]:
+    """``(ids, bytes, words)`` of one document as scored: BOS + its tokens, cut to the first ``max_tokens`` text
+    tokens (then ``bytes`` and ``words`` count the decoded kept part), with the UTF-8 bytes and words of the scored
+    text."""
+    ids = D.encode_document(tokenizer, text, add_bos=True, add_eos=False)
+    if max_tokens is not None and len(ids) - 1 > max_tokens:
+        ids = ids[: max_tokens + 1]
+        text = tokenizer.decode(ids[1:])
+    return ids, len(text.encode("utf-8")), len(text.split())
+
+
+def window_starts(num_targets: int, length: int) -> tuple[list[int], list[int]]:
+    """Starts of the non-overlapping windows of ``length`` inputs over ``num_targets`` scored tokens: the full windows
+    and the shorter last one (none or one)."""
+    starts = list(range(0, num_targets, length))
+    full = [s for s in starts if s + length <= num_targets]
+    return full, starts[len(full) :]
 
 
 @torch.no_grad()
@@ -80,15 +104,7 @@ def evaluate_model(
     ``error``."""
     model.eval()
     device = next(model.parameters()).device
-    docs = []
-    for text in texts:
-        ids = D.encode_document(tokenizer, text, add_bos=True, add_eos=False)
-        if max_tokens_per_doc is not None and len(ids) - 1 > max_tokens_per_doc:
-            ids = ids[: max_tokens_per_doc + 1]
-            scored = tokenizer.decode(ids[1:])
-        else:
-            scored = text
-        docs.append((ids, len(scored.encode("utf-8")), len(scored.split())))
+    docs = [scored_document(tokenizer, text, max_tokens_per_doc) for text in texts]
     results = []
     for L in lengths:
         t0 = time.time()
@@ -97,21 +113,20 @@ def evaluate_model(
         try:
             for ids, _, _ in docs:
                 x = torch.tensor(ids, dtype=torch.long, device=device)
-                starts = list(range(0, len(ids) - 1, L))
-                windows += len(starts)
+                full, rest = window_starts(len(ids) - 1, L)
+                windows += len(full) + len(rest)
                 if carry_state:
                     cache = None
-                    for s in starts:
+                    for s in full + rest:
                         e = min(s + L, len(ids) - 1)
                         n, cache = window_nll(model, x[None, s:e], x[None, s + 1 : e + 1], chunk_size, cache, True)
                         nll += float(n)
                     continue
-                full = [s for s in starts if s + L <= len(ids) - 1]
                 for group in _batched(full, batch_size):
                     inp = torch.stack([x[s : s + L] for s in group])
                     tgt = torch.stack([x[s + 1 : s + L + 1] for s in group])
                     nll += float(window_nll(model, inp, tgt, chunk_size)[0])
-                for s in starts[len(full) :]:
+                for s in rest:
                     e = len(ids) - 1
                     nll += float(window_nll(model, x[None, s:e], x[None, s + 1 : e + 1], chunk_size)[0])
         except ValueError as err:  # a model that cannot run length L
