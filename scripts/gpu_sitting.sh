@@ -122,10 +122,15 @@ echo "lm rc $rc at $(elapsed) s" >> "$out/lm.log"
 echo "lm done at $(elapsed) s"
 # Every held-out token's loss under each finished model, at the training length and 16x (experiments/token_losses.py;
 # ~0.5 MB a book, where the models themselves are too large to bring back).
+# Each dump gets at most 120 s and never more than what --total leaves (less 15 s to pack the results): a sitting
+# killed from outside brings nothing back.
 for final in runs/lm_quality/long-gpu/allbooks/*/final; do
     [ -d "$final" ] || continue
     name=$(basename "$(dirname "$final")")
-    timeout 120 python3 -m experiments.token_losses dump "$final" --corpus allbooks --length 1024 16384 --device cuda \
+    room=$(( total - $(elapsed) - 15 ))
+    [ "$room" -gt 120 ] && room=120
+    [ "$room" -ge 20 ] || { echo "no time left for token losses of $name" >> "$out/lm.log"; continue; }
+    timeout "$room" python3 -m experiments.token_losses dump "$final" --corpus allbooks --length 1024 16384 --device cuda \
         --out "runs/lm_quality/token_losses/$name-L{length}.safetensors" >> "$out/lm.log" 2>&1
 done
 echo "token losses done at $(elapsed) s"
