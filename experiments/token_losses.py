@@ -142,6 +142,13 @@ def _place(p: int, block_len: int) -> str:
     return f"positions {lo}-{hi - 1}"
 
 
+def _label_order(label: str) -> tuple:
+    """Classes in reading order: the spans of window positions by where they start, anything else by name."""
+    if label.startswith("positions "):
+        return (0, int(label.split()[1].split("-")[0]), "")
+    return (1, 0, label)
+
+
 def token_classes(ids: torch.Tensor, tokenizer_pieces: dict[int, str] | None, length: int, block_len: int, far: int):
     """Per scored token (``ids[1:]``), its class in each split: ``{"layout": [...], "reach": [...], "place": [...]}``
     (lists of labels, one per token). ``tokenizer_pieces`` maps ids to their text (None: no layout split)."""
@@ -217,7 +224,7 @@ def compare(a: Path, b: Path, books: list[str] | None = None, far: int | None = 
         for split, labels in token_classes(ta[f"{key}.ids"], pieces, length, w, far).items():
             groups = {}
             labels = np.array(labels)
-            for label in sorted(set(labels.tolist())):
+            for label in sorted(set(labels.tolist()), key=_label_order):
                 mask = labels == label
                 d = float(diff[mask].sum())
                 groups[label] = {

@@ -95,6 +95,10 @@ def test_token_classes_and_the_comparison_split_the_whole_difference(tmp_path):
         assert sum(g["tokens"] for g in groups.values()) == len(ids) - 1, split
         assert math.isclose(sum(g["share"] for g in groups.values()), 1.0, rel_tol=1e-9), split
     assert "| reach | repeats from >= 4 back only |" in TL.table(result)
+    assert list(row["splits"]["place"]) == ["positions 0-1", "positions 2-3", "positions 4-15"]
+    spans = ["positions 128-511", "positions 1024-4095", "positions 0-63", "positions 64-127"]
+    assert sorted(spans, key=TL._label_order) == [  # by where they start, not as strings
+        "positions 0-63", "positions 64-127", "positions 128-511", "positions 1024-4095"]  # fmt: skip
     _dump(tmp_path / "c.safetensors", ids, a, length=24)
     with pytest.raises(ValueError, match="the dumps differ in length: 12 .* vs 24"):
         TL.compare(tmp_path / "a.safetensors", tmp_path / "c.safetensors")
