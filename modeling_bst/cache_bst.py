@@ -31,6 +31,13 @@ under tracing (``common_position`` None, ``docs_on_grid`` False: a continued chu
 ``seen``, then every layer part's tensors in ``SAVED_NAMES`` order, named as in [`BSTCache.to_tensors`]; its context
 is the structure only (layer parts, model signature, batch size), which no decode step changes, so one exported or
 compiled decode step serves every position.
+
+Fixed addresses. Without gradients (decoding, evaluation) a step updates every state in place ([`assign`]): the ring
+buffers slot by slot, the other states by copying the new values over the old. A state tensor then keeps its memory
+from the prefill to the last step, which CUDA graphs (``torch.compile(mode="reduce-overhead")``) need twice: an input
+written in place must have a static address ([`keep_address`]), and a graph's outputs cannot be the next replay's
+inputs (a replay overwrites them). So a tensor read from a cache is a live view of that state: clone it to keep it
+([`BSTCache.to_tensors`] and the rollback records do).
 """
 
 import json
@@ -97,6 +104,43 @@ def write_rows(buffer: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, va
     return buffer.index_put_((rows, slots), values)
 
 
+def keep_address(*tensors: torch.Tensor | None):
+    """Tell ``torch.compile`` that these CUDA state tensors keep their address from step to step (as transformers'
+    StaticCache does for its keys/values): CUDA graphs then take them as static inputs, which a step may write in
+    place. Unguarded: a new tensor (the next prefill) re-records the graph rather than recompiling. Nothing to do on
+    the CPU, under tracing, or for a tensor that takes gradients."""
+    if tracing():
+        return
+    for t in tensors:
+        if t is not None and t.is_cuda and not t.requires_grad:
+            from torch._dynamo import mark_static_address  # not at import time: only CUDA decoding needs dynamo
+
+            mark_static_address(t, guard=False)
+
+
+def assign(owner, attr: str, new: torch.Tensor | None):
+    """``owner.attr = new``, in place when that is possible and safe: no gradient mode (decoding, evaluation), an old
+    tensor of the same shape, dtype and device, contiguous, and ``new`` not a view of its memory. Else the attribute
+    takes ``new`` (then marked with [`keep_address`]). See the module docstring, "Fixed addresses"."""
+    old = getattr(owner, attr, None)
+    if (
+        new is not None
+        and old is not None
+        and new is not old
+        and not torch.is_grad_enabled()
+        and old.shape == new.shape
+        and old.dtype == new.dtype
+        and old.device == new.device
+        and old.is_contiguous()
+        and not old.requires_grad
+        and (tracing() or new.untyped_storage().data_ptr() != old.untyped_storage().data_ptr())
+    ):
+        old.copy_(new)
+        return
+    setattr(owner, attr, new)
+    keep_address(new)
+
+
 def ring_from_sequence(x: torch.Tensor, lengths: torch.Tensor, ring: int, offset: torch.Tensor | None = None):
     """Ring buffer (slot = absolute position % ring) of the last ``ring`` real positions of each row.
 
@@ -126,8 +170,8 @@ def _where_rows(rows: torch.Tensor | None, new: torch.Tensor, old: torch.Tensor)
 class StateCache:
     """A typed piece of a layer's cache: named tensors batched along dim 0, saved under ``SAVED_NAMES``.
 
-    ``capture(positions)`` / ``restore(record)`` take back one recurrent step (``BSTCache.crop``): by default every
-    field is replaced by a new tensor in a step, so the record keeps references to the old ones.
+    ``capture(positions)`` / ``restore(record)`` take back one recurrent step (``BSTCache.crop``): by default the
+    record copies every field (a step updates them in place, [`assign`]).
     """
 
     SAVED_NAMES: dict = {}
@@ -145,17 +189,20 @@ class StateCache:
         for attr in self.SAVED_NAMES:
             if getattr(self, attr) is not None:
                 setattr(self, attr, fn(getattr(self, attr)))
+                keep_address(getattr(self, attr))
 
     def load(self, saved_name: str, tensor: torch.Tensor):
         attr = {saved: attr for attr, saved in self.SAVED_NAMES.items()}[saved_name]
         setattr(self, attr, tensor)
+        keep_address(tensor)
 
     def capture(self, positions: torch.Tensor) -> dict:
-        return {attr: getattr(self, attr) for attr in self.SAVED_NAMES}
+        # A copy: the step updates the state in place ([`assign`]).
+        return {attr: None if (t := getattr(self, attr)) is None else t.clone() for attr in self.SAVED_NAMES}
 
     def restore(self, record: dict):
         for attr, value in record.items():
-            setattr(self, attr, value)
+            assign(self, attr, value)
 
     def reset(self, rows: torch.Tensor):
         """Forget the state of the rows where ``rows`` is True (a new document starts)."""
@@ -176,7 +223,9 @@ class RingCache(StateCache):
             new_k = torch.where(keep[..., None, None], self.k, new_k)
             new_v = torch.where(keep[..., None, None], self.v, new_v)
             pos = torch.where(keep, self.pos, pos)
-        self.k, self.v, self.pos = new_k, new_v, pos
+        assign(self, "k", new_k)
+        assign(self, "v", new_v)
+        assign(self, "pos", pos)
 
     def write(self, positions: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor):
         """One token per row at ``positions`` `(B,)`: ``k_t``/``v_t`` `(B, H, d)`. Returns the ring ``(k, v, pos)``."""
@@ -212,7 +261,7 @@ class RingCache(StateCache):
 
     def reset(self, rows):
         if self.pos is not None:
-            self.pos = self.pos.masked_fill(rows[:, None], -1)
+            assign(self, "pos", self.pos.masked_fill(rows[:, None], -1))
 
 
 class AttentionCache(RingCache):
@@ -248,7 +297,10 @@ class SSMStateCache(StateCache):
         """The new state, with the chunk's ``pending`` outputs and ``offset`` if a chunked step kept them (else
         none). ``contiguous``: one layout from prefill to step ([`_where_rows`]); an eager unstruct step keeps its
         history as the view into its slack buffer (``append_history``; a copy would cost O(Lmax) per step)."""
-        self.state = state.contiguous() if contiguous else state
+        if contiguous:
+            assign(self, "state", state.contiguous())
+        else:
+            self.state = state
         self.pending, self.pending_offset = pending, offset
 
     def chunk(self, size: int) -> tuple[torch.Tensor, int] | None:
@@ -264,22 +316,22 @@ class SSMStateCache(StateCache):
 
     def capture(self, positions):
         if self.state.is_complex():
-            return {"state": self.state}
+            return {"state": self.state.clone()}  # a copy: the step updates it in place
         # The pending outputs are never written in place: a reference restores them (valid for the older history).
         return {"oldest": self.state[..., 0].clone(), "pending": self.pending, "offset": self.pending_offset}
 
     def restore(self, record):
         if "oldest" in record:
-            self.state = torch.cat([record["oldest"][..., None], self.state[..., :-1]], -1)
+            assign(self, "state", torch.cat([record["oldest"][..., None], self.state[..., :-1]], -1))
             self.pending, self.pending_offset = record["pending"], record["offset"]
         else:
-            self.state = record["state"]
+            assign(self, "state", record["state"])
 
     def reset(self, rows):
         # A reset row has no input before its new document: its history and its share in the chunk become zero.
         if self.state is not None:
             keep = (~rows).reshape((-1,) + (1,) * (self.state.dim() - 1)).to(self.state.dtype)
-            self.state = self.state * keep
+            assign(self, "state", (self.state * keep).contiguous())
         if self.pending is not None:
             self.pending = self.pending * (~rows).reshape(-1, 1, 1, 1).to(self.pending.dtype)
 
@@ -292,10 +344,11 @@ class BlockContextCache(StateCache):
 
     def set_context(self, k, v, rows: torch.Tensor | None = None):
         """The block context, in ``rows`` only (bool `(B,)`; None: all rows)."""
-        self.k, self.v = _where_rows(rows, k, self.k), _where_rows(rows, v, self.v)
+        assign(self, "k", _where_rows(rows, k, self.k))
+        assign(self, "v", _where_rows(rows, v, self.v))
 
     def set_last(self, y, rows: torch.Tensor | None = None):
-        self.last = _where_rows(rows, y, self.last)
+        assign(self, "last", _where_rows(rows, y, self.last))
 
 
 class RecurrentStateCache(StateCache):
@@ -305,8 +358,9 @@ class RecurrentStateCache(StateCache):
 
     def set(self, state, k, v, rows: torch.Tensor | None = None):
         """The state and its keys/values, in ``rows`` only (bool `(B,)`; None: all rows)."""
-        self.state = _where_rows(rows, state, self.state)
-        self.k, self.v = _where_rows(rows, k, self.k), _where_rows(rows, v, self.v)
+        assign(self, "state", _where_rows(rows, state, self.state))
+        assign(self, "k", _where_rows(rows, k, self.k))
+        assign(self, "v", _where_rows(rows, v, self.v))
 
 
 class BSTLayerCache:
@@ -459,6 +513,7 @@ class BSTCache:
         self.positions = lengths.clone()
         self.doc_start = torch.zeros_like(self.positions)
         self.seen = torch.full((), seq_len, dtype=torch.long, device=lengths.device)
+        keep_address(self.positions, self.doc_start, self.seen)
         for layer in self.layers:
             layer.doc_start = self.doc_start
         self.batch_size = int(lengths.shape[0])
@@ -469,8 +524,8 @@ class BSTCache:
     def advance(self, seq_len: int):
         """``seq_len`` positions more were processed in every row. Under tracing the changing host mirrors become
         unknown (a traced step neither reads nor writes a position as a Python value)."""
-        self.positions = self.positions + seq_len
-        self.seen = self.seen + seq_len
+        assign(self, "positions", self.positions + seq_len)
+        assign(self, "seen", self.seen + seq_len)
         if tracing():
             self._seen_tokens = UNKNOWN
             self._common_position = UNKNOWN
@@ -494,6 +549,7 @@ class BSTCache:
         if self.positions is not None:
             self.positions = fn(self.positions)
             self.doc_start = fn(self.doc_start)
+            keep_address(self.positions, self.doc_start)
             for layer in self.layers:
                 layer.doc_start = self.doc_start
 
@@ -560,7 +616,7 @@ class BSTCache:
         rows = rows.to(device=self.positions.device, dtype=torch.bool)
         for layer in self.layers:
             layer.reset(rows)
-        self.doc_start = torch.where(rows, self.positions, self.doc_start)
+        assign(self, "doc_start", torch.where(rows, self.positions, self.doc_start))
         for layer in self.layers:
             layer.doc_start = self.doc_start
         common = self.common_position  # derived here if unknown (as a loaded cache's): the same path as before saving
@@ -575,15 +631,16 @@ class BSTCache:
         return self
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
-        """Flat ``{name: tensor}`` of the cache's state (for safetensors; nothing is pickled)."""
+        """Flat ``{name: tensor}`` of the cache's state (for safetensors; nothing is pickled): copies, which later
+        steps (updating the state in place) leave as they are."""
         out = {}
         if self.positions is not None:
-            out["positions"] = self.positions
-            out["doc_start"] = self.doc_start
-            out["seen_tokens"] = self.seen.reshape(())
+            out["positions"] = self.positions.clone()
+            out["doc_start"] = self.doc_start.clone()
+            out["seen_tokens"] = self.seen.reshape(()).clone()
         for i, layer in enumerate(self.layers):
             for name, tensor in layer.tensors():
-                out[f"layers.{i}.{name}"] = tensor.contiguous()
+                out[f"layers.{i}.{name}"] = tensor.clone(memory_format=torch.contiguous_format)
         return out
 
     @classmethod
@@ -593,10 +650,12 @@ class BSTCache:
         cache = cls(config, batch)
         for key, tensor in tensors.items():
             if key in ("positions", "doc_start"):
-                setattr(cache, key, tensor)
+                setattr(cache, key, tensor.clone())  # fresh memory, as below: decoding advances it in place
+                keep_address(getattr(cache, key))
                 continue
             if key == "seen_tokens":
                 cache.seen = tensor.reshape(()).to(torch.long).clone()
+                keep_address(cache.seen)
                 continue
             _, index, name = key.split(".", 2)
             if not 0 <= int(index) < cache.num_layers:

@@ -85,7 +85,8 @@ def test_host_mirrors_after_unflatten_match_a_plain_cache():
     with torch.no_grad():
         cache = model(ids, use_cache=True).past_key_values
         flat, spec = pytree.tree_flatten(cache)
-        rebuilt = pytree.tree_unflatten(flat, spec)
+        # Copies of the leaves: a step updates a cache's tensors in place, and the two caches step independently.
+        rebuilt = pytree.tree_unflatten([t.clone() for t in flat], spec)
         assert (rebuilt.seen_tokens, rebuilt.common_position, rebuilt.docs_on_grid) == (8, 8, True)
         # A block-aligned chunk continues on the fast path from both, with equal logits.
         chunk = torch.randint(1, 61, (2, 4))
@@ -160,3 +161,33 @@ def test_reduce_overhead_compiled_decode_compiles_once_and_matches_eager(variant
         worst, stats = compiled_decode(model, dict(mode="reduce-overhead"), 2 * model.config.block_len + 3)
     assert stats["unique_graphs"] == 1, stats
     assert worst < 1e-5
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_decode_steps_update_every_state_at_its_address(variant):
+    """Without gradients a step writes every cached state in place (``cache_bst.assign``): every leaf keeps its memory
+    from the prefill on, eagerly and in a compiled step (``aot_eager``: functionalised, the mutations written back to
+    the inputs, as inductor does). CUDA graphs need exactly this: a graph may write its inputs in place only at fixed
+    addresses, and its outputs cannot be the next replay's inputs (tests/test_gpu.py checks the graphs on CUDA)."""
+    model = model_for(variant)
+    compiled = torch.compile(model, fullgraph=True, dynamic=False, backend="aot_eager")
+    ids, mask = prompt()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        cache = model(ids, attention_mask=mask, use_cache=True).past_key_values
+        twin = copy.deepcopy(cache)
+        addresses = [t.data_ptr() for t in leaves(cache)]
+        twin_addresses = [t.data_ptr() for t in leaves(twin)]
+        before = [t.clone() for t in leaves(cache)]
+        token = torch.randint(1, 61, (2, 1), generator=torch.Generator().manual_seed(3))
+        for _ in range(2 * model.config.block_len + 1):  # across two block boundaries
+            want = model(token, past_key_values=cache).logits
+            got = compiled(token, past_key_values=twin).logits
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+            token = want[:, -1:].argmax(-1)
+        assert [t.data_ptr() for t in leaves(cache)] == addresses
+        assert [t.data_ptr() for t in leaves(twin)] == twin_addresses
+        assert_caches_equal(twin, cache)
+    torch._dynamo.reset()
+    changed = [not torch.equal(a, b) for a, b in zip(before, leaves(cache))]
+    assert sum(changed) >= len(changed) // 2, "the steps left most states unchanged: nothing was tested"

@@ -266,19 +266,15 @@ def test_s4_decode_step_has_no_host_device_sync(variant):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA)
-@pytest.mark.xfail(
-    strict=True,
-    reason="known limitation, see docs/benchmarks.md 'CUDA graphs and the decode cache': the step writes its ring "
-    "buffers in place (inductor skips the CUDA graph: 'mutated inputs') and feeds its other states back as new "
-    "tensors (a graph's outputs, overwritten by its next replay); CUDA graphs need every state updated in place in "
-    "buffers of fixed address",
-)
 @pytest.mark.parametrize("variant", ["sh-s4", "mf-s4"])
 def test_reduce_overhead_decode_runs_in_cuda_graphs(variant):
-    """``torch.compile(mode="reduce-overhead")`` of the decode step on CUDA keeps its CUDA graphs: inductor skips no
-    graph (it skips one, for 33 "mutated inputs" on the 8-layer benchmark model, H100, 2026-11-26), and the logits
-    match eager decoding across block boundaries, also after a second prefill (new buffers: one graph, no
-    recompile)."""
+    """``torch.compile(mode="reduce-overhead")`` of the decode step on CUDA keeps its CUDA graphs, and the logits match
+    eager decoding across block boundaries, also after a second prefill (new buffers: one graph, no recompile).
+
+    Before the cache updated every state in place (``cache_bst.assign``), inductor skipped the graph for 33 "mutated
+    inputs" on the 8-layer benchmark model (H100, 2026-11-26); with only the ring buffers marked static, replays
+    overwrote the states that the next step read. tests/test_decode_capture.py checks the fixed addresses on the
+    CPU."""
     from torch._dynamo.utils import counters
 
     model = build(variant, "cuda").eval()
