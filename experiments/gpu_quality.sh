@@ -16,8 +16,9 @@
 # without ../shared/data, carry those two ignored folders along (runs/lm_quality/data, runs/lm_quality/tokenizers,
 # ~25 MB). With $OUT set (the device tool's output folder), records and the report are copied there too.
 # Measured (2026-11-26, one NVIDIA H200, two runs side by side with --jobs 2 --threads 6): Slide and BST:SH:S4 trained
-# in 218 s and 243 s and finished with every evaluation in 388 s and 427 s, so the whole protocol (10 runs) takes
-# ~35 minutes. On a machine with its own PyTorch, set BST_SOURCE_COMMIT to the commit the tree was sent from: the
+# in 218 s and 243 s and finished with every evaluation in 388 s and 427 s; on one NVIDIA H100 80GB HBM3 (seed 1,
+# beside the `gpu` tests) in 250 s and 274 s, 400 s and 436 s with every evaluation. So the whole protocol (10 runs)
+# takes ~35-40 minutes. On a machine with its own PyTorch, set BST_SOURCE_COMMIT to the commit the tree was sent from: the
 # records' `commit` field then names it even where the copy's git metadata is missing or stale.
 #
 # --mqar: multi-query associative recall (issue #13, part 2; experiments/mqar.py) at its default budget (6,000 steps
