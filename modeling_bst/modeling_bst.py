@@ -223,7 +223,9 @@ class BSTContextStates(nn.Module):
         pending = self._unstruct_chunk(layer_cache, constants, seen) if chunked and output else None
         y, state = self.ssm.step(z, layer_cache.ssm.state, constants, seen, output=output, pending=pending)
         if pending is None:
-            layer_cache.ssm.set(state, contiguous=False)
+            # Eager: the history stays a view into its slack buffer (``append_history``: O(1) per step). Traced: the
+            # step built a new history anyway; written over the old one in place (a fixed address for CUDA graphs).
+            layer_cache.ssm.set(state, contiguous=tracing())
         else:
             layer_cache.ssm.set(state, pending[0], pending[1] + 1, contiguous=False)
         return y

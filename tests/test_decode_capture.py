@@ -163,13 +163,16 @@ def test_reduce_overhead_compiled_decode_compiles_once_and_matches_eager(variant
     assert worst < 1e-5
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", [*VARIANTS, "sh-unstruct", "mf-unstruct"])
 def test_decode_steps_update_every_state_at_its_address(variant):
     """Without gradients a step writes every cached state in place (``cache_bst.assign``): every leaf keeps its memory
     from the prefill on, eagerly and in a compiled step (``aot_eager``: functionalised, the mutations written back to
     the inputs, as inductor does). CUDA graphs need exactly this: a graph may write its inputs in place only at fixed
-    addresses, and its outputs cannot be the next replay's inputs (tests/test_gpu.py checks the graphs on CUDA)."""
-    model = model_for(variant)
+    addresses, and its outputs cannot be the next replay's inputs (tests/test_gpu.py checks the graphs on CUDA).
+    Eager unstruct steps keep their history as a moving view into a slack buffer (O(1) a step, not O(history)), so
+    there only the compiled cache keeps its addresses."""
+    unstruct = variant.endswith("unstruct")
+    model = make_model(variant, vocab_size=61) if unstruct else model_for(variant)
     compiled = torch.compile(model, fullgraph=True, dynamic=False, backend="aot_eager")
     ids, mask = prompt()
     torch._dynamo.reset()
@@ -185,7 +188,7 @@ def test_decode_steps_update_every_state_at_its_address(variant):
             got = compiled(token, past_key_values=twin).logits
             torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
             token = want[:, -1:].argmax(-1)
-        assert [t.data_ptr() for t in leaves(cache)] == addresses
+        assert unstruct or [t.data_ptr() for t in leaves(cache)] == addresses
         assert [t.data_ptr() for t in leaves(twin)] == twin_addresses
         assert_caches_equal(twin, cache)
     torch._dynamo.reset()
