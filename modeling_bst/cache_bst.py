@@ -37,7 +37,9 @@ buffers slot by slot, the other states by copying the new values over the old. A
 from the prefill to the last step, which CUDA graphs (``torch.compile(mode="reduce-overhead")``) need twice: an input
 written in place must have a static address ([`keep_address`]), and a graph's outputs cannot be the next replay's
 inputs (a replay overwrites them). So a tensor read from a cache is a live view of that state: clone it to keep it
-([`BSTCache.to_tensors`] and the rollback records do).
+([`BSTCache.to_tensors`] and the rollback records do). A cache made under ``torch.inference_mode`` and stepped
+outside it writes each state out of place once (torch refuses in-place writes to inference tensors there), then in
+place.
 """
 
 import json
@@ -98,8 +100,11 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def write_rows(buffer: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``buffer[rows, slots] = values``: in place when no gradient flows (decoding), else out of place (autograd)."""
+    """``buffer[rows, slots] = values``: in place when no gradient flows (decoding), else out of place (autograd, or
+    a buffer made under ``torch.inference_mode`` written outside it, which torch refuses in place)."""
     if torch.is_grad_enabled() and (buffer.requires_grad or values.requires_grad):
+        return buffer.index_put((rows, slots), values)
+    if not tracing() and buffer.is_inference() and not torch.is_inference_mode_enabled():
         return buffer.index_put((rows, slots), values)
     return buffer.index_put_((rows, slots), values)
 
@@ -133,6 +138,7 @@ def assign(owner, attr: str, new: torch.Tensor | None):
         and old.device == new.device
         and old.is_contiguous()
         and not old.requires_grad
+        and (tracing() or torch.is_inference_mode_enabled() or not old.is_inference())  # else torch refuses it
         and (tracing() or new.untyped_storage().data_ptr() != old.untyped_storage().data_ptr())
     ):
         old.copy_(new)

@@ -194,3 +194,22 @@ def test_decode_steps_update_every_state_at_its_address(variant):
     torch._dynamo.reset()
     changed = [not torch.equal(a, b) for a, b in zip(before, leaves(cache))]
     assert sum(changed) >= len(changed) // 2, "the steps left most states unchanged: nothing was tested"
+
+
+@pytest.mark.parametrize("variant", ["sh-s4", "mf-s4", "brect", "gss"])
+def test_a_cache_made_under_inference_mode_decodes_outside_it(variant):
+    """A prefill under ``torch.inference_mode`` and steps under ``torch.no_grad`` (torch refuses in-place writes to
+    inference tensors outside inference mode): the first write of each state goes out of place, later ones in place,
+    and the logits equal those of a cache made under ``no_grad``."""
+    model = model_for(variant)
+    ids, mask = prompt()
+    with torch.inference_mode():
+        frozen = model(ids, attention_mask=mask, use_cache=True).past_key_values
+    with torch.no_grad():
+        plain = model(ids, attention_mask=mask, use_cache=True).past_key_values
+        token = torch.randint(1, 61, (2, 1), generator=torch.Generator().manual_seed(4))
+        for _ in range(2 * model.config.block_len + 1):
+            want = model(token, past_key_values=plain).logits
+            got = model(token, past_key_values=frozen).logits
+            torch.testing.assert_close(got, want, atol=0, rtol=0)
+            token = want[:, -1:].argmax(-1)
