@@ -99,12 +99,16 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.gather(1, index.reshape(index.shape + (1,) * (x.dim() - 2)).expand(shape))
 
 
+def inference_locked(t: torch.Tensor) -> bool:
+    """Whether torch refuses to write ``t`` in place: a tensor made under ``torch.inference_mode``, outside it (never
+    the case under tracing, where the check itself cannot be traced)."""
+    return not tracing() and t.is_inference() and not torch.is_inference_mode_enabled()
+
+
 def write_rows(buffer: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """``buffer[rows, slots] = values``: in place when no gradient flows (decoding), else out of place (autograd, or
-    a buffer made under ``torch.inference_mode`` written outside it, which torch refuses in place)."""
-    if torch.is_grad_enabled() and (buffer.requires_grad or values.requires_grad):
-        return buffer.index_put((rows, slots), values)
-    if not tracing() and buffer.is_inference() and not torch.is_inference_mode_enabled():
+    a buffer made under ``torch.inference_mode`` written outside it: [`inference_locked`])."""
+    if (torch.is_grad_enabled() and (buffer.requires_grad or values.requires_grad)) or inference_locked(buffer):
         return buffer.index_put((rows, slots), values)
     return buffer.index_put_((rows, slots), values)
 
@@ -138,7 +142,7 @@ def assign(owner, attr: str, new: torch.Tensor | None):
         and old.device == new.device
         and old.is_contiguous()
         and not old.requires_grad
-        and (tracing() or torch.is_inference_mode_enabled() or not old.is_inference())  # else torch refuses it
+        and not inference_locked(old)
         and (tracing() or new.untyped_storage().data_ptr() != old.untyped_storage().data_ptr())
     ):
         old.copy_(new)
