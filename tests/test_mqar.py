@@ -218,8 +218,10 @@ def test_a_run_stopped_at_its_deadline_resumes_bitwise(tmp_path):
 
 
 # Runs longer than one sitting commit their checkpoint (experiments/mqar.py, "Runs span sessions"): each must be one
-# that the default command continues on a fresh clone, with today's code.
-COMMITTED = sorted(mqar.RESULTS.glob("*.ckpt.safetensors"))
+# that the command of its folder continues on a fresh clone, with today's code: the default command for the CPU
+# grid's folder, the accelerator grid's (`experiments/gpu_quality.sh --mqar`: 64 keys and 64 values) for its folder.
+GRID_SETTINGS = {mqar.RESULTS: {}, mqar.GPU_RESULTS: dict(num_keys=64, num_values=64)}
+COMMITTED = sorted(p for folder in GRID_SETTINGS for p in folder.glob("*.ckpt.safetensors"))
 
 
 @pytest.mark.parametrize("path", COMMITTED, ids=lambda p: p.name)
@@ -237,6 +239,7 @@ def test_a_committed_checkpoint_continues_under_the_default_command(path, tmp_pa
     copy = tmp_path / path.name
     copy.write_bytes(path.read_bytes())
     kw = dict(steps=steps, batch_size=batch, seed=seed, overrides=overrides, checkpoint=copy, deadline=0.0)
+    kw.update(GRID_SETTINGS[path.parent])
     assert mqar.train_and_eval(model, length, pairs, **kw) is None
     after = mqar.checkpoint_meta(copy)
     assert ident == after["identity"]  # the identity the default command builds today
