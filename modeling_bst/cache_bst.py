@@ -435,7 +435,7 @@ class BSTLayerCache:
 
 
 class BSTCache:
-    """Recurrent-mode generation state of a BST model (returned as ``past_key_values``).
+    """Recurrent-mode generation state of a BST model (returned as ``cache``; ``past_key_values`` before transformers 5.24).
 
     Args:
         config ([`BSTConfig`]): the model's configuration; a cache only fits the model it was made for.
@@ -548,6 +548,13 @@ class BSTCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Positions processed so far, padding included (what ``generate`` slices already-processed inputs by)."""
         return self.seen_tokens
+
+    @property
+    def is_linear(self) -> list[bool]:
+        """Per layer, whether it is a recurrent state only (transformers' "linear attention" layers, for which
+        ``generate`` from 5.24 on does not slice the inputs already processed): no BST layer is, so ``generate``
+        passes the tokens after ``get_seq_length()``."""
+        return [False] * self.num_layers
 
     def get_mask_sizes(self, *args, **kwargs):
         raise NotImplementedError("BSTCache builds its own block masks.")

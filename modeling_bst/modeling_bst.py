@@ -26,6 +26,7 @@ Departures from the paper / meliad, each a config field (see docs/paper-mapping.
 
 import math
 import re
+from dataclasses import fields
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +50,25 @@ from .ssm_bst import PerFilterS4D, S4DKernel, UnstructFilter, memoised, upcast_s
 
 
 logger = logging.get_logger(__name__)
+
+# transformers 5.24 renamed the cache that a model's ``forward`` takes and returns, and that ``generate`` keeps among
+# its model kwargs, from ``past_key_values`` to ``cache`` (the old name stays a deprecated alias there until 5.40).
+# BST's forwards take either name and return the cache under the installed transformers' name.
+CACHE_NAME = (
+    "cache" if "cache" in {f.name for f in fields(BaseModelOutputWithPastAndCrossAttentions)} else "past_key_values"
+)
+
+
+def resolve_cache_argument(cache, past_key_values):
+    """The cache a forward was given under either name (``cache``; ``past_key_values`` before transformers 5.24)."""
+    if past_key_values is None:
+        return cache
+    if cache is not None and cache is not past_key_values:
+        raise ValueError(
+            "Got two different caches, `cache` and `past_key_values`: pass the BSTCache once (`past_key_values` is "
+            "the name transformers used before 5.24)."
+        )
+    return past_key_values
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
@@ -1553,7 +1573,7 @@ class BSTPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["BSTDecoderLayer", "BSTGSSLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_sdpa = True
     # Full-sequence block / context / recurrent-state attention on FlexAttention (see [`use_flex`]).
     _supports_flex_attn = True
@@ -1724,7 +1744,7 @@ class BSTModel(BSTPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
-    def _check_inputs(self, input_ids, inputs_embeds, attention_mask, past_key_values):
+    def _check_inputs(self, input_ids, inputs_embeds, attention_mask, cache):
         cfg = self.config
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
@@ -1737,20 +1757,24 @@ class BSTModel(BSTPreTrainedModel):
         if shape[1] == 0 or shape[0] == 0:
             raise ValueError(f"Empty input: got a batch of shape {tuple(shape)}; need at least one token per row.")
         if attention_mask is not None and tuple(attention_mask.shape) != tuple(shape):
-            if not (past_key_values is not None and attention_mask.shape[0] == shape[0]):
+            if not (cache is not None and attention_mask.shape[0] == shape[0]):
                 raise ValueError(
                     f"attention_mask has shape {tuple(attention_mask.shape)} but the input has shape {tuple(shape)}."
                 )
-        if past_key_values is not None:
-            if not isinstance(past_key_values, BSTCache):
-                raise TypeError(f"past_key_values must be a BSTCache, got {type(past_key_values).__name__}.")
-            if past_key_values.model_signature != cache_signature(cfg):
-                raise ValueError("past_key_values is a BSTCache made for a different model configuration.")
-            if not past_key_values.is_empty and past_key_values.positions.shape[0] != shape[0]:
-                raise ValueError(
-                    f"past_key_values holds {past_key_values.positions.shape[0]} rows but the input has {shape[0]}."
+        if cache is not None:
+            if not isinstance(cache, BSTCache):
+                raise TypeError(
+                    f"The cache (`cache`/`past_key_values`) must be a BSTCache, got {type(cache).__name__}."
                 )
-        decode_step = past_key_values is not None and not past_key_values.is_empty and shape[1] == 1
+            if cache.model_signature != cache_signature(cfg):
+                raise ValueError(
+                    "The cache (`cache`/`past_key_values`) is a BSTCache made for a different model configuration."
+                )
+            if not cache.is_empty and cache.positions.shape[0] != shape[0]:
+                raise ValueError(
+                    f"The cache (`cache`/`past_key_values`) holds {cache.positions.shape[0]} rows but the input has {shape[0]}."
+                )
+        decode_step = cache is not None and not cache.is_empty and shape[1] == 1
         if input_ids is not None and self._validate_ids(input_ids, decode_step):
             lo, hi = int(input_ids.min()), int(input_ids.max())
             if lo < 0 or hi >= cfg.vocab_size:
@@ -1803,7 +1827,7 @@ class BSTModel(BSTPreTrainedModel):
                     input_ids=input_ids[:, cols] if input_ids is not None else None,
                     inputs_embeds=inputs_embeds[:, cols] if inputs_embeds is not None else None,
                     attention_mask=attention_mask if attention_mask is None or record else attention_mask[:, cols],
-                    past_key_values=cache,
+                    cache=cache,
                     use_cache=True,
                     output_hidden_states=output_hidden_states,
                     output_attentions=output_attentions,
@@ -1823,7 +1847,7 @@ class BSTModel(BSTPreTrainedModel):
 
         return BaseModelOutputWithPastAndCrossAttentions(
             last_hidden_state=join(first.last_hidden_state, second.last_hidden_state),
-            past_key_values=cache,
+            **{CACHE_NAME: cache},
             hidden_states=join_all(first.hidden_states, second.hidden_states),
             attentions=join_all(first.attentions, second.attentions, True),
             cross_attentions=join_all(first.cross_attentions, second.cross_attentions),
@@ -1834,18 +1858,22 @@ class BSTModel(BSTPreTrainedModel):
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
-        past_key_values: BSTCache | None = None,
+        cache: BSTCache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
+        past_key_values: BSTCache | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPastAndCrossAttentions:
+        """``cache``: a [`BSTCache`] to continue (``past_key_values`` is its name before transformers 5.24; either
+        works). The output holds the cache under the installed transformers' name (``cache`` from 5.24 on)."""
+        cache = given = resolve_cache_argument(cache, past_key_values)
         cfg = self.config
         use_cache = use_cache if use_cache is not None else (cfg.use_cache and not self.training)
         if cfg.bidirectional:
             use_cache = False
-            past_key_values = None
+            cache = given = None
         output_hidden_states = output_hidden_states if output_hidden_states is not None else cfg.output_hidden_states
         output_attentions = output_attentions if output_attentions is not None else cfg.output_attentions
         if output_attentions and cfg._attn_implementation != "eager":
@@ -1855,9 +1883,8 @@ class BSTModel(BSTPreTrainedModel):
                 "attn_implementation='eager' to get them."
             )
             output_attentions = False
-        bsz, seq_len = self._check_inputs(input_ids, inputs_embeds, attention_mask, past_key_values)
+        bsz, seq_len = self._check_inputs(input_ids, inputs_embeds, attention_mask, cache)
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        cache = past_key_values
         if use_cache and cache is None:
             cache = BSTCache(cfg, bsz)
         continuing = cache is not None and not cache.is_empty
@@ -1976,7 +2003,7 @@ class BSTModel(BSTPreTrainedModel):
             cache.detach()
         return BaseModelOutputWithPastAndCrossAttentions(
             last_hidden_state=hidden,
-            past_key_values=cache if use_cache or past_key_values is not None else None,
+            **{CACHE_NAME: cache if use_cache or given is not None else None},
             hidden_states=tuple(all_hidden) if all_hidden is not None else None,
             attentions=tuple(all_attn) if all_attn is not None else None,
             cross_attentions=tuple(all_cross) if all_cross is not None else None,
@@ -1990,15 +2017,19 @@ class BSTForCausalLM(BSTPreTrainedModel, GenerationMixin):
         self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
     ) -> None:
         """``generate`` starts from an empty [`BSTCache`] (filled by the first forward), so that assisted decoding
-        finds a cache to record on; a draft model's cache records from the start (its drafts are taken back)."""
+        finds a cache to record on; a draft model's cache records from the start (its drafts are taken back). A cache
+        passed under the name the installed transformers does not use (``cache=`` before 5.24) moves to its name."""
+        other = "past_key_values" if CACHE_NAME == "cache" else "cache"
+        if model_kwargs.get(other) is not None:
+            model_kwargs[CACHE_NAME] = resolve_cache_argument(model_kwargs.get(CACHE_NAME), model_kwargs.pop(other))
         super()._prepare_cache_for_generation(
             generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
         )
         use_cache = generation_config.use_cache if generation_config.use_cache is not None else self.config.use_cache
-        if model_kwargs.get("past_key_values") is None and use_cache and not self.config.bidirectional:
-            model_kwargs["past_key_values"] = BSTCache(self.config, batch_size)
+        if model_kwargs.get(CACHE_NAME) is None and use_cache and not self.config.bidirectional:
+            model_kwargs[CACHE_NAME] = BSTCache(self.config, batch_size)
             if getattr(generation_config, "is_assistant", False):
-                model_kwargs["past_key_values"].activate_past_recording()
+                model_kwargs[CACHE_NAME].activate_past_recording()
 
     def __init__(self, config: BSTConfig):
         super().__init__(config)
@@ -2019,20 +2050,22 @@ class BSTForCausalLM(BSTPreTrainedModel, GenerationMixin):
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
-        past_key_values: BSTCache | None = None,
+        cache: BSTCache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        past_key_values: BSTCache | None = None,
         **kwargs,
     ) -> CausalLMOutputWithCrossAttentions:
-        """Causal LM forward. ``labels`` `(B, T)` are the input ids (shifted inside; -100 is ignored)."""
+        """Causal LM forward. ``labels`` `(B, T)` are the input ids (shifted inside; -100 is ignored). ``cache`` as
+        in [`BSTModel.forward`] (``past_key_values`` is its name before transformers 5.24)."""
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            cache=resolve_cache_argument(cache, past_key_values),
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
@@ -2054,7 +2087,7 @@ class BSTForCausalLM(BSTPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithCrossAttentions(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             cross_attentions=outputs.cross_attentions,

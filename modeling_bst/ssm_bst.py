@@ -63,6 +63,14 @@ def fft_conv(u: torch.Tensor, k_f: torch.Tensor) -> torch.Tensor:
     return torch.fft.irfft(u_f.unsqueeze(1) * k_f.unsqueeze(0), n=2 * length)[..., :length]
 
 
+def ssm_dtype() -> torch.dtype:
+    """The dtype SSM parameters are created in: float32 under a half-precision default dtype (they are the models'
+    ``_keep_in_fp32_modules_strict``, so a model built in fp16 / bf16, e.g. ``from_config(config, dtype=torch.bfloat16)``,
+    keeps them float32 as loading does), the default dtype otherwise (a float64 model stays float64)."""
+    dtype = torch.get_default_dtype()
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 # The FFT convolution as a custom op with a fake (shape-only) implementation, so that a compiled graph keeps it as
 # one call (no graph break; fullgraph and torch.export work) and runs the eager FFTs above inside it. Its backward
 # is a second op. The namespace follows the module name: a copy loaded as remote code registers its own ops.
@@ -270,14 +278,14 @@ class S4DKernel(nn.Module):
         self.init_mode = config.ssm_init
         self.dt_min, self.dt_max = config.ssm_dt_min, config.ssm_dt_max
         self.bidirectional = config.bidirectional
-        self.log_dt = nn.Parameter(torch.empty(channels))
-        self.A_log_real = nn.Parameter(torch.empty(channels, self.n_modes))
-        self.A_imag = nn.Parameter(torch.empty(channels, self.n_modes))
-        self.B = nn.Parameter(torch.empty(channels, self.n_modes, 2))
-        self.C = nn.Parameter(torch.empty(out_channels, channels, self.n_modes, 2))
-        self.D = nn.Parameter(torch.empty(out_channels, channels))
+        self.log_dt = nn.Parameter(torch.empty(channels, dtype=ssm_dtype()))
+        self.A_log_real = nn.Parameter(torch.empty(channels, self.n_modes, dtype=ssm_dtype()))
+        self.A_imag = nn.Parameter(torch.empty(channels, self.n_modes, dtype=ssm_dtype()))
+        self.B = nn.Parameter(torch.empty(channels, self.n_modes, 2, dtype=ssm_dtype()))
+        self.C = nn.Parameter(torch.empty(out_channels, channels, self.n_modes, 2, dtype=ssm_dtype()))
+        self.D = nn.Parameter(torch.empty(out_channels, channels, dtype=ssm_dtype()))
         if self.bidirectional:
-            self.C_backward = nn.Parameter(torch.empty(out_channels, channels, self.n_modes, 2))
+            self.C_backward = nn.Parameter(torch.empty(out_channels, channels, self.n_modes, 2, dtype=ssm_dtype()))
         # Full-sequence outputs are computed in chunks of this many tokens beyond twice its length (0: never).
         self.chunk_len = S4D_CHUNK_LEN
 
@@ -543,7 +551,7 @@ class Sin(nn.Module):
     def __init__(self, dim: int, freq: float):
         super().__init__()
         self.init_freq = freq
-        self.freq = nn.Parameter(torch.empty(dim))
+        self.freq = nn.Parameter(torch.empty(dim, dtype=ssm_dtype()))
 
     def forward(self, x):
         return torch.sin(self.freq * x)
@@ -575,13 +583,13 @@ class UnstructFilter(nn.Module):
         self.decay_target = config.unstruct_decay_target
         self.decay_fast, self.decay_slow = config.unstruct_decay_fast, config.unstruct_decay_slow
         width = out_channels * channels * (2 if self.bidirectional else 1)
-        self.pos_emb = nn.Parameter(torch.empty(1, self.max_len, self.emb_dim))
+        self.pos_emb = nn.Parameter(torch.empty(1, self.max_len, self.emb_dim, dtype=ssm_dtype()))
         self.sin = Sin(order, config.unstruct_sin_freq)
-        layers = [nn.Linear(self.emb_dim, order)]
-        layers += [nn.Linear(order, order) for _ in range(config.unstruct_num_inner_mlps)]
+        layers = [nn.Linear(self.emb_dim, order, dtype=ssm_dtype())]
+        layers += [nn.Linear(order, order, dtype=ssm_dtype()) for _ in range(config.unstruct_num_inner_mlps)]
         self.mlp = nn.ModuleList(layers)
-        self.out = nn.Linear(order, width, bias=False)
-        self.bias = nn.Parameter(torch.empty(out_channels, channels))
+        self.out = nn.Linear(order, width, bias=False, dtype=ssm_dtype())
+        self.bias = nn.Parameter(torch.empty(out_channels, channels, dtype=ssm_dtype()))
         # Steps per decoding chunk (M, at most Lmax): see [`pending_outputs`].
         self.decode_chunk = min(UNSTRUCT_DECODE_CHUNK, self.max_len)
 

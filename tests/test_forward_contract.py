@@ -284,3 +284,44 @@ def test_unstruct_filter_beyond_its_length_is_finite_causal_and_steps_exactly(va
                 direct[:, t] += taps[..., j] * z[:, t - j, None, :]
         direct += ssm.bias * z[:, :, None, :]
         torch.testing.assert_close(ssm(z), direct, atol=1e-10, rtol=0)
+
+
+# -- the cache's name: `cache` from transformers 5.24 on, `past_key_values` before; both are accepted -------------
+
+
+@pytest.mark.parametrize("head", ["model", "lm"])
+def test_the_cache_goes_in_under_either_name_and_comes_out_under_the_installed_one(head):
+    lm = make_model("sh-s4")
+    model = lm if head == "lm" else lm.model
+    ids = torch.randint(1, 61, (2, 11), generator=torch.Generator().manual_seed(1))
+    first = model(ids[:, :9], use_cache=True)
+    installed = "cache" if "cache" in type(first).__dataclass_fields__ else "past_key_values"
+    assert mb.CACHE_NAME == installed
+    assert installed in first.keys() and isinstance(getattr(first, installed), mb.BSTCache)
+    outs = []
+    for name in ("cache", "past_key_values"):
+        cache = model(ids[:, :9], use_cache=True)[installed]
+        out = model(ids[:, 9:], use_cache=True, **{name: cache})
+        assert getattr(out, installed) is cache and cache.get_seq_length() == 11
+        outs.append(out[0])
+    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
+    full = model(ids)[0][:, 9:]
+    torch.testing.assert_close(outs[0], full, atol=1e-5, rtol=0)
+    # The same cache under both names is one cache; two different ones are refused.
+    cache = model(ids[:, :9], use_cache=True)[installed]
+    torch.testing.assert_close(model(ids[:, 9:], cache=cache, past_key_values=cache)[0], outs[0], atol=0, rtol=0)
+    with pytest.raises(ValueError, match="two different caches"):
+        model(ids[:, 9:], cache=first[installed], past_key_values=model(ids[:, :9], use_cache=True)[installed])
+
+
+def test_generate_takes_a_returned_cache_under_either_name():
+    model = make_model("mf-s4")
+    ids = torch.randint(1, 61, (1, 6), generator=torch.Generator().manual_seed(2))
+    kwargs = dict(do_sample=False, return_dict_in_generate=True)
+    once = model.generate(ids, max_new_tokens=8, **kwargs).sequences
+    for name in ("cache", "past_key_values"):
+        first = model.generate(ids, max_new_tokens=4, **kwargs)
+        cache = first[mb.CACHE_NAME]
+        assert isinstance(cache, mb.BSTCache)
+        more = model.generate(first.sequences, max_new_tokens=4, **kwargs, **{name: cache}).sequences
+        assert torch.equal(more, once)

@@ -7,7 +7,7 @@ independent of the cache: greedy decoding is compared with an argmax loop over f
 hidden states with the parallel forward over the generated sequence, cached decoding modes with the same mode
 under ``use_cache=False``, and beam scores with the log-probabilities of the parallel forward.
 
-Group beam search and constrained beam search are not part of transformers 5.23 itself (moved to the Hub's
+Group beam search and constrained beam search are not part of transformers 5.23 / 5.24 itself (moved to the Hub's
 ``custom_generate`` repositories, which need network access and ``trust_remote_code``): one test pins that down.
 """
 
@@ -114,7 +114,7 @@ def test_beam_sample_with_fixed_seed(variant):
     assert cached.shape == (2, PROMPT_LEN + NEW) and torch.equal(cached, uncached)
 
 
-def test_group_and_constrained_beam_search_are_not_in_transformers_5_23():
+def test_group_and_constrained_beam_search_are_not_in_transformers_5_23_or_5_24():
     """transformers 5.23 moved both to Hub ``custom_generate`` repositories (network + trust_remote_code): it
     refuses them for every model. If a version brings them back in the library, this fails: add them above."""
     model = model_for("sh-s4")

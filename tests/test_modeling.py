@@ -597,10 +597,17 @@ def test_float64_checkpoint_runs_after_reload(variant):
 
 
 @pytest.mark.parametrize("variant", ["sh-s4", "mh-s4", "mf-unstruct", "brect", "gss-hybrid"])
-def test_bf16_checkpoint_keeps_ssm_in_float32(variant, tmp_path):
+@pytest.mark.parametrize("how", ["from_pretrained", "from_config"])
+def test_bf16_checkpoint_keeps_ssm_in_float32(variant, how, tmp_path):
+    """Loaded in bf16, or built in bf16 (``from_config(dtype=)``: the SSM modules create their parameters in
+    float32, as ``_keep_in_fp32_modules_strict`` asks of a model's ``__init__`` since transformers 5.24's test)."""
     model = model_for(variant)
     model.save_pretrained(tmp_path)
-    half = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    if how == "from_pretrained":
+        half = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    else:
+        half = AutoModelForCausalLM.from_config(model.config, dtype=torch.bfloat16).eval()
+        half.load_state_dict(model.state_dict())
     for name, p in half.named_parameters():
         expected = torch.float32 if ".ssm." in name else torch.bfloat16
         assert p.dtype == expected, (name, p.dtype)
@@ -785,8 +792,10 @@ def test_cache_from_another_model_raises(other):
     foreign = make_model(None, **{**VARIANTS["sh-s4"], **other})
     cache = foreign(torch.ones(1, 3, dtype=torch.long), use_cache=True).past_key_values
     assert isinstance(cache, BSTCache)
-    with pytest.raises(ValueError, match="past_key_values"):
+    with pytest.raises(ValueError, match="made for a different model configuration"):
         model(torch.ones(1, 1, dtype=torch.long), past_key_values=cache, use_cache=True)
+    with pytest.raises(ValueError, match="made for a different model configuration"):
+        model(torch.ones(1, 1, dtype=torch.long), cache=cache, use_cache=True)
 
 
 def test_cache_with_a_different_batch_size_raises():
