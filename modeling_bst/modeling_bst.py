@@ -2065,7 +2065,8 @@ class BSTForCausalLM(BSTPreTrainedModel, GenerationMixin):
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            cache=resolve_cache_argument(cache, past_key_values),
+            cache=cache,
+            past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,

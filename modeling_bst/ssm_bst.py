@@ -278,14 +278,15 @@ class S4DKernel(nn.Module):
         self.init_mode = config.ssm_init
         self.dt_min, self.dt_max = config.ssm_dt_min, config.ssm_dt_max
         self.bidirectional = config.bidirectional
-        self.log_dt = nn.Parameter(torch.empty(channels, dtype=ssm_dtype()))
-        self.A_log_real = nn.Parameter(torch.empty(channels, self.n_modes, dtype=ssm_dtype()))
-        self.A_imag = nn.Parameter(torch.empty(channels, self.n_modes, dtype=ssm_dtype()))
-        self.B = nn.Parameter(torch.empty(channels, self.n_modes, 2, dtype=ssm_dtype()))
-        self.C = nn.Parameter(torch.empty(out_channels, channels, self.n_modes, 2, dtype=ssm_dtype()))
-        self.D = nn.Parameter(torch.empty(out_channels, channels, dtype=ssm_dtype()))
+        dtype = ssm_dtype()
+        self.log_dt = nn.Parameter(torch.empty(channels, dtype=dtype))
+        self.A_log_real = nn.Parameter(torch.empty(channels, self.n_modes, dtype=dtype))
+        self.A_imag = nn.Parameter(torch.empty(channels, self.n_modes, dtype=dtype))
+        self.B = nn.Parameter(torch.empty(channels, self.n_modes, 2, dtype=dtype))
+        self.C = nn.Parameter(torch.empty(out_channels, channels, self.n_modes, 2, dtype=dtype))
+        self.D = nn.Parameter(torch.empty(out_channels, channels, dtype=dtype))
         if self.bidirectional:
-            self.C_backward = nn.Parameter(torch.empty(out_channels, channels, self.n_modes, 2, dtype=ssm_dtype()))
+            self.C_backward = nn.Parameter(torch.empty(out_channels, channels, self.n_modes, 2, dtype=dtype))
         # Full-sequence outputs are computed in chunks of this many tokens beyond twice its length (0: never).
         self.chunk_len = S4D_CHUNK_LEN
 
