@@ -26,6 +26,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MambaConfi
 
 import modeling_bst  # noqa: F401
 from modeling_bst import BSTConfig, BSTForCausalLM
+from modeling_bst.modeling_bst import CACHE_NAME  # the installed transformers' name for a model's cache
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,14 +100,14 @@ def measure(kind: str, model, context: int, steps: int, device: str = "cpu", ste
         return best * 1000, 0
     if kind == "llama-static":
         cache = StaticCache(config=model.config, max_cache_len=context + steps + 8)
-        out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(ids, use_cache=True, logits_to_keep=1, **{CACHE_NAME: cache})
     elif kind == "llama-dynamic":
-        out = model(ids, past_key_values=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
+        out = model(ids, use_cache=True, logits_to_keep=1, **{CACHE_NAME: DynamicCache(config=model.config)})
     elif kind == "mamba":
         out = model(ids, use_cache=True)
     else:
         out = model(ids, use_cache=True, logits_to_keep=1)
-    cache = out.past_key_values if hasattr(out, "past_key_values") and out.past_key_values is not None else None
+    cache = getattr(out, CACHE_NAME, None)
     if cache is None:
         cache = getattr(out, "cache_params", None)
     position = context
@@ -119,11 +120,11 @@ def measure(kind: str, model, context: int, steps: int, device: str = "cpu", ste
             cache = out.cache_params
         elif kind.startswith("llama"):
             pos = torch.tensor([[position]], device=device)
-            out = step_model(token, past_key_values=cache, use_cache=True, position_ids=pos)
-            cache = out.past_key_values
+            out = step_model(token, use_cache=True, position_ids=pos, **{CACHE_NAME: cache})
+            cache = getattr(out, CACHE_NAME)
         else:
-            out = step_model(token, past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
+            out = step_model(token, use_cache=True, **{CACHE_NAME: cache})
+            cache = getattr(out, CACHE_NAME)
         position += 1
         if i >= 2:
             times.append(clock(device) - start)
@@ -157,13 +158,13 @@ def compiled_max_diff(kind: str, model, step_model, device: str, context: int = 
         cache = StaticCache(config=model.config, max_cache_len=context + steps + 8)
     else:
         cache = DynamicCache(config=model.config) if kind == "llama-dynamic" else None
-    out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    caches = [out.past_key_values, copy.deepcopy(out.past_key_values)]
+    out = model(ids, use_cache=True, logits_to_keep=1, **{CACHE_NAME: cache})
+    caches = [getattr(out, CACHE_NAME), copy.deepcopy(getattr(out, CACHE_NAME))]
     token, diff = out.logits[:, -1:].argmax(-1), 0.0
     for t in range(steps):
         extra = {"position_ids": torch.tensor([[context + t]], device=device)} if kind.startswith("llama") else {}
-        a = model(token, past_key_values=caches[0], use_cache=True, **extra).logits
-        b = step_model(token, past_key_values=caches[1], use_cache=True, **extra).logits
+        a = model(token, use_cache=True, **extra, **{CACHE_NAME: caches[0]}).logits
+        b = step_model(token, use_cache=True, **extra, **{CACHE_NAME: caches[1]}).logits
         diff = max(diff, (a.float() - b.float()).abs().max().item())
         token = a[:, -1:].argmax(-1)
     return diff
