@@ -20,7 +20,16 @@ For every BST layer of each model (built as ``experiments.mqar`` builds it: widt
   norm of the gradient of the layer's SSM parameters over the norm of the gradient of every parameter outside the
   SSMs. Training clips the norm of the whole gradient at 1: where one SSM's share dominates it, clipping shrinks
   every update by that norm, and the filter's loss surface is rough (a small change of its weights changes the taps
-  a lot).
+  a lot);
+- ``pairs / spread``: how much of the layer's SSM output where a query reads it comes from the pairs' values. On
+  the same batch, the value of every pair is drawn anew (keys, positions and everything else unchanged); the RMS of
+  the change of the SSM output at the last token of the block before each query's block (the newest context state
+  the query's block reads) over the spread of that output across queries and sequences (RMS over channels of the
+  standard deviation). Near 1: the pairs' values move the state as much as everything else does; near 0: the state
+  varies mostly with what lies between the pairs and the query (the filler and the other queries, at the query's
+  position), and the pairs are a small part of it;
+- ``position share``: the share of that spread's variance left when every sequence has the first one's pairs and no
+  query slots (filler up to each query's read position): what the read position alone accounts for.
 
 Weights are those at initialisation (seed ``--seed``: the seed MQAR's runs use), or those of an MQAR checkpoint
 (``--checkpoint``, a ``<run>.ckpt.safetensors`` that ``experiments.mqar`` keeps while a run is in progress; its one
@@ -89,6 +98,79 @@ def ssm_gradient_ratios(net, ids: torch.Tensor, labels: torch.Tensor) -> dict[in
     return ratios
 
 
+@torch.no_grad()
+def pair_signal(
+    net,
+    ids: torch.Tensor,
+    query_pos: torch.Tensor,
+    num_pairs: int,
+    values: tuple[int, int],
+    generator: torch.Generator,
+) -> dict[int, float]:
+    """``{layer index: pairs / spread}`` (module docstring) of every BST layer of ``net`` on one MQAR batch
+    (``ids``, ``query_pos`` from ``mqar.make_batch``); ``values`` is the range ``[first, last)`` of the value ids."""
+    ssms = layer_ssms(net)
+    outputs: dict[int, list[torch.Tensor]] = {i: [] for i in ssms}
+    hooks = [
+        ssm.register_forward_hook(lambda _m, _in, y, i=i: outputs[i].append(y.flatten(2).double()))
+        for i, ssm in ssms.items()
+    ]
+    changed = ids.clone()
+    changed[:, 1 : 2 * num_pairs : 2] = torch.randint(*values, (ids.shape[0], num_pairs), generator=generator)
+    try:
+        net(ids)
+        net(changed)
+    finally:
+        for h in hooks:
+            h.remove()
+    read = _read_positions(net, query_pos, num_pairs)
+    rows = torch.arange(ids.shape[0])[:, None]
+    ratios = {}
+    for i, (y, y_changed) in outputs.items():
+        at, at_changed = y[rows, read], y_changed[rows, read]  # (B, N, F)
+        signal = (at_changed - at).pow(2).mean().sqrt()
+        spread = at.flatten(0, 1).var(0).mean().sqrt()
+        ratios[i] = float(signal / spread) if spread > 0 else float("inf")
+    return ratios
+
+
+def _read_positions(net, query_pos: torch.Tensor, num_pairs: int) -> torch.Tensor:
+    """The last token of the block before each query's block (the newest context state that block reads)."""
+    block = net.config.block_len
+    read = (query_pos // block) * block - 1
+    if (read < 2 * num_pairs).any():
+        raise ValueError("every query must lie at least one block after the pairs")
+    return read
+
+
+@torch.no_grad()
+def position_share(net, ids: torch.Tensor, query_pos: torch.Tensor, num_pairs: int) -> dict[int, float]:
+    """``{layer index: position share}`` (module docstring): the variance across queries and sequences of each BST
+    layer's SSM output at the read positions when only the read position differs (the first sequence's pairs in
+    every row, filler everywhere else), over its variance on the batch itself."""
+    read = _read_positions(net, query_pos, num_pairs)
+    bare = torch.full_like(ids, mqar.FILLER)
+    bare[:, : 2 * num_pairs] = ids[0, : 2 * num_pairs]
+    ssms = layer_ssms(net)
+    outputs: dict[int, list[torch.Tensor]] = {i: [] for i in ssms}
+    hooks = [
+        ssm.register_forward_hook(lambda _m, _in, y, i=i: outputs[i].append(y.flatten(2).double()))
+        for i, ssm in ssms.items()
+    ]
+    try:
+        net(ids)
+        net(bare)
+    finally:
+        for h in hooks:
+            h.remove()
+    rows = torch.arange(ids.shape[0])[:, None]
+    shares = {}
+    for i, (y, y_bare) in outputs.items():
+        total = y[rows, read].flatten(0, 1).var(0).mean()
+        shares[i] = float(y_bare[rows, read].flatten(0, 1).var(0).mean() / total) if total > 0 else float("nan")
+    return shares
+
+
 def load_weights(net, checkpoint: Path) -> None:
     """The model weights of an ``experiments.mqar`` checkpoint (saved under ``model.``) into ``net``."""
     from safetensors import safe_open
@@ -124,11 +206,11 @@ def main(argv: list[str] | None = None) -> list[str]:
         f"Filters beyond lag {from_lag} (L = {args.length}; median over channels; "
         + (f"weights of {args.checkpoint})" if args.checkpoint else f"initialisation, seed {args.seed})"),
         "",
-        "| model | layer | flips | coherence | far/near | grad SSM / rest |",
-        "|---|---|---|---|---|---|",
+        "| model | layer | flips | coherence | far/near | grad SSM / rest | pairs / spread | position share |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     # One MQAR training batch (MQAR's gap: the Slide receptive field), the same for every model.
-    ids, labels, _ = mqar.make_batch(
+    ids, labels, query_pos = mqar.make_batch(
         args.batch_size, args.length, args.pairs, args.layers * args.block_len, torch.Generator().manual_seed(args.seed),
         num_keys=args.num_keys, num_values=args.num_values,
     )  # fmt: skip
@@ -146,9 +228,13 @@ def main(argv: list[str] | None = None) -> list[str]:
         except ValueError as e:
             p.error(str(e))
         grads = ssm_gradient_ratios(net, ids, labels)
+        values = (1 + args.num_keys, 1 + args.num_keys + args.num_values)
+        signal = pair_signal(net, ids, query_pos, args.pairs, values, torch.Generator().manual_seed(args.seed + 1))
+        shares = position_share(net, ids, query_pos, args.pairs)
         for i, s in rows:
             lines.append(
-                f"| {label} | {i} | {s['flips']:.2f} | {s['coherence']:.2f} | {s['far/near']:.3f} | {grads[i]:.3g} |"
+                f"| {label} | {i} | {s['flips']:.2f} | {s['coherence']:.2f} | {s['far/near']:.3f} | {grads[i]:.3g} "
+                f"| {signal[i]:.3g} | {shares[i]:.2f} |"
             )
     print("\n".join(lines))
     return lines

@@ -62,3 +62,44 @@ def test_learned_weights_come_from_an_mqar_checkpoint(tmp_path):
         filter_shape.main([*argv, "--models", "bst-sh-s4", "--checkpoint", str(ckpt)])
     with pytest.raises(SystemExit):
         filter_shape.main([*argv, "--models", "bst-sh-s4", "bst-sh-unstruct", "--checkpoint", str(ckpt)])
+
+
+def _small_bst(length: int, seed: int = 0):
+    torch.manual_seed(seed)
+    config = mqar.build_config("bst-sh-s4", 32, 2, 8, length, mqar.vocab_size(16, 16))
+    return mqar.build_model(config, "bst-sh-s4")
+
+
+def test_pair_signal_is_zero_when_the_values_cannot_be_told_apart():
+    net = _small_bst(96)
+    ids, _, query_pos = mqar.make_batch(8, 96, 4, 16, torch.Generator().manual_seed(0), num_keys=16, num_values=16)
+    values = (17, 33)
+    signal = filter_shape.pair_signal(net, ids, query_pos, 4, values, torch.Generator().manual_seed(1))
+    assert sorted(signal) == [0, 1] and all(r > 0.01 for r in signal.values())
+    with torch.no_grad():  # every value token embedded alike: drawing the pairs' values anew changes nothing
+        net.model.embed_tokens.weight[values[0] : values[1]] = net.model.embed_tokens.weight[values[0]]
+    same = filter_shape.pair_signal(net, ids, query_pos, 4, values, torch.Generator().manual_seed(1))
+    assert all(r == 0 for r in same.values())
+    with pytest.raises(ValueError, match="one block after the pairs"):
+        filter_shape.pair_signal(net, ids, torch.full_like(query_pos, 8), 4, values, torch.Generator())
+
+
+def test_position_share_is_what_the_read_position_alone_accounts_for():
+    net = _small_bst(96)
+    ids, _, query_pos = mqar.make_batch(8, 96, 4, 16, torch.Generator().manual_seed(0), num_keys=16, num_values=16)
+    shares = filter_shape.position_share(net, ids, query_pos, 4)
+    assert sorted(shares) == [0, 1] and all(0 < r < 1 for r in shares.values())  # pairs and query slots vary too
+    bare = torch.full_like(ids, mqar.FILLER)
+    bare[:, :8] = ids[0, :8]  # already the first row's pairs and nothing else: position is all that varies
+    assert all(r == pytest.approx(1, abs=1e-12) for r in filter_shape.position_share(net, bare, query_pos, 4).values())
+
+
+def test_pairs_are_a_smaller_part_of_the_state_the_further_the_queries_lie():
+    # The S4D layers at initialisation: the state where a query reads it varies with the query's position (the
+    # response to the filler), and the pairs' share of it shrinks as the query region grows (docs/results.md).
+    def ratio(length):
+        ids, _, q = mqar.make_batch(32, length, 4, 16, torch.Generator().manual_seed(0), num_keys=16, num_values=16)
+        signal = filter_shape.pair_signal(_small_bst(length), ids, q, 4, (17, 33), torch.Generator().manual_seed(1))
+        return signal[1]
+
+    assert ratio(512) < 0.6 * ratio(64)  # seed 0: 0.147 vs 0.335; seeds 1-3 of this test: 0.19-0.55 of it
