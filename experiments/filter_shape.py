@@ -98,40 +98,22 @@ def ssm_gradient_ratios(net, ids: torch.Tensor, labels: torch.Tensor) -> dict[in
     return ratios
 
 
-@torch.no_grad()
-def pair_signal(
-    net,
-    ids: torch.Tensor,
-    query_pos: torch.Tensor,
-    num_pairs: int,
-    values: tuple[int, int],
-    generator: torch.Generator,
-) -> dict[int, float]:
-    """``{layer index: pairs / spread}`` (module docstring) of every BST layer of ``net`` on one MQAR batch
-    (``ids``, ``query_pos`` from ``mqar.make_batch``); ``values`` is the range ``[first, last)`` of the value ids."""
+def ssm_outputs(net, *batches: torch.Tensor) -> dict[int, list[torch.Tensor]]:
+    """``{layer index: [SSM output (B, L, C * Ds) in float64 for each batch]}`` of every BST layer of ``net``."""
     ssms = layer_ssms(net)
     outputs: dict[int, list[torch.Tensor]] = {i: [] for i in ssms}
     hooks = [
         ssm.register_forward_hook(lambda _m, _in, y, i=i: outputs[i].append(y.flatten(2).double()))
         for i, ssm in ssms.items()
     ]
-    changed = ids.clone()
-    changed[:, 1 : 2 * num_pairs : 2] = torch.randint(*values, (ids.shape[0], num_pairs), generator=generator)
     try:
-        net(ids)
-        net(changed)
+        with torch.no_grad():
+            for ids in batches:
+                net(ids)
     finally:
         for h in hooks:
             h.remove()
-    read = _read_positions(net, query_pos, num_pairs)
-    rows = torch.arange(ids.shape[0])[:, None]
-    ratios = {}
-    for i, (y, y_changed) in outputs.items():
-        at, at_changed = y[rows, read], y_changed[rows, read]  # (B, N, F)
-        signal = (at_changed - at).pow(2).mean().sqrt()
-        spread = at.flatten(0, 1).var(0).mean().sqrt()
-        ratios[i] = float(signal / spread) if spread > 0 else float("inf")
-    return ratios
+    return outputs
 
 
 def _read_positions(net, query_pos: torch.Tensor, num_pairs: int) -> torch.Tensor:
@@ -143,7 +125,34 @@ def _read_positions(net, query_pos: torch.Tensor, num_pairs: int) -> torch.Tenso
     return read
 
 
-@torch.no_grad()
+def _spread(at: torch.Tensor) -> torch.Tensor:
+    """Variance across queries and sequences of ``at`` `(B, N, F)`, averaged over channels."""
+    return at.flatten(0, 1).var(0).mean()
+
+
+def pair_signal(
+    net,
+    ids: torch.Tensor,
+    query_pos: torch.Tensor,
+    num_pairs: int,
+    values: tuple[int, int],
+    generator: torch.Generator,
+) -> dict[int, float]:
+    """``{layer index: pairs / spread}`` (module docstring) of every BST layer of ``net`` on one MQAR batch
+    (``ids``, ``query_pos`` from ``mqar.make_batch``); ``values`` is the range ``[first, last)`` of the value ids."""
+    read = _read_positions(net, query_pos, num_pairs)
+    changed = ids.clone()
+    changed[:, 1 : 2 * num_pairs : 2] = torch.randint(*values, (ids.shape[0], num_pairs), generator=generator)
+    rows = torch.arange(ids.shape[0])[:, None]
+    ratios = {}
+    for i, (y, y_changed) in ssm_outputs(net, ids, changed).items():
+        at = y[rows, read]  # (B, N, F)
+        signal = (y_changed[rows, read] - at).pow(2).mean().sqrt()
+        spread = _spread(at).sqrt()
+        ratios[i] = float(signal / spread) if spread > 0 else float("inf")
+    return ratios
+
+
 def position_share(net, ids: torch.Tensor, query_pos: torch.Tensor, num_pairs: int) -> dict[int, float]:
     """``{layer index: position share}`` (module docstring): the variance across queries and sequences of each BST
     layer's SSM output at the read positions when only the read position differs (the first sequence's pairs in
@@ -151,23 +160,11 @@ def position_share(net, ids: torch.Tensor, query_pos: torch.Tensor, num_pairs: i
     read = _read_positions(net, query_pos, num_pairs)
     bare = torch.full_like(ids, mqar.FILLER)
     bare[:, : 2 * num_pairs] = ids[0, : 2 * num_pairs]
-    ssms = layer_ssms(net)
-    outputs: dict[int, list[torch.Tensor]] = {i: [] for i in ssms}
-    hooks = [
-        ssm.register_forward_hook(lambda _m, _in, y, i=i: outputs[i].append(y.flatten(2).double()))
-        for i, ssm in ssms.items()
-    ]
-    try:
-        net(ids)
-        net(bare)
-    finally:
-        for h in hooks:
-            h.remove()
     rows = torch.arange(ids.shape[0])[:, None]
     shares = {}
-    for i, (y, y_bare) in outputs.items():
-        total = y[rows, read].flatten(0, 1).var(0).mean()
-        shares[i] = float(y_bare[rows, read].flatten(0, 1).var(0).mean() / total) if total > 0 else float("nan")
+    for i, (y, y_bare) in ssm_outputs(net, ids, bare).items():
+        total = _spread(y[rows, read])
+        shares[i] = float(_spread(y_bare[rows, read]) / total) if total > 0 else float("nan")
     return shares
 
 
