@@ -65,8 +65,11 @@ SHA-256 of the final weights. Runs whose JSON exists are skipped, so the same co
     python -m experiments.mqar --models attention slide bst-sh-s4 --deadline-minutes 170   # part of a grid per sitting
     python -m experiments.mqar --report-only                 # tables + plot into docs/results.md (``mqar``)
     python -m experiments.mqar --models bst-sh-unstruct --set unstruct_sin_freq=1   # an ablation: its own row
+    python -m experiments.mqar --models bst-sh-s4 --lengths 2048 --curriculum 256 1500   # short sequences first
 
-``--set FIELD=VALUE`` (repeatable) overrides a BSTConfig field of every model of the invocation after the preset
+``--curriculum LENGTH STEPS`` trains the first STEPS steps on sequences of LENGTH (the same pairs and gap, so the
+queries lie closer to their pairs) and the rest at the run's length; like an ablation, it is a run, a name
+(``+curriculum=LENGTHxSTEPS``) and a report row of its own. ``--set FIELD=VALUE`` (repeatable) overrides a BSTConfig field of every model of the invocation after the preset
 (values are JSON literals: ``1``, ``0.01``, ``true``, ``"s4"``; anything else is a string). An ablation is a run of
 its own: its name and label carry the overrides (``bst-sh-unstruct+unstruct_sin_freq=1-L256-...json``,
 "BST:SH:unstruct [unstruct_sin_freq=1]"), its JSON records them (``overrides``), and the report gives it its own row
@@ -245,11 +248,18 @@ def overrides_tag(overrides: dict | None) -> str:
     return "".join(parts)
 
 
-def variant_label(label: str, overrides: dict | None) -> str:
-    """``label`` with its overrides, e.g. "BST:SH:unstruct [unstruct_sin_freq=1]"."""
-    if not overrides:
-        return label
-    return f"{label} [{', '.join(f'{k}={json.dumps(v)}' for k, v in sorted(overrides.items()))}]"
+def curriculum_tag(curriculum: tuple[int, int] | None) -> str:
+    """The part of a run's name that says its length curriculum: ``+curriculum=LENGTHxSTEPS`` ("" for none)."""
+    return "" if curriculum is None else f"+curriculum={curriculum[0]}x{curriculum[1]}"
+
+
+def variant_label(label: str, overrides: dict | None, curriculum: tuple[int, int] | None = None) -> str:
+    """``label`` with its overrides and curriculum, e.g. "BST:SH:unstruct [unstruct_sin_freq=1]",
+    "BST:SH:S4 [first 1500 steps at L=256]"."""
+    parts = [f"{k}={json.dumps(v)}" for k, v in sorted((overrides or {}).items())]
+    if curriculum is not None:
+        parts.append(f"first {curriculum[1]} steps at L={curriculum[0]}")
+    return f"{label} [{', '.join(parts)}]" if parts else label
 
 
 def _scale_indices(indices: list[int], old_layers: int, new_layers: int) -> list[int]:
@@ -499,6 +509,7 @@ def train_and_eval(
     checkpoint_every: int = CHECKPOINT_EVERY,
     deadline: float | None = None,
     overrides: dict | None = None,
+    curriculum: tuple[int, int] | None = None,
 ) -> dict | None:
     """Train one model on fresh MQAR batches for ``steps`` AdamW steps; return a result record (accuracy on
     ``eval_examples`` held-out sequences, losses, parameters, timing, a digest of the final weights).
@@ -506,13 +517,24 @@ def train_and_eval(
     With ``checkpoint`` (a path), the run continues from that file if it exists and saves to it every
     ``checkpoint_every`` steps; at ``deadline`` (a ``time.time()`` value) it saves and returns None instead of
     finishing. The caller deletes the checkpoint once it has stored the record. ``overrides``: BSTConfig fields set
-    after the preset (an ablation; recorded, and part of the label)."""
+    after the preset (an ablation; recorded, and part of the label). ``curriculum`` ``(short, k)``: the first ``k``
+    steps train on sequences of length ``short`` (the same pairs and gap), the rest on ``length``; evaluation is at
+    ``length`` (recorded in the settings, and part of the label)."""
     if steps < 1 or batch_size < 1:
         raise ValueError(f"steps ({steps}) and batch_size ({batch_size}) must be positive")
     if checkpoint is not None and checkpoint_every < 1:
         raise ValueError(f"checkpoint_every must be positive, got {checkpoint_every}")
     gap = layers * block_len if gap is None else gap
     warmup = max(1, steps // 10) if warmup is None else warmup
+    if curriculum is not None:
+        short, short_steps = curriculum
+        if not 0 < short < length or not 0 < short_steps < steps:
+            raise ValueError(
+                f"curriculum {short}x{short_steps}: the first length must lie in 1 .. {length - 1} (below the "
+                f"run's length) and its steps in 1 .. {steps - 1}"
+            )
+        if short < 2 * num_pairs + gap + 2 * num_pairs:
+            raise ValueError(f"curriculum length {short} too short for {num_pairs} pairs with gap {gap}")
     torch.manual_seed(seed)
     vocab = vocab_size(num_keys, num_values)
     overrides = dict(overrides or {})
@@ -542,6 +564,8 @@ def train_and_eval(
         "num_values": num_values,
         "eval_examples": eval_examples,
     }
+    if curriculum is not None:  # (only when set: runs without one keep their checkpoints' identity)
+        settings["curriculum"] = {"length": curriculum[0], "steps": curriculum[1]}
     # what a checkpoint must agree on (threads and device may change between sittings; each sitting is recorded)
     identity = dict(settings, model=model, length=length, num_pairs=num_pairs, seed=seed)
     if overrides:  # (runs without overrides keep the identity of checkpoints written before --set existed)
@@ -570,7 +594,8 @@ def train_and_eval(
     for step in range(len(losses), steps):
         for group, lr0 in zip(optimizer.param_groups, base):
             group["lr"] = lr0 * schedule(step)
-        ids, labels, _ = make_batch(batch_size, generator=data, **batch)
+        at = batch if curriculum is None or step >= curriculum[1] else dict(batch, length=curriculum[0])
+        ids, labels, _ = make_batch(batch_size, generator=data, **at)
         loss = net(ids.to(device), labels=labels.to(device)).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -593,7 +618,7 @@ def train_and_eval(
     tail = losses[-max(1, steps // 10) :]
     return {
         "model": model,
-        "label": variant_label(MODELS[model][0], overrides),
+        "label": variant_label(MODELS[model][0], overrides, curriculum),
         "overrides": overrides,
         "length": length,
         "num_pairs": num_pairs,
@@ -617,9 +642,17 @@ def train_and_eval(
 # Grid, records, report
 # --------------------------------------------------------------------------------------------------------------------
 def run_name(
-    model: str, length: int, pairs: int, seed: int, steps: int, batch_size: int, overrides: dict | None = None
+    model: str,
+    length: int,
+    pairs: int,
+    seed: int,
+    steps: int,
+    batch_size: int,
+    overrides: dict | None = None,
+    curriculum: tuple[int, int] | None = None,
 ) -> str:
-    return f"{model}{overrides_tag(overrides)}-L{length}-N{pairs}-{steps}x{batch_size}-s{seed}"
+    tag = overrides_tag(overrides) + curriculum_tag(curriculum)
+    return f"{model}{tag}-L{length}-N{pairs}-{steps}x{batch_size}-s{seed}"
 
 
 def budget_of(record: dict) -> str:
@@ -661,8 +694,11 @@ def load_results(results_dir: Path = RESULTS) -> list[dict]:
 
 
 def _variant(record: dict) -> str:
-    """Which ablation of its model a record is: its overrides' tag ("" for the preset itself)."""
-    return overrides_tag(record.get("overrides"))
+    """Which ablation of its model a record is: its overrides' and curriculum's tag ("" for the preset itself)."""
+    curriculum = record["settings"].get("curriculum")
+    return overrides_tag(record.get("overrides")) + curriculum_tag(
+        None if curriculum is None else (curriculum["length"], curriculum["steps"])
+    )
 
 
 def _variants(records: list[dict], model: str) -> list[tuple[str, str]]:
@@ -1011,7 +1047,9 @@ def run_task(task: tuple[str, int, int, int], job: dict) -> str:
         return "not started"
     torch.set_num_threads(job["threads"])
     out_dir = Path(job["out_dir"])
-    name = run_name(model, length, pairs, seed, train["steps"], train["batch_size"], train["overrides"])
+    name = run_name(
+        model, length, pairs, seed, train["steps"], train["batch_size"], train["overrides"], train["curriculum"]
+    )
     ckpt = checkpoint_path(out_dir, name)
     t0 = time.time()
     record = train_and_eval(model, length, pairs, seed=seed, checkpoint=ckpt, **train)
@@ -1076,7 +1114,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--no-report", action="store_true")
     p.add_argument("--log-every", type=int, default=0)
+    p.add_argument(
+        "--curriculum",
+        nargs=2,
+        type=int,
+        default=None,
+        metavar=("LENGTH", "STEPS"),
+        help="train the first STEPS steps on sequences of LENGTH (shorter than the run's), then on the run's length; "
+        "its own run name, label and report row",
+    )
     args = p.parse_args(argv)
+    curriculum = None if args.curriculum is None else tuple(args.curriculum)
     try:
         overrides = parse_overrides(args.overrides)
         overrides_tag(overrides)
@@ -1102,7 +1150,7 @@ def main(argv: list[str] | None = None) -> None:
         cells = grid(**cells_at)
 
         def name(t):
-            return run_name(*t, args.steps, args.batch_size, overrides)
+            return run_name(*t, args.steps, args.batch_size, overrides, curriculum)
 
         todo = [
             (m, n, q, s)
@@ -1130,7 +1178,7 @@ def main(argv: list[str] | None = None) -> None:
             steps=args.steps, batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
             hidden=args.hidden, layers=args.layers, block_len=args.block_len, gap=args.gap, num_keys=args.num_keys,
             num_values=args.num_values, log_every=args.log_every, device=args.device,
-            checkpoint_every=args.checkpoint_every, deadline=deadline, overrides=overrides,
+            checkpoint_every=args.checkpoint_every, deadline=deadline, overrides=overrides, curriculum=curriculum,
         )  # fmt: skip
         job = dict(out_dir=str(out_dir), command=command, threads=args.threads, train=common)
         if args.jobs == 1:

@@ -230,7 +230,9 @@ def test_a_committed_checkpoint_continues_under_the_default_command(path, tmp_pa
     ident = meta["identity"]
     model, length, pairs, seed = ident["model"], ident["length"], ident["num_pairs"], ident["seed"]
     steps, batch, overrides = ident["steps"], ident["batch_size"], ident.get("overrides")
-    name = mqar.run_name(model, length, pairs, seed, steps, batch, overrides)
+    c = ident.get("curriculum")
+    curriculum = None if c is None else (c["length"], c["steps"])
+    name = mqar.run_name(model, length, pairs, seed, steps, batch, overrides, curriculum)
     assert path.name == f"{name}.ckpt.safetensors"
     assert not (path.parent / f"{name}.json").exists(), "a finished run's checkpoint must be deleted"
     assert 0 < meta["step"] < steps and len(meta["sittings"]) >= 1
@@ -238,7 +240,8 @@ def test_a_committed_checkpoint_continues_under_the_default_command(path, tmp_pa
     # copy; a checkpoint of other settings would be refused, naming the field.
     copy = tmp_path / path.name
     copy.write_bytes(path.read_bytes())
-    kw = dict(steps=steps, batch_size=batch, seed=seed, overrides=overrides, checkpoint=copy, deadline=0.0)
+    kw = dict(steps=steps, batch_size=batch, seed=seed, overrides=overrides, curriculum=curriculum)
+    kw.update(checkpoint=copy, deadline=0.0)
     kw.update(GRID_SETTINGS[path.parent])
     assert mqar.train_and_eval(model, length, pairs, **kw) is None
     after = mqar.checkpoint_meta(copy)
@@ -454,3 +457,40 @@ def test_gpu_sitting_mqar_dry_run(tmp_path):
         assert any(n.endswith("gpu_suite.json") for n in tar.getnames())
     bad = subprocess.run(["bash", script, "--mqar", "0.5"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--mqar takes whole minutes" in bad.stderr
+
+
+def test_a_curriculum_trains_short_first_evaluates_at_the_length_and_resumes_bitwise(tmp_path, monkeypatch):
+    kw = dict(steps=5, batch_size=2, hidden=32, layers=2, block_len=8, num_keys=16, num_values=16, eval_examples=8)
+    lengths = []
+    real = mqar.make_batch
+
+    def spy(batch_size, length, *args, **kwargs):
+        lengths.append(length)
+        return real(batch_size, length, *args, **kwargs)
+
+    monkeypatch.setattr(mqar, "make_batch", spy)
+    straight = mqar.train_and_eval("bst-sh-s4", 48, 4, **kw, curriculum=(40, 2))
+    assert lengths == [40, 40, 48, 48, 48, 48]  # two steps at 40, three at 48, then the held-out batch at 48
+    assert straight["settings"]["curriculum"] == {"length": 40, "steps": 2}
+    assert straight["label"] == "BST:SH:S4 [first 2 steps at L=40]" and straight["length"] == 48
+    plain = mqar.train_and_eval("bst-sh-s4", 48, 4, **kw)
+    assert "curriculum" not in plain["settings"] and plain["weights_sha256"] != straight["weights_sha256"]
+    ckpt = tmp_path / "run.ckpt.safetensors"
+    assert mqar.train_and_eval("bst-sh-s4", 48, 4, **kw, curriculum=(40, 2), checkpoint=ckpt, deadline=0.0) is None
+    with pytest.raises(ValueError, match="curriculum"):  # a checkpoint without the curriculum is refused
+        mqar.train_and_eval("bst-sh-s4", 48, 4, **kw, checkpoint=ckpt)
+    resumed = mqar.train_and_eval("bst-sh-s4", 48, 4, **kw, curriculum=(40, 2), checkpoint=ckpt)
+    assert {k: straight[k] for k in SAME} == {k: resumed[k] for k in SAME}
+    for bad in ((48, 2), (40, 5), (40, 0), (20, 2)):  # not shorter, no steps left, no steps, too short for the pairs
+        with pytest.raises(ValueError, match="curriculum"):
+            mqar.train_and_eval("bst-sh-s4", 48, 4, **kw, curriculum=bad)
+
+
+def test_a_curriculum_run_has_its_own_name_and_report_row(tmp_path, monkeypatch):
+    out = tmp_path / "runs"
+    _tiny_run(monkeypatch, out, steps=3)
+    mqar.main(["--models", "bst-sh-s4", "--steps", "3", *TINY, "--output", str(out), "--curriculum", "40", "2"])
+    record = json.loads((out / "bst-sh-s4+curriculum=40x2-L48-N4-3x2-s0.json").read_text())
+    assert "--curriculum 40 2" in record["command"] and record["settings"]["curriculum"]["steps"] == 2
+    rows = [line.split(" | ")[0] for line in mqar.report(out, None).splitlines() if line.startswith("| BST:SH:S4")]
+    assert rows == ["| BST:SH:S4", "| BST:SH:S4 [first 2 steps at L=40]"]
