@@ -925,7 +925,9 @@ def _in_progress(results_dir: Path) -> list[str]:
             lines.append(f"- `{path.name}`: unreadable ({e})")
             continue
         ident, n = meta["identity"], len(meta["sittings"])
-        label = variant_label(MODELS[ident["model"]][0], ident.get("overrides"))
+        c = ident.get("curriculum")
+        curriculum = None if c is None else (c["length"], c["steps"])
+        label = variant_label(MODELS[ident["model"]][0], ident.get("overrides"), curriculum)
         lines.append(
             f"- {label} L={ident['length']} N={ident['num_pairs']} seed {ident['seed']}, budget "
             f"{ident['steps']}x{ident['batch_size']}: step {meta['step']} of {ident['steps']} "

@@ -479,6 +479,7 @@ def test_a_curriculum_trains_short_first_evaluates_at_the_length_and_resumes_bit
     assert mqar.train_and_eval("bst-sh-s4", 48, 4, **kw, curriculum=(40, 2), checkpoint=ckpt, deadline=0.0) is None
     with pytest.raises(ValueError, match="curriculum"):  # a checkpoint without the curriculum is refused
         mqar.train_and_eval("bst-sh-s4", 48, 4, **kw, checkpoint=ckpt)
+    assert "- BST:SH:S4 [first 2 steps at L=40] L=48 N=4 seed 0" in "\n".join(mqar._in_progress(tmp_path))
     resumed = mqar.train_and_eval("bst-sh-s4", 48, 4, **kw, curriculum=(40, 2), checkpoint=ckpt)
     assert {k: straight[k] for k in SAME} == {k: resumed[k] for k in SAME}
     for bad in ((48, 2), (40, 5), (40, 0), (20, 2)):  # not shorter, no steps left, no steps, too short for the pairs
