@@ -69,7 +69,9 @@ SHA-256 of the final weights. Runs whose JSON exists are skipped, so the same co
 
 ``--curriculum LENGTH STEPS`` trains the first STEPS steps on sequences of LENGTH (the same pairs and gap, so the
 queries lie closer to their pairs) and the rest at the run's length; like an ablation, it is a run, a name
-(``+curriculum=LENGTHxSTEPS``) and a report row of its own. ``--set FIELD=VALUE`` (repeatable) overrides a BSTConfig field of every model of the invocation after the preset
+(``+curriculum=LENGTHxSTEPS``) and a report row of its own.
+
+``--set FIELD=VALUE`` (repeatable) overrides a BSTConfig field of every model of the invocation after the preset
 (values are JSON literals: ``1``, ``0.01``, ``true``, ``"s4"``; anything else is a string). An ablation is a run of
 its own: its name and label carry the overrides (``bst-sh-unstruct+unstruct_sin_freq=1-L256-...json``,
 "BST:SH:unstruct [unstruct_sin_freq=1]"), its JSON records them (``overrides``), and the report gives it its own row
@@ -166,6 +168,16 @@ def vocab_size(num_keys: int, num_values: int) -> int:
     return 1 + num_keys + num_values
 
 
+def check_layout(length: int, num_pairs: int, gap: int, num_keys: int) -> None:
+    """ValueError unless ``num_pairs`` pairs, the gap and ``num_pairs`` query slots fit in ``length`` tokens."""
+    if num_pairs > num_keys:
+        raise ValueError(f"{num_pairs} pairs need at least as many keys (num_keys={num_keys})")
+    if (length - 2 * num_pairs - gap) // 2 < num_pairs:
+        raise ValueError(
+            f"length {length} too short for {num_pairs} pairs with gap {gap}: needs {4 * num_pairs + gap} tokens"
+        )
+
+
 def make_batch(
     batch_size: int,
     length: int,
@@ -180,14 +192,9 @@ def make_batch(
     ``query_pos`` `(B, N)` are the positions of the queried keys (their value follows at ``query_pos + 1``; the
     pair of the key at ``query_pos[b, j]`` sits at positions ``2 i, 2 i + 1`` with ``ids[b, 2 i] == ids[b, q]``).
     """
-    if num_pairs > num_keys:
-        raise ValueError(f"{num_pairs} pairs need at least as many keys (num_keys={num_keys})")
+    check_layout(length, num_pairs, gap, num_keys)
     start = 2 * num_pairs + gap
     slots = (length - start) // 2
-    if slots < num_pairs:
-        raise ValueError(
-            f"length {length} too short for {num_pairs} pairs with gap {gap}: needs {start + 2 * num_pairs} tokens"
-        )
     b = batch_size
     keys = torch.rand(b, num_keys, generator=generator).argsort(-1)[:, :num_pairs] + 1  # distinct per row
     values = torch.randint(0, num_values, (b, num_pairs), generator=generator) + 1 + num_keys
@@ -251,6 +258,12 @@ def overrides_tag(overrides: dict | None) -> str:
 def curriculum_tag(curriculum: tuple[int, int] | None) -> str:
     """The part of a run's name that says its length curriculum: ``+curriculum=LENGTHxSTEPS`` ("" for none)."""
     return "" if curriculum is None else f"+curriculum={curriculum[0]}x{curriculum[1]}"
+
+
+def curriculum_of(settings: dict) -> tuple[int, int] | None:
+    """The ``(length, steps)`` curriculum a record's settings or a checkpoint's identity holds (None: none)."""
+    c = settings.get("curriculum")
+    return None if c is None else (c["length"], c["steps"])
 
 
 def variant_label(label: str, overrides: dict | None, curriculum: tuple[int, int] | None = None) -> str:
@@ -533,8 +546,10 @@ def train_and_eval(
                 f"curriculum {short}x{short_steps}: the first length must lie in 1 .. {length - 1} (below the "
                 f"run's length) and its steps in 1 .. {steps - 1}"
             )
-        if short < 2 * num_pairs + gap + 2 * num_pairs:
-            raise ValueError(f"curriculum length {short} too short for {num_pairs} pairs with gap {gap}")
+        try:  # make_batch's own layout rule, checked before anything trains
+            check_layout(short, num_pairs, gap, num_keys)
+        except ValueError as e:
+            raise ValueError(f"curriculum {short}x{short_steps}: {e}") from None
     torch.manual_seed(seed)
     vocab = vocab_size(num_keys, num_values)
     overrides = dict(overrides or {})
@@ -695,10 +710,7 @@ def load_results(results_dir: Path = RESULTS) -> list[dict]:
 
 def _variant(record: dict) -> str:
     """Which ablation of its model a record is: its overrides' and curriculum's tag ("" for the preset itself)."""
-    curriculum = record["settings"].get("curriculum")
-    return overrides_tag(record.get("overrides")) + curriculum_tag(
-        None if curriculum is None else (curriculum["length"], curriculum["steps"])
-    )
+    return overrides_tag(record.get("overrides")) + curriculum_tag(curriculum_of(record["settings"]))
 
 
 def _variants(records: list[dict], model: str) -> list[tuple[str, str]]:
@@ -925,9 +937,7 @@ def _in_progress(results_dir: Path) -> list[str]:
             lines.append(f"- `{path.name}`: unreadable ({e})")
             continue
         ident, n = meta["identity"], len(meta["sittings"])
-        c = ident.get("curriculum")
-        curriculum = None if c is None else (c["length"], c["steps"])
-        label = variant_label(MODELS[ident["model"]][0], ident.get("overrides"), curriculum)
+        label = variant_label(MODELS[ident["model"]][0], ident.get("overrides"), curriculum_of(ident))
         lines.append(
             f"- {label} L={ident['length']} N={ident['num_pairs']} seed {ident['seed']}, budget "
             f"{ident['steps']}x{ident['batch_size']}: step {meta['step']} of {ident['steps']} "

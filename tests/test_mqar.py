@@ -230,8 +230,7 @@ def test_a_committed_checkpoint_continues_under_the_default_command(path, tmp_pa
     ident = meta["identity"]
     model, length, pairs, seed = ident["model"], ident["length"], ident["num_pairs"], ident["seed"]
     steps, batch, overrides = ident["steps"], ident["batch_size"], ident.get("overrides")
-    c = ident.get("curriculum")
-    curriculum = None if c is None else (c["length"], c["steps"])
+    curriculum = mqar.curriculum_of(ident)
     name = mqar.run_name(model, length, pairs, seed, steps, batch, overrides, curriculum)
     assert path.name == f"{name}.ckpt.safetensors"
     assert not (path.parent / f"{name}.json").exists(), "a finished run's checkpoint must be deleted"
