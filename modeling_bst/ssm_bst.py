@@ -584,13 +584,14 @@ class UnstructFilter(nn.Module):
         self.decay_target = config.unstruct_decay_target
         self.decay_fast, self.decay_slow = config.unstruct_decay_fast, config.unstruct_decay_slow
         width = out_channels * channels * (2 if self.bidirectional else 1)
-        self.pos_emb = nn.Parameter(torch.empty(1, self.max_len, self.emb_dim, dtype=ssm_dtype()))
+        dtype = ssm_dtype()
+        self.pos_emb = nn.Parameter(torch.empty(1, self.max_len, self.emb_dim, dtype=dtype))
         self.sin = Sin(order, config.unstruct_sin_freq)
-        layers = [nn.Linear(self.emb_dim, order, dtype=ssm_dtype())]
-        layers += [nn.Linear(order, order, dtype=ssm_dtype()) for _ in range(config.unstruct_num_inner_mlps)]
+        layers = [nn.Linear(self.emb_dim, order, dtype=dtype)]
+        layers += [nn.Linear(order, order, dtype=dtype) for _ in range(config.unstruct_num_inner_mlps)]
         self.mlp = nn.ModuleList(layers)
-        self.out = nn.Linear(order, width, bias=False, dtype=ssm_dtype())
-        self.bias = nn.Parameter(torch.empty(out_channels, channels, dtype=ssm_dtype()))
+        self.out = nn.Linear(order, width, bias=False, dtype=dtype)
+        self.bias = nn.Parameter(torch.empty(out_channels, channels, dtype=dtype))
         # Steps per decoding chunk (M, at most Lmax): see [`pending_outputs`].
         self.decode_chunk = min(UNSTRUCT_DECODE_CHUNK, self.max_len)
 
