@@ -1,7 +1,15 @@
-"""Bounded recurrent-mode cache of the Block-State Transformer.
+"""Bounded recurrent-mode cache of the Block-State Transformer, as a transformers ``Cache``.
 
-A [`BSTCache`] holds, per layer, only state whose size does not depend on how many tokens were decoded, in typed
-parts that layers use through their methods ([`BSTLayerCache`]; saved names in brackets):
+A [`BSTCache`] is a ``transformers.Cache`` of one [`BSTLayerCache`] per model layer. The layer classes register
+themselves under BST's layer types (``_layer_type``: ``"block"``, ``"bst"``, ``"recurrent"``, ``"gss"``), so
+transformers' own ``DynamicCache(config=bst_config)``, the cache ``generate`` prepares by default, is made of the
+same layers; the model reads it through a ``BSTCache`` over its layers ([`BSTCache.of`]). transformers' sliding-window
+and linear-attention layers do not fit: a BST layer's attention ring is indexed by each row's own position (left
+padding, document resets), its context states depend on the block grid, and assisted decoding needs an exact
+rollback of the SSM and recurrent states ([`BSTLayerCache.crop`]), which their ``crop`` does not give.
+
+Each layer holds only state whose size does not depend on how many tokens were decoded, in typed parts that the
+model's layers use through their methods (saved names in brackets):
 
 * ``attention`` ([`AttentionCache`]): ring buffer of the keys/values of the last R tokens `(B, R, H, d_h)` (R = W + 1
   for block and BST layers, 2W for BRecT layers, which also need the previous block), slot = position % R, with
@@ -15,8 +23,10 @@ parts that layers use through their methods ([`BSTLayerCache`]; saved names in b
 * ``recurrent`` ([`RecurrentStateCache`]): the BRecT state `(B, S, D)` and its keys/values [``rec_state``, ``rec_k``,
   ``rec_v``].
 
-``positions`` `(B,)` counts the real tokens each row has seen (rows of a padded batch differ); ``seen`` (a 0-d
-tensor) counts every position processed, padding included: what ``generate`` slices already-processed inputs by
+Row state, in every layer (transformers' ``Cache`` applies ``reorder_cache``, ``crop``, ... layer by layer, so each
+layer keeps its own copy; they always agree): ``positions`` `(B,)` counts the real tokens each row has seen (rows of
+a padded batch differ); ``doc_start`` `(B,)` where each row's current document started; ``seen`` (a 0-d tensor)
+counts every position processed, padding included: what ``generate`` slices already-processed inputs by
 (``get_seq_length()``, a Python int).
 
 Host mirrors. ``seen_tokens`` (int), ``common_position`` (every row's real-token count when all rows agree, else
@@ -28,9 +38,9 @@ unknown mirror is derived from the tensors once, on its next read in eager mode 
 under tracing (``common_position`` None, ``docs_on_grid`` False: a continued chunk takes the stepwise form).
 
 ``BSTCache`` is a registered pytree node ([`register_pytree`]): its leaves are ``positions``, ``doc_start``,
-``seen``, then every layer part's tensors in ``SAVED_NAMES`` order, named as in [`BSTCache.to_tensors`]; its context
-is the structure only (layer parts, model signature, batch size), which no decode step changes, so one exported or
-compiled decode step serves every position.
+``seen`` (the first layer's), then every layer part's tensors in ``SAVED_NAMES`` order, named as in
+[`BSTCache.to_tensors`]; its context is the structure only (layer types and parts, model signature), which no decode
+step changes, so one exported or compiled decode step serves every position.
 
 Fixed addresses. Without gradients (decoding, evaluation) a step updates every state in place ([`assign`]): the ring
 buffers slot by slot, the other states by copying the new values over the old. A state tensor then keeps its memory
@@ -47,6 +57,7 @@ from collections import deque
 
 import torch
 import torch.utils._pytree as pytree
+from transformers.cache_utils import Cache, CacheLayerMixin, StaticLayer
 
 
 def tracing() -> bool:
@@ -373,46 +384,120 @@ class RecurrentStateCache(StateCache):
         assign(self, "v", _where_rows(rows, v, self.v))
 
 
-class BSTLayerCache:
-    """One layer's cache: typed parts for what the layer type has (``attention`` ring, ``ssm`` state, ``context``
-    states, ``recurrent`` state; None where the layer has none)."""
+class BSTLayerCache(CacheLayerMixin):
+    """One BST layer's recurrent-mode state, a transformers cache layer.
 
+    Typed parts for what the layer type has (``attention`` ring, ``ssm`` state, ``context`` states, ``recurrent``
+    state; None where it has none), and the layer's own copy of the row state: ``positions`` `(B,)` (real tokens each
+    row has seen), ``doc_start`` `(B,)` (where each row's current document started; blocks count from it), ``seen``
+    (0-d, every position processed, padding included) with its host mirrors, and the rollback records of
+    [`crop`]. Every layer of a cache advances together, so their row states agree; each keeps its own, because
+    transformers' [`Cache`] applies ``reorder_cache``, ``batch_select_indices``, ``crop``, ... layer by layer.
+
+    One subclass per entry of ``BSTConfig.layer_types``, registered under it (``_layer_type``): transformers'
+    ``DynamicCache(config=...)``, which ``generate`` builds, is then made of these layers. A layer takes its
+    structure from the model on first use ([`configure`]).
+    """
+
+    is_compileable = False
+    is_croppable = True
+    supports_early_init = False
     PARTS = ("attention", "ssm", "context", "recurrent")
+    HAS = ()  # the parts this layer type holds
 
-    def __init__(self, attention=None, ssm=None, context=None, recurrent=None):
-        self.attention: AttentionCache | None = attention
-        self.ssm: SSMStateCache | None = ssm
-        self.context: TokenContextCache | BlockContextCache | None = context
-        self.recurrent: RecurrentStateCache | None = recurrent
-        # Position at which each row's current document started (a view of BSTCache.doc_start); blocks count from it.
-        self.doc_start: torch.Tensor | None = None
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.attention: AttentionCache | None = AttentionCache() if "attention" in self.HAS else None
+        self.ssm: SSMStateCache | None = SSMStateCache() if "ssm" in self.HAS else None
+        # BST layers: SH/MH a TokenContextCache, MF a BlockContextCache ([`configure`]).
+        self.context: TokenContextCache | BlockContextCache | None = None
+        self.recurrent: RecurrentStateCache | None = RecurrentStateCache() if "recurrent" in self.HAS else None
+        self.signature: tuple | None = None
+        self.block_len: int | None = None
+        self._empty_rows()
         # Not batched: per-step constants (S4 step matrices, T5 bias per distance, unstruct filter taps), each reused
         # while the parameters it was computed from are unchanged (``ssm_bst.memoised``).
         self.step_memo: dict | None = None
 
-    @classmethod
-    def for_layer(cls, config, layer_idx: int) -> "BSTLayerCache":
-        kind = config.layer_kind(layer_idx)
-        context = None
-        if kind == "bst":
-            context = BlockContextCache() if config.context_mode == "mf" else TokenContextCache()
-        return cls(
-            attention=AttentionCache() if kind != "gss" else None,
-            ssm=SSMStateCache() if kind in ("bst", "gss") else None,
-            context=context,
-            recurrent=RecurrentStateCache() if kind == "recurrent" else None,
+    def _empty_rows(self):
+        self.positions: torch.Tensor | None = None
+        self.doc_start: torch.Tensor | None = None
+        self.seen: torch.Tensor | None = None
+        self.is_initialized = False
+        self._seen_tokens = 0
+        self._common_position = None
+        self._docs_on_grid = True
+        self.record_past = False
+        # Per recorded position (newest last): what its step overwrote ([`capture`]).
+        self._undo: deque = deque(maxlen=MAX_ROLLBACK)
+
+    def configure(self, config, layer_idx: int, signature: tuple | None = None):
+        """Take the structure of layer ``layer_idx`` of a model with ``config`` (once; a layer made by transformers'
+        ``DynamicCache`` has none until the model first uses it). Raises if the layer was made for another model."""
+        signature = cache_signature(config) if signature is None else signature
+        if self.signature is not None:
+            if self.signature != signature:
+                raise ValueError(
+                    "The cache (`cache`/`past_key_values`) was made for a different model configuration "
+                    f"(layer {layer_idx})."
+                )
+            return
+        if config.layer_types[layer_idx] != self._layer_type:
+            raise ValueError(
+                f"The cache's layer {layer_idx} is a {self._layer_type!r} layer, but the model's layer_types[{layer_idx}] "
+                f"is {config.layer_types[layer_idx]!r}."
+            )
+        self.signature = signature
+        self.block_len = config.block_len
+        if self._layer_type == "bst" and self.context is None:
+            self.context = BlockContextCache() if config.context_mode == "mf" else TokenContextCache()
+
+    # -- transformers' cache-layer interface ---------------------------------------------------------------------------
+    def lazy_initialization(self, key_states=None, value_states=None) -> None:
+        """Nothing to do: the first forward over a sequence fills the state ([`start`])."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise NotImplementedError(
+            "A BST cache layer is written by its model layer (ring buffers, SSM and context states), not through "
+            "Cache.update(keys, values, layer_idx)."
         )
 
+    def get_seq_length(self) -> int:
+        """Positions processed so far, padding included (what ``generate`` slices already-processed inputs by)."""
+        return self.seen_tokens
+
+    def get_max_length(self) -> int:
+        return -1  # bounded state: no maximum length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        raise NotImplementedError("A BST cache layer has no key/value sequence to mask: BST builds its block masks.")
+
+    @property
+    def batch_size(self) -> int:
+        return -1 if self.positions is None else int(self.positions.shape[0])
+
+    def offload(self):
+        pass  # the state is bounded: nothing worth moving off the device
+
+    def prefetch(self):
+        pass
+
+    def reset(self) -> None:
+        """Forget everything held (the structure stays)."""
+        for part in self.parts():
+            for attr in part.SAVED_NAMES:
+                setattr(part, attr, None)
+        if self.ssm is not None:
+            self.ssm.pending, self.ssm.pending_offset = None, 0
+        self._empty_rows()
+
+    # -- parts ---------------------------------------------------------------------------------------------------------
     def parts(self):
         return [part for part in (getattr(self, name) for name in self.PARTS) if part is not None]
 
     def tensors(self):
-        """``[(saved name, tensor)]`` of every batched tensor held."""
+        """``[(saved name, tensor)]`` of every batched state tensor held."""
         return [item for part in self.parts() for item in part.tensors()]
-
-    def apply(self, fn):
-        for part in self.parts():
-            part.apply(fn)
 
     def load(self, saved_name: str, tensor: torch.Tensor):
         for part in self.parts():
@@ -422,67 +507,19 @@ class BSTLayerCache:
         raise KeyError(saved_name)
 
     def capture(self, positions: torch.Tensor) -> dict:
-        """What one recurrent step at ``positions`` will overwrite (for [`restore`])."""
+        """What one recurrent step at ``positions`` `(B,)` will overwrite (for [`restore`]): a ring slot is copied, an
+        unstruct history keeps the input that falls out, a replaced state is referenced."""
         return {name: getattr(self, name).capture(positions) for name in self.PARTS if getattr(self, name) is not None}
 
     def restore(self, record: dict):
         for name, part_record in record.items():
             getattr(self, name).restore(part_record)
 
-    def reset(self, rows: torch.Tensor):
-        for part in self.parts():
-            part.reset(rows)
-
-
-class BSTCache:
-    """Recurrent-mode generation state of a BST model (returned as ``cache``; ``past_key_values`` before transformers 5.24).
-
-    Args:
-        config ([`BSTConfig`]): the model's configuration; a cache only fits the model it was made for.
-        batch_size (`int`): number of rows.
-    """
-
-    # ``generate`` would compile the forward on its own for a compileable cache (and build 4-D masks for it): BST
-    # builds its own block masks; compile one decode step explicitly instead (``torch.compile(model)``).
-    is_compileable = False
-    # ``crop`` takes back the last positions processed while recording (``activate_past_recording``).
-    is_croppable = True
-
-    def __init__(self, config, batch_size: int):
-        self._setup(
-            config.num_hidden_layers,
-            config.block_len,
-            config.hidden_size,
-            cache_signature(config),
-            batch_size,
-            [BSTLayerCache.for_layer(config, i) for i in range(config.num_hidden_layers)],
-        )
-        self._seen_tokens = 0
-        self._common_position = None
-        self._docs_on_grid = True
-
-    def _setup(self, num_layers, block_len, hidden_size, signature, batch_size, layers):
-        self.num_layers = num_layers
-        self.block_len = block_len
-        self.hidden_size = hidden_size
-        self.model_signature = signature
-        self.batch_size = batch_size
-        self.layers = layers
-        self.positions: torch.Tensor | None = None
-        self.doc_start: torch.Tensor | None = None
-        self.seen: torch.Tensor | None = None
-        self.record_past = False
-        # Per recorded position (newest last): per layer, what its step overwrote ([`capture`]).
-        self._undo: deque = deque(maxlen=MAX_ROLLBACK)
-
-    def __len__(self):
-        return self.num_layers
-
+    # -- row state -------------------------------------------------------------------------------------------------------
     @property
     def is_empty(self) -> bool:
         return self.positions is None
 
-    # -- host mirrors (see the module docstring) ----------------------------------------------------------------------
     @property
     def seen_tokens(self) -> int:
         """Positions processed so far, padding included (the host mirror of ``seen``)."""
@@ -517,16 +554,20 @@ class BSTCache:
             self._docs_on_grid = bool((self.doc_start.remainder(self.block_len) == 0).all())
         return self._docs_on_grid
 
+    def set_rows(self, positions, doc_start, seen, known: bool):
+        """The row state as given (fresh memory each, [`keep_address`]); ``known``: derive the host mirrors now from
+        a fresh start (``positions`` equal in every row? see [`start`]), else on their next read."""
+        self.positions, self.doc_start, self.seen = positions, doc_start, seen
+        keep_address(self.positions, self.doc_start, self.seen)
+        self.is_initialized = True
+        if not known:
+            self._seen_tokens = self._common_position = self._docs_on_grid = UNKNOWN
+
     def start(self, lengths: torch.Tensor, seq_len: int, common_position: int | None):
         """The state after a first forward over ``seq_len`` columns with ``lengths`` `(B,)` real tokens per row
         (``common_position``: their common value if known, else None)."""
-        self.positions = lengths.clone()
-        self.doc_start = torch.zeros_like(self.positions)
-        self.seen = torch.full((), seq_len, dtype=torch.long, device=lengths.device)
-        keep_address(self.positions, self.doc_start, self.seen)
-        for layer in self.layers:
-            layer.doc_start = self.doc_start
-        self.batch_size = int(lengths.shape[0])
+        seen = torch.full((), seq_len, dtype=torch.long, device=lengths.device)
+        self.set_rows(lengths.clone(), torch.zeros_like(lengths), seen, known=True)
         self._seen_tokens = seq_len
         self._docs_on_grid = True
         self._common_position = common_position
@@ -545,43 +586,41 @@ class BSTCache:
         if self._common_position is not UNKNOWN and self._common_position is not None:
             self._common_position += seq_len
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Positions processed so far, padding included (what ``generate`` slices already-processed inputs by)."""
-        return self.seen_tokens
+    def reset_rows(self, rows: torch.Tensor):
+        """Start a new document in the rows where ``rows`` (bool `(B,)`) is True ([`BSTCache.reset_rows`])."""
+        if self.positions is None:
+            return
+        rows = rows.to(device=self.positions.device, dtype=torch.bool)
+        for part in self.parts():
+            part.reset(rows)
+        assign(self, "doc_start", torch.where(rows, self.positions, self.doc_start))
+        common = self.common_position  # derived here if unknown (as a loaded cache's): the same path as before saving
+        if common is None or common % self.block_len:
+            # A row may now start a document off the block grid (checked without reading ``rows`` back).
+            self._docs_on_grid = False
 
-    @property
-    def is_linear(self) -> list[bool]:
-        """Per layer, whether it is a recurrent state only (transformers' "linear attention" layers, for which
-        ``generate`` from 5.24 on does not slice the inputs already processed): no BST layer is, so ``generate``
-        passes the tokens after ``get_seq_length()``."""
-        return [False] * self.num_layers
-
-    def get_mask_sizes(self, *args, **kwargs):
-        raise NotImplementedError("BSTCache builds its own block masks.")
-
+    # -- rows of the batch -------------------------------------------------------------------------------------------
     def _apply(self, fn):
         self._undo.clear()  # recorded states are per row: a batch change drops them
-        for layer in self.layers:
-            layer.apply(fn)
+        for part in self.parts():
+            part.apply(fn)
         if self.positions is not None:
             self.positions = fn(self.positions)
             self.doc_start = fn(self.doc_start)
             keep_address(self.positions, self.doc_start)
-            for layer in self.layers:
-                layer.doc_start = self.doc_start
 
-    def reorder_cache(self, beam_idx: torch.LongTensor):
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Select rows in place (beam search)."""
         self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
-        self.batch_size = int(beam_idx.numel())
 
-    def batch_repeat_interleave(self, repeats: int):
+    def batch_repeat_interleave(self, repeats: int) -> None:
         self._apply(lambda t: t.repeat_interleave(repeats, dim=0))
-        self.batch_size *= repeats
 
-    def batch_select_indices(self, indices: torch.Tensor):
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._apply(lambda t: t[indices])
-        self.batch_size = int(self.positions.shape[0]) if self.positions is not None else self.batch_size
+
+    def detach(self):
+        self._apply(lambda t: t.detach())
 
     # -- rollback (assisted / speculative decoding) -----------------------------------------------------------------
     def activate_past_recording(self):
@@ -589,17 +628,11 @@ class BSTCache:
         latest positions (``generate`` calls this for assisted decoding)."""
         self.record_past = True
 
-    @staticmethod
-    def capture(layer: BSTLayerCache, positions: torch.Tensor) -> dict:
-        """What one recurrent step of ``layer`` at ``positions`` `(B,)` will overwrite ([`BSTLayerCache.capture`]):
-        a ring slot is copied, an unstruct history keeps the input that falls out, a replaced state is referenced."""
-        return layer.capture(positions)
+    def push_undo(self, records: list):
+        """Append the captures of a chunk, one per position."""
+        self._undo.extend(records)
 
-    def push_undo(self, entries: list):
-        """Append the captures of a chunk: ``entries[t][layer]`` for each of its positions t."""
-        self._undo.extend(entries)
-
-    def crop(self, tokens_to_remove: int):
+    def crop(self, tokens_to_remove: int) -> None:
         """Take back the last ``-tokens_to_remove`` positions (transformers' convention: a negative count; 0 does
         nothing). Needs [`activate_past_recording`] before those positions were processed."""
         if tokens_to_remove > 0:
@@ -616,10 +649,187 @@ class BSTCache:
                 f"(activate_past_recording(); at most {MAX_ROLLBACK}), asked for {n}."
             )
         for _ in range(n):
-            for layer, record in zip(self.layers, self._undo.pop()):
-                if record:
-                    layer.restore(record)
+            record = self._undo.pop()
+            if record:
+                self.restore(record)
         self.advance(-n)
+
+
+class BlockLayerCache(BSTLayerCache):
+    """A Slide (block attention) layer: the keys/values of the last W + 1 tokens."""
+
+    _layer_type = "block"
+    HAS = ("attention",)
+
+
+class BSTContextLayerCache(BSTLayerCache):
+    """A BST layer: the attention ring, the SSM state and the context states (SH/MH: the current block's token
+    contexts; MF: the block's context keys/values and latest SSM outputs)."""
+
+    _layer_type = "bst"
+    HAS = ("attention", "ssm", "context")
+
+
+class RecurrentLayerCache(BSTLayerCache):
+    """A Block-Recurrent Transformer layer: the attention ring (2W) and the recurrent state with its keys/values."""
+
+    _layer_type = "recurrent"
+    HAS = ("attention", "recurrent")
+
+
+class GSSLayerCache(BSTLayerCache):
+    """A GSS layer (GSS-Hybrid): the SSM state only."""
+
+    _layer_type = "gss"
+    HAS = ("ssm",)
+
+
+class _StaticRefused(StaticLayer):
+    """``StaticCache(config=bst_config)`` (``generate(..., cache_implementation="static")``) for a BST layer type:
+    refused with an error that says what to use. BST's default cache is already bounded and written in place."""
+
+    def __init__(self, *args, **kwargs):
+        raise ValueError(
+            f"BST has no static cache for its {self._layer_type!r} layers: drop cache_implementation='static' (the "
+            "default BST cache is bounded and updates its state in place), and compile a decode step with "
+            "torch.compile(model) where needed."
+        )
+
+
+for _kind in ("block", "bst", "recurrent", "gss"):
+    type(f"_StaticRefused_{_kind}", (_StaticRefused,), {"_layer_type": _kind})
+
+
+LAYER_CACHE_TYPES = {
+    cls._layer_type: cls for cls in (BlockLayerCache, BSTContextLayerCache, RecurrentLayerCache, GSSLayerCache)
+}
+
+
+class BSTCache(Cache):
+    """Recurrent-mode generation state of a BST model: a transformers [`Cache`] of one [`BSTLayerCache`] per layer
+    (returned as ``cache``; ``past_key_values`` before transformers 5.24).
+
+    ``DynamicCache(config=bst_config)`` (what ``generate`` makes) builds the same layers; the model reads any such
+    cache through a ``BSTCache`` over its layers ([`BSTCache.of`]). The row state (``positions``, ``doc_start``,
+    ``seen``, host mirrors) reads from the first layer: every layer holds the same.
+
+    Args:
+        config ([`BSTConfig`]): the model's configuration; a cache only fits the model it was made for.
+        batch_size (`int`, *optional*): accepted for compatibility; the first forward sets the rows.
+    """
+
+    def __init__(self, config, batch_size: int | None = None, layers: list | None = None):
+        if layers is None:
+            layers = [LAYER_CACHE_TYPES[kind]() for kind in config.layer_types]
+            signature = cache_signature(config)
+            for i, layer in enumerate(layers):
+                layer.configure(config, i, signature)
+        super().__init__(layers=layers)
+
+    @classmethod
+    def of(cls, cache: Cache, config) -> "BSTCache":
+        """A ``BSTCache`` over the layers of ``cache`` (itself if it is one): a ``DynamicCache(config=...)`` made by
+        ``generate``, or an empty ``DynamicCache()`` (given this model's layers). Each layer takes the model's
+        structure on first use; a cache of other layers or another model raises, naming the problem."""
+        if not isinstance(cache, Cache):
+            raise TypeError(
+                f"The cache (`cache`/`past_key_values`) must be a transformers Cache of BST layers (a BSTCache, or "
+                f"DynamicCache(config=model.config)), got {type(cache).__name__}."
+            )
+        if not cache.layers and getattr(cache, "layer_class_to_replicate", None) is not None:
+            cache.layers = [LAYER_CACHE_TYPES[kind]() for kind in config.layer_types]
+            cache.layer_class_to_replicate = None
+        if len(cache.layers) != config.num_hidden_layers or not all(
+            isinstance(layer, BSTLayerCache) for layer in cache.layers
+        ):
+            kinds = [type(layer).__name__ for layer in cache.layers]
+            raise TypeError(
+                f"The cache (`cache`/`past_key_values`) must hold one BST cache layer per model layer "
+                f"(num_hidden_layers={config.num_hidden_layers}, layer_types={list(config.layer_types)}); got "
+                f"{type(cache).__name__} with layers {kinds}. Pass a BSTCache(model.config) or "
+                "DynamicCache(config=model.config)."
+            )
+        signature = cache_signature(config)
+        for i, layer in enumerate(cache.layers):
+            layer.configure(config, i, signature)
+        return cache if isinstance(cache, BSTCache) else cls(config, layers=cache.layers)
+
+    # -- row state (read from the first layer; every layer holds the same) -------------------------------------------
+    @property
+    def model_signature(self) -> tuple | None:
+        return self.layers[0].signature
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def block_len(self) -> int:
+        return self.layers[0].block_len
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        return self.layers[0].positions
+
+    @property
+    def doc_start(self) -> torch.Tensor | None:
+        return self.layers[0].doc_start
+
+    @property
+    def seen(self) -> torch.Tensor | None:
+        return self.layers[0].seen
+
+    @property
+    def is_empty(self) -> bool:
+        return self.layers[0].is_empty
+
+    @property
+    def seen_tokens(self) -> int:
+        return self.layers[0].seen_tokens
+
+    @property
+    def common_position(self) -> int | None:
+        return self.layers[0].common_position
+
+    @property
+    def docs_on_grid(self) -> bool:
+        return self.layers[0].docs_on_grid
+
+    @property
+    def record_past(self) -> bool:
+        return self.layers[0].record_past
+
+    @record_past.setter
+    def record_past(self, value: bool):
+        for layer in self.layers:
+            layer.record_past = value
+
+    def start(self, lengths: torch.Tensor, seq_len: int, common_position: int | None):
+        """The state after a first forward over ``seq_len`` columns with ``lengths`` `(B,)` real tokens per row."""
+        for layer in self.layers:
+            layer.start(lengths, seq_len, common_position)
+
+    def advance(self, seq_len: int):
+        for layer in self.layers:
+            layer.advance(seq_len)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Positions processed so far, padding included (what ``generate`` slices already-processed inputs by)."""
+        return self.layers[0].seen_tokens
+
+    def get_mask_sizes(self, *args, **kwargs):
+        raise NotImplementedError("BSTCache builds its own block masks.")
+
+    # -- rollback ----------------------------------------------------------------------------------------------------------
+    @staticmethod
+    def capture(layer: BSTLayerCache, positions: torch.Tensor) -> dict:
+        """What one recurrent step of ``layer`` at ``positions`` `(B,)` will overwrite ([`BSTLayerCache.capture`])."""
+        return layer.capture(positions)
+
+    def push_undo(self, entries: list):
+        """Append the captures of a chunk: ``entries[t][layer]`` for each of its positions t."""
+        for i, layer in enumerate(self.layers):
+            layer.push_undo([entry[i] for entry in entries])
 
     def reset_rows(self, rows: torch.Tensor) -> "BSTCache":
         """Start a new document in the rows where ``rows`` (bool `(B,)`) is True, keeping the other rows' state.
@@ -628,25 +838,17 @@ class BSTCache:
         reset rows forget their cached keys/values, SSM state and context, and the BRecT state restarts from the
         learned initial state, exactly as if their next token were the first of a sequence.
         """
-        if self.positions is None:
-            return self
-        rows = rows.to(device=self.positions.device, dtype=torch.bool)
         for layer in self.layers:
-            layer.reset(rows)
-        assign(self, "doc_start", torch.where(rows, self.positions, self.doc_start))
-        for layer in self.layers:
-            layer.doc_start = self.doc_start
-        common = self.common_position  # derived here if unknown (as a loaded cache's): the same path as before saving
-        if common is None or common % self.block_len:
-            # A row may now start a document off the block grid (checked without reading ``rows`` back).
-            self._docs_on_grid = False
+            layer.reset_rows(rows)
         return self
 
     def detach(self) -> "BSTCache":
         """Stop gradients through the cache (Transformer-XL / BRecT segment streaming during training)."""
-        self._apply(lambda t: t.detach())
+        for layer in self.layers:
+            layer.detach()
         return self
 
+    # -- saving ------------------------------------------------------------------------------------------------------------
     def to_tensors(self) -> dict[str, torch.Tensor]:
         """Flat ``{name: tensor}`` of the cache's state (for safetensors; nothing is pickled): copies, which later
         steps (updating the state in place) leave as they are."""
@@ -663,16 +865,9 @@ class BSTCache:
     @classmethod
     def from_tensors(cls, config, tensors: dict[str, torch.Tensor]) -> "BSTCache":
         """Inverse of [`to_tensors`] for a model with this ``config``."""
-        batch = int(tensors["positions"].shape[0]) if "positions" in tensors else 0
-        cache = cls(config, batch)
+        cache = cls(config)
         for key, tensor in tensors.items():
-            if key in ("positions", "doc_start"):
-                setattr(cache, key, tensor.clone())  # fresh memory, as below: decoding advances it in place
-                keep_address(getattr(cache, key))
-                continue
-            if key == "seen_tokens":
-                cache.seen = tensor.reshape(()).to(torch.long).clone()
-                keep_address(cache.seen)
+            if key in ("positions", "doc_start", "seen_tokens"):
                 continue
             _, index, name = key.split(".", 2)
             if not 0 <= int(index) < cache.num_layers:
@@ -683,18 +878,20 @@ class BSTCache:
             s4 = kind == "gss" or (kind == "bst" and config.ssm_kind == "s4")
             if name == "ssm_state" and s4 and not tensor.is_complex():
                 tensor = torch.view_as_complex(tensor)  # saved by an older version (a real view)
-            if name == "doc_start":  # older versions saved it per layer too; BSTCache holds it
+            if name == "doc_start":  # older versions saved it per layer too
                 continue
             try:
                 cache.layers[int(index)].load(name, tensor)
             except KeyError:
                 raise ValueError(f"Unexpected tensor {key!r} in a saved BSTCache.") from None
-        for layer in cache.layers:
-            layer.doc_start = cache.doc_start
-        if cache.positions is not None:
-            if "seen_tokens" not in tensors:  # saved before seen_tokens existed: the longest row
-                cache.seen = cache.positions.max().clone()
-            cache._seen_tokens = cache._common_position = cache._docs_on_grid = UNKNOWN  # derived on first read
+        if "positions" in tensors:
+            positions = tensors["positions"]
+            doc_start = tensors.get("doc_start", torch.zeros_like(positions))
+            # saved before seen_tokens existed: the longest row
+            seen = tensors["seen_tokens"] if "seen_tokens" in tensors else positions.max()
+            for layer in cache.layers:
+                # Fresh memory per layer: decoding advances each in place. Mirrors are derived on first read.
+                layer.set_rows(positions.clone(), doc_start.clone(), seen.reshape(()).to(torch.long).clone(), False)
         return cache
 
     def nbytes(self) -> int:
@@ -705,7 +902,8 @@ class BSTCache:
 
     # -- pytree node (torch.export / torch.compile of decode steps) -----------------------------------------------------
     def _pytree_flatten(self):
-        """Leaves ``[(name, tensor or None)]`` and the structural context (no value that a decode step changes)."""
+        """Leaves ``[(name, tensor or None)]`` and the structural context (no value that a decode step changes). The
+        row state is a leaf once (the first layer's; every layer holds the same)."""
         leaves = [("positions", self.positions), ("doc_start", self.doc_start), ("seen_tokens", self.seen)]
         spec = []
         for i, layer in enumerate(self.layers):
@@ -717,32 +915,32 @@ class BSTCache:
                     leaves.extend(
                         (f"layers.{i}.{saved}", getattr(part, attr)) for attr, saved in part.SAVED_NAMES.items()
                     )
-            spec.append(tuple(parts))
-        context = (self.num_layers, self.block_len, self.hidden_size, self.model_signature, self.batch_size)
+            spec.append((layer._layer_type, tuple(parts)))
+        context = (self.model_signature, self.block_len)
         return leaves, (context, tuple(spec))
 
     @classmethod
     def _pytree_unflatten(cls, values, context) -> "BSTCache":
-        (num_layers, block_len, hidden_size, signature, batch_size), spec = context
+        (signature, block_len), spec = context
         values = iter(values)
-        cache = cls.__new__(cls)
         positions, doc_start, seen = next(values), next(values), next(values)
         layers = []
-        for parts in spec:
-            built = {}
+        for i, (kind, parts) in enumerate(spec):
+            layer = LAYER_CACHE_TYPES[kind]()
             for part_name, type_name in zip(BSTLayerCache.PARTS, parts):
+                part = None
                 if type_name is not None:
                     part = PART_TYPES[type_name]()
                     for attr in part.SAVED_NAMES:
                         setattr(part, attr, next(values))
-                    built[part_name] = part
-            layer = BSTLayerCache(**built)
-            layer.doc_start = doc_start
+                setattr(layer, part_name, part)
+            layer.signature, layer.block_len = signature, block_len
+            if positions is not None:
+                # The first layer holds the leaves; the others copies (each layer advances its own in place).
+                rows = (positions, doc_start, seen) if i == 0 else (positions.clone(), doc_start.clone(), seen.clone())
+                layer.set_rows(*rows, known=False)
             layers.append(layer)
-        cache._setup(num_layers, block_len, hidden_size, signature, batch_size, layers)
-        cache.positions, cache.doc_start, cache.seen = positions, doc_start, seen
-        cache._seen_tokens = cache._common_position = cache._docs_on_grid = UNKNOWN
-        return cache
+        return cls(None, layers=layers)
 
 
 PART_TYPES = {
@@ -766,12 +964,12 @@ def _to_dumpable(context) -> str:
 
 
 def _from_dumpable(dumped: str):
-    (num_layers, block_len, hidden_size, signature, batch_size), spec = json.loads(dumped)
+    (signature, block_len), spec = json.loads(dumped)
 
     def tuples(x):
         return tuple(tuples(v) for v in x) if isinstance(x, list) else x
 
-    return (num_layers, block_len, hidden_size, tuples(signature), batch_size), tuples(spec)
+    return (tuples(signature), block_len), tuples(spec)
 
 
 def register_pytree():
@@ -799,8 +997,13 @@ __all__ = [
     "MAX_ROLLBACK",
     "AttentionCache",
     "BSTCache",
+    "BSTContextLayerCache",
     "BSTLayerCache",
     "BlockContextCache",
+    "BlockLayerCache",
+    "GSSLayerCache",
+    "LAYER_CACHE_TYPES",
+    "RecurrentLayerCache",
     "RecurrentStateCache",
     "SSMStateCache",
     "TokenContextCache",

@@ -44,7 +44,7 @@ from transformers.modeling_outputs import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import can_return_tuple, logging
 
-from .cache_bst import MAX_ROLLBACK, BSTCache, BSTLayerCache, cache_signature, gather_rows, host_can_branch, tracing
+from .cache_bst import MAX_ROLLBACK, BSTCache, BSTLayerCache, gather_rows, host_can_branch, tracing
 from .configuration_bst import BSTConfig
 from .ssm_bst import PerFilterS4D, S4DKernel, UnstructFilter, memoised, upcast_ssm
 
@@ -1582,11 +1582,6 @@ class BSTPreTrainedModel(PreTrainedModel):
     # SSM parameters (state matrix, dt, filters) stay float32 when the model is loaded in fp16 or bf16.
     _keep_in_fp32_modules_strict = ["ssm"]
 
-    @classmethod
-    def _supports_default_dynamic_cache(cls) -> bool:
-        # generate() must not inject a DynamicCache: the model owns its bounded BSTCache.
-        return False
-
     @torch.no_grad()
     def _init_weights(self, module):
         cfg = self.config
@@ -1762,14 +1757,6 @@ class BSTModel(BSTPreTrainedModel):
                     f"attention_mask has shape {tuple(attention_mask.shape)} but the input has shape {tuple(shape)}."
                 )
         if cache is not None:
-            if not isinstance(cache, BSTCache):
-                raise TypeError(
-                    f"The cache (`cache`/`past_key_values`) must be a BSTCache, got {type(cache).__name__}."
-                )
-            if cache.model_signature != cache_signature(cfg):
-                raise ValueError(
-                    "The cache (`cache`/`past_key_values`) is a BSTCache made for a different model configuration."
-                )
             if not cache.is_empty and cache.positions.shape[0] != shape[0]:
                 raise ValueError(
                     f"The cache (`cache`/`past_key_values`) holds {cache.positions.shape[0]} rows but the input has {shape[0]}."
@@ -1874,6 +1861,8 @@ class BSTModel(BSTPreTrainedModel):
         if cfg.bidirectional:
             use_cache = False
             cache = given = None
+        if cache is not None:
+            cache = BSTCache.of(cache, cfg)  # a DynamicCache of BST layers (made by generate) reads as a BSTCache
         output_hidden_states = output_hidden_states if output_hidden_states is not None else cfg.output_hidden_states
         output_attentions = output_attentions if output_attentions is not None else cfg.output_attentions
         if output_attentions and cfg._attn_implementation != "eager":
@@ -1938,8 +1927,6 @@ class BSTModel(BSTPreTrainedModel):
                         "first chunk only."
                     )
             w = cfg.block_len
-            for layer_cache in cache.layers:
-                layer_cache.doc_start = cache.doc_start
             # A recording cache steps every position (each step records what it overwrites, for BSTCache.crop). A
             # decode step (seq_len 1) reads no host mirror of a position: one traced step serves every position.
             aligned = (
@@ -2012,24 +1999,6 @@ class BSTModel(BSTPreTrainedModel):
 
 class BSTForCausalLM(BSTPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-
-    def _prepare_cache_for_generation(
-        self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
-    ) -> None:
-        """``generate`` starts from an empty [`BSTCache`] (filled by the first forward), so that assisted decoding
-        finds a cache to record on; a draft model's cache records from the start (its drafts are taken back). A cache
-        passed under the name the installed transformers does not use (``cache=`` before 5.24) moves to its name."""
-        other = "past_key_values" if CACHE_NAME == "cache" else "cache"
-        if model_kwargs.get(other) is not None:
-            model_kwargs[CACHE_NAME] = resolve_cache_argument(model_kwargs.get(CACHE_NAME), model_kwargs.pop(other))
-        super()._prepare_cache_for_generation(
-            generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
-        )
-        use_cache = generation_config.use_cache if generation_config.use_cache is not None else self.config.use_cache
-        if model_kwargs.get(CACHE_NAME) is None and use_cache and not self.config.bidirectional:
-            model_kwargs[CACHE_NAME] = BSTCache(self.config, batch_size)
-            if getattr(generation_config, "is_assistant", False):
-                model_kwargs[CACHE_NAME].activate_past_recording()
 
     def __init__(self, config: BSTConfig):
         super().__init__(config)

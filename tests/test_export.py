@@ -220,7 +220,11 @@ def test_card_limitations_hold():
     greedy = model.generate(ids, max_new_tokens=5, do_sample=False)
     assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False, assistant_model=model), greedy)
     assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False, prompt_lookup_num_tokens=2), greedy)
-    assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False, cache_implementation="static"), greedy)
+    assert torch.equal(
+        model.generate(ids, max_new_tokens=5, do_sample=False, cache_implementation="offloaded"), greedy
+    )
+    with pytest.raises(ValueError, match="static"):
+        model.generate(ids, max_new_tokens=5, do_sample=False, cache_implementation="static")
 
 
 def test_export_cli_spellings(tmp_path):

@@ -3,6 +3,7 @@ padding anywhere, hidden states the graph reads, attention weights, and no host 
 
 import pytest
 import torch
+import transformers
 from conftest import tiny_config
 from torch.overrides import TorchFunctionMode
 
@@ -182,6 +183,7 @@ def test_output_attentions_under_sdpa_warns_once_and_returns_none(caplog):
     model = make_model("sh-s4")
     model.config._attn_implementation = "sdpa"
     ids = torch.randint(1, 61, (1, 6))
+    transformers.utils.logging.warning_once.cache_clear()  # an earlier test may have warned already
     with caplog.at_level("WARNING"):
         out = model(ids, output_attentions=True)
         model(ids, output_attentions=True)
@@ -314,7 +316,10 @@ def test_the_cache_goes_in_under_either_name_and_comes_out_under_the_installed_o
         model(ids[:, 9:], cache=first[installed], past_key_values=model(ids[:, :9], use_cache=True)[installed])
 
 
-def test_generate_takes_a_returned_cache_under_either_name():
+def test_generate_takes_a_returned_cache_under_the_installed_name():
+    """``generate`` continues a returned cache passed under the installed transformers' name (``cache`` from 5.24 on,
+    which also takes ``past_key_values`` as a deprecated alias). Before 5.24, a ``cache=`` that generate does not
+    know reaches the forward beside the cache generate made: refused with an error naming ``past_key_values``."""
     model = make_model("mf-s4")
     ids = torch.randint(1, 61, (1, 6), generator=torch.Generator().manual_seed(2))
     kwargs = dict(do_sample=False, return_dict_in_generate=True)
@@ -323,5 +328,9 @@ def test_generate_takes_a_returned_cache_under_either_name():
         first = model.generate(ids, max_new_tokens=4, **kwargs)
         cache = first[mb.CACHE_NAME]
         assert isinstance(cache, mb.BSTCache)
+        if name != mb.CACHE_NAME and mb.CACHE_NAME == "past_key_values":
+            with pytest.raises(ValueError, match="past_key_values"):
+                model.generate(first.sequences, max_new_tokens=4, **kwargs, **{name: cache})
+            continue
         more = model.generate(first.sequences, max_new_tokens=4, **kwargs, **{name: cache}).sequences
         assert torch.equal(more, once)

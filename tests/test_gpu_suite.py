@@ -53,7 +53,10 @@ def test_dry_run_json_schema(dry_run):
     train = report["parts"]["train"]["data"]
     assert train["peaks"]["bf16"] > 0 and {r["model"] for r in train["rows"]} >= {"HF Llama (sdpa)", "BST:SH:S4"}
     for row in train["rows"]:
-        assert row["tokens_per_s"] > 0 and 0 < row["mfu_bf16"] < 1 and row["size"] == "tiny"
+        assert row["tokens_per_s"] > 0 and row["mfu_bf16"] > 0 and row["size"] == "tiny"
+        if gpu_suite.torch.cuda.is_available():
+            # On a CPU without native bf16 matmuls the bf16 "peak" is an emulated path slower than an fp32 model.
+            assert row["mfu_bf16"] < 1
 
     decode = report["parts"]["decode"]["data"]
     modes = {(r["model"], r["mode"]) for r in decode["rows"]}
