@@ -13,6 +13,7 @@ import torch
 
 import modeling_bst  # noqa: F401
 from modeling_bst import BSTConfig, BSTForCausalLM
+from training.optim import parameter_groups
 
 
 NUM_KEYS, NUM_FILLERS = 8, 8
@@ -50,11 +51,8 @@ def train_and_eval(bst: bool, length: int = 48, block_len: int = 8, steps: int =
         logit_scale=1.0,
     )
     model = BSTForCausalLM(config)
-    ssm = set(model.ssm_parameter_names())
-    groups = [
-        {"params": [p for n, p in model.named_parameters() if n not in ssm]},
-        {"params": [p for n, p in model.named_parameters() if n in ssm], "weight_decay": 0.0},
-    ]
+    # SSM parameters without weight decay, everything else (1-D parameters included) with AdamW's default 0.01; one lr
+    groups = parameter_groups(model, lr, 0.01, ssm_lr=lr, no_decay=lambda name, p: False)
     optimizer = torch.optim.AdamW(groups, lr=lr)
     generator = torch.Generator().manual_seed(seed)
     for _ in range(steps):

@@ -105,6 +105,8 @@ from pathlib import Path
 
 import torch
 
+from training import optim
+
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "results.md"
@@ -354,27 +356,19 @@ def build_model(config: dict, model: str):
 
 
 def parameter_groups(model, lr: float, weight_decay: float) -> list[dict]:
-    """AdamW groups: SSM parameters (BST's ``ssm_parameter_names``; Mamba's A_log, D, dt bias as in its paper) at
-    ``ssm_lr`` without weight decay; biases, norms and embeddings without weight decay; the rest with it."""
+    """AdamW groups (``training.optim.parameter_groups``): SSM parameters (BST's ``ssm_parameter_names``; Mamba's
+    A_log, D, dt bias as in its paper) at ``ssm_lr`` without weight decay; biases, norms and embeddings without
+    weight decay; the rest with it. Checkpoints index the AdamW state in this order: keep it."""
     if hasattr(model, "ssm_parameter_names"):
-        ssm = set(model.ssm_parameter_names())
-        ssm_lr = getattr(model.config, "ssm_lr", lr)
+        ssm, ssm_lr = None, getattr(model.config, "ssm_lr", lr)
     else:
         ssm = {n for n, _ in model.named_parameters() if n.endswith(("A_log", ".D", "dt_proj.bias"))}
         ssm_lr = lr
-    groups = {"decay": [], "no_decay": [], "ssm": []}
-    for name, p in model.named_parameters():
-        if name in ssm:
-            groups["ssm"].append(p)
-        elif p.ndim < 2 or "norm" in name or "embed" in name:
-            groups["no_decay"].append(p)
-        else:
-            groups["decay"].append(p)
-    return [
-        {"params": groups["decay"], "lr": lr, "weight_decay": weight_decay},
-        {"params": groups["no_decay"], "lr": lr, "weight_decay": 0.0},
-        {"params": groups["ssm"], "lr": ssm_lr, "weight_decay": 0.0},
-    ]
+
+    def no_decay(name: str, p: torch.Tensor) -> bool:
+        return p.ndim < 2 or "norm" in name or "embed" in name
+
+    return optim.parameter_groups(model, lr, weight_decay, ssm_lr, ssm_names=ssm, no_decay=no_decay)
 
 
 def layout(config: dict, model: str) -> str:

@@ -1646,13 +1646,24 @@ class BSTPreTrainedModel(PreTrainedModel):
         return super().save_pretrained(save_directory, *args, save_original_format=save_original_format, **kwargs)
 
     def ssm_parameter_names(self) -> list[str]:
-        """Parameters that train with their own learning rate (``config.ssm_lr``) and no weight decay (S4 practice):
-        the state matrix, B and dt of S4D kernels, and the whole implicit filter of unstruct kernels."""
-        names = []
-        for name, _ in self.named_parameters():
-            if ".ssm." in name and not name.rsplit(".", 1)[-1].startswith(("C", "D", "bias")):
-                names.append(name)
-        return names
+        """Parameters that train with their own learning rate (``config.ssm_lr``) and no weight decay (S4 practice;
+        docs/paper-mapping.md, "Optimiser"), in ``named_parameters`` order. Per SSM kernel (every ``S4DKernel`` and
+        ``UnstructFilter``: BST context states, GSS layers, classification S4 layers):
+
+        * S4D: the state matrix Lambda (``A_log_real``, ``A_imag``), ``B`` and ``log_dt`` (S4's ``_optim`` set);
+        * unstruct: the whole implicit filter, as safari's Hyena filter: ``pos_emb`` (the trainable positional
+          features), ``sin.freq``, ``mlp.{i}.weight`` and ``mlp.{i}.bias``, ``out.weight`` (the decay envelope is
+          fixed, not a parameter).
+
+        The read-outs train with the other parameters: S4D's ``C``, ``C_backward`` and ``D``, and unstruct's D-term
+        ``bias`` (like Hyena's). No parameter outside an SSM kernel is an SSM parameter."""
+        ssm = set()
+        for prefix, module in self.named_modules():
+            if isinstance(module, S4DKernel):
+                ssm.update(f"{prefix}.{n}" for n in ("A_log_real", "A_imag", "B", "log_dt"))
+            elif isinstance(module, UnstructFilter):
+                ssm.update(f"{prefix}.{n}" for n, _ in module.named_parameters() if n != "bias")
+        return [name for name, _ in self.named_parameters() if name in ssm]
 
 
 class _Layout:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from training import listops
-from training.train_lra import PaddingCollator, build_model, param_groups, warmup_cosine
+from training.train_lra import TRAIN_DEFAULTS, PaddingCollator, build_model, build_optimizer, warmup_cosine
 
 
 # An evaluator independent of listops.evaluate: translate the expression into a Python call tree and eval() it.
@@ -162,18 +162,17 @@ def test_cli_generate(tmp_path):
     assert all(8 <= ex["length"] <= 64 for v in splits.values() for ex in v)
 
 
-@pytest.mark.parametrize("shared_helper", [True, False])
-def test_optimizer_groups_and_schedule(monkeypatch, shared_helper):
-    import training.train_lra as train_lra
-
-    if not shared_helper:  # the local fallback used when training.optim is absent
-        monkeypatch.setattr(train_lra, "_shared_parameter_groups", None)
+def test_optimizer_groups_and_schedule():
     model = build_model(_TINY_MODEL, 64, 0)
-    groups = param_groups(model, 0.05, 2e-3, 1e-3)
+    tcfg = dict(TRAIN_DEFAULTS, learning_rate=2e-3, ssm_lr=1e-3, weight_decay=0.05)
+    optimizer, _ = build_optimizer(model, tcfg, 100)  # groups from training.optim.parameter_groups
+    groups = optimizer.param_groups
     by_name = {g["name"]: g for g in groups}
+    assert list(by_name) == ["decay", "no_decay", "ssm"]
+    assert by_name["decay"]["initial_lr"] == by_name["no_decay"]["initial_lr"] == 2e-3
     ssm_ids = {id(p) for n, p in model.named_parameters() if n in set(model.ssm_parameter_names())}
     assert ssm_ids and {id(p) for p in by_name["ssm"]["params"]} == ssm_ids
-    assert by_name["ssm"]["weight_decay"] == 0.0 and by_name["ssm"]["lr"] == 1e-3
+    assert by_name["ssm"]["weight_decay"] == 0.0 and by_name["ssm"]["initial_lr"] == 1e-3
     assert by_name["decay"]["weight_decay"] == 0.05 and all(p.ndim >= 2 for p in by_name["decay"]["params"])
     assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
     # S4 head layers contribute SSM parameters too.

@@ -134,25 +134,47 @@ def test_command_line_overrides_win(tmp_path):
         T.parse_args(["--config", str(bad)])
 
 
-def test_parameter_groups_ssm_own_lr_no_decay():
+@pytest.mark.parametrize(
+    "preset, overrides",
+    [("bst-tiny-sh-s4", {}), ("bst-tiny-sh-s4", {"bidirectional": True}), ("bst-tiny-sh-unstruct", {})],
+    ids=["s4", "s4-bidirectional", "unstruct"],
+)
+def test_parameter_groups_ssm_own_lr_no_decay(preset, overrides):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import modeling_bst  # noqa: F401
 
-    config = AutoConfig.from_pretrained(T.resolve_preset("bst-tiny-sh-s4"))
-    for k, v in dict(TINY_MODEL, vocab_size=100).items():
+    config = AutoConfig.from_pretrained(T.resolve_preset(preset))
+    for k, v in dict(TINY_MODEL, vocab_size=100, **overrides).items():
         setattr(config, k, v)
     model = AutoModelForCausalLM.from_config(config)
     groups = {g["name"]: g for g in parameter_groups(model, lr=1e-2, weight_decay=0.1, ssm_lr=1e-3)}
+    assert list(groups) == ["decay", "no_decay", "ssm"]
     ssm = set(model.ssm_parameter_names())
     assert ssm, "the tiny BST has SSM parameters"
     names = {id(p): n for n, p in model.named_parameters()}
-    assert {names[id(p)] for p in groups["ssm"]["params"]} == ssm
+    in_group = {k: {names[id(p)] for p in g["params"]} for k, g in groups.items()}
+    assert in_group["ssm"] == ssm
     assert groups["ssm"]["lr"] == 1e-3 and groups["ssm"]["weight_decay"] == 0.0
+    assert groups["decay"]["lr"] == groups["no_decay"]["lr"] == 1e-2
     assert groups["decay"]["weight_decay"] == 0.1 and all(p.ndim >= 2 for p in groups["decay"]["params"])
     assert groups["no_decay"]["weight_decay"] == 0.0
+    # every parameter in exactly one group
     all_ids = [id(p) for g in groups.values() for p in g["params"]]
     assert len(all_ids) == len(set(all_ids)) == len({id(p) for p in model.parameters()})
+    # the SSM group holds the state-space parameters, whatever their shape, and nothing else
+    kernel = "model.layers.0.cross_attn.context.ssm."
+    if config.ssm_kind == "s4":
+        expected = {kernel + k for k in ("A_log_real", "A_imag", "log_dt", "B")}
+        assert {kernel + "C", kernel + "D"} <= in_group["decay"]
+        if config.bidirectional:
+            assert kernel + "C_backward" in in_group["decay"]
+    else:  # the implicit filter, its MLP's biases included; its D-term (``bias``) is a read-out
+        mlp = [f"mlp.{i}.{w}" for i in range(config.unstruct_num_inner_mlps + 1) for w in ("weight", "bias")]
+        expected = {kernel + k for k in ("pos_emb", "sin.freq", "out.weight", *mlp)}
+        assert kernel + "mlp.0.bias" in in_group["ssm"]
+        assert kernel + "bias" in in_group["decay"]
+    assert in_group["ssm"] == expected
 
 
 # ---------------------------------------------------------------------------------------------------- training

@@ -1,11 +1,17 @@
 """Optimizer parameter groups for BST language models (the paper: Adam; S4 practice for the SSM parameters).
 
+The one home of the groups: the language-model Trainer (``training/train.py``), the LRA trainer
+(``training/train_lra.py``) and the experiments (``experiments/mqar.py``, ``experiments/long_range_recall.py``) all
+build them with :func:`parameter_groups`.
+
 Three groups: weights with weight decay; one-dimensional parameters (biases, norm scales, per-head scales) and
 embeddings' tied copies without decay; SSM parameters (``model.ssm_parameter_names()``: the S4D state matrix, B and
-dt, the unstruct implicit filter) with their own learning rate and no weight decay.
+dt, the whole unstruct implicit filter, its MLP's biases included) with their own learning rate and no weight decay.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -19,16 +25,30 @@ def ssm_parameter_names(model: torch.nn.Module) -> set[str]:
     return {n for n, _ in inner.named_parameters() if "ssm" in n.lower()}
 
 
+def one_dimensional(name: str, param: torch.Tensor) -> bool:
+    """The default no-decay rule: parameters with fewer than two dimensions (biases, norm scales, per-head scales)."""
+    return param.ndim < 2
+
+
 def parameter_groups(
-    model: torch.nn.Module, lr: float, weight_decay: float, ssm_lr: float | None = None
+    model: torch.nn.Module,
+    lr: float,
+    weight_decay: float,
+    ssm_lr: float | None = None,
+    *,
+    ssm_names: Iterable[str] | None = None,
+    no_decay: Callable[[str, torch.Tensor], bool] = one_dimensional,
 ) -> list[dict]:
     """Param groups ``[decay, no_decay, ssm]`` (empty groups left out) for ``torch.optim`` optimizers.
 
-    ``ssm`` parameters get ``lr=ssm_lr`` (``lr`` when None) and ``weight_decay=0``; other parameters with fewer than
-    two dimensions get ``weight_decay=0``; the rest get ``weight_decay``. Frozen parameters are skipped. Each group
-    carries a ``name`` key for logging. Every trainable parameter appears in exactly one group."""
+    ``ssm`` parameters (``ssm_names``, default :func:`ssm_parameter_names`) get ``lr=ssm_lr`` (``lr`` when None) and
+    ``weight_decay=0``; other parameters for which ``no_decay(name, param)`` holds (default: fewer than two
+    dimensions) get ``weight_decay=0``; the rest get ``weight_decay``. Frozen parameters are skipped. Each group
+    carries a ``name`` key for logging. Every trainable parameter appears in exactly one group, in
+    ``named_parameters`` order within its group (optimizer state is indexed in this order: checkpoints depend on it).
+    """
     inner = getattr(model, "module", model)
-    ssm = ssm_parameter_names(inner)
+    ssm = ssm_parameter_names(inner) if ssm_names is None else set(ssm_names)
     groups = {"decay": [], "no_decay": [], "ssm": []}
     seen: set[int] = set()
     for name, p in inner.named_parameters():
@@ -37,7 +57,7 @@ def parameter_groups(
         seen.add(id(p))
         if name in ssm:
             groups["ssm"].append(p)
-        elif p.ndim < 2:
+        elif no_decay(name, p):
             groups["no_decay"].append(p)
         else:
             groups["decay"].append(p)

@@ -2,8 +2,9 @@
 
 The paper's LRA recipe (App. D): AdamW, learning rate warmed up linearly from 1e-7 to the peak over the first 10% of
 training, then cosine-decayed to 1e-7; weight decay on every parameter except the S4 state-space parameters
-(``model.ssm_parameter_names()``: Lambda/A, B, dt), which train at ``ssm_lr`` without decay. One-dimensional
-parameters (biases, norm scales, per-head logit scales) are not decayed either.
+(``model.ssm_parameter_names()``: Lambda/A, B, dt; unstruct's implicit filter), which train at ``ssm_lr`` without
+decay. One-dimensional parameters (biases, norm scales, per-head logit scales) are not decayed either. The groups
+come from ``training.optim.parameter_groups``.
 
 Only ListOps is implemented so far (``training/listops.py``)::
 
@@ -36,12 +37,7 @@ from transformers.trainer_callback import PrinterCallback
 
 from modeling_bst import BSTConfig, BSTForSequenceClassification
 from training import listops
-
-
-try:  # the shared param-group helper of the language-model trainer
-    from training.optim import parameter_groups as _shared_parameter_groups
-except ImportError:  # pragma: no cover
-    _shared_parameter_groups = None
+from training.optim import parameter_groups
 
 
 TRAIN_DEFAULTS = {
@@ -131,30 +127,6 @@ def load_task_data(task: str, data_dir: str | None, generate: int | None, data_c
 # --------------------------------------------------------------------------------------------------------------------
 # Optimiser
 # --------------------------------------------------------------------------------------------------------------------
-def param_groups(model, weight_decay: float, lr: float, ssm_lr: float) -> list[dict]:
-    """Three AdamW groups: decayed weights, undecayed 1-D parameters, and the SSM parameters (own lr, no decay).
-
-    Delegates to ``training.optim.parameter_groups`` (shared with the language-model trainer) when available."""
-    if _shared_parameter_groups is not None:
-        return _shared_parameter_groups(model, lr=lr, weight_decay=weight_decay, ssm_lr=ssm_lr)
-    ssm_names = set(model.ssm_parameter_names())
-    groups = {
-        "decay": {"params": [], "weight_decay": weight_decay, "lr": lr, "name": "decay"},
-        "no_decay": {"params": [], "weight_decay": 0.0, "lr": lr, "name": "no_decay"},
-        "ssm": {"params": [], "weight_decay": 0.0, "lr": ssm_lr, "name": "ssm"},
-    }
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        if name in ssm_names:
-            groups["ssm"]["params"].append(p)
-        elif p.ndim < 2:
-            groups["no_decay"]["params"].append(p)
-        else:
-            groups["decay"]["params"].append(p)
-    return [g for g in groups.values() if g["params"]]
-
-
 def warmup_cosine(total_steps: int, warmup_steps: int, start_ratio: float, end_ratio: float):
     """LR multiplier: linear from ``start_ratio`` to 1 over ``warmup_steps``, then cosine down to ``end_ratio``."""
 
@@ -170,7 +142,8 @@ def warmup_cosine(total_steps: int, warmup_steps: int, start_ratio: float, end_r
 def build_optimizer(model, tcfg: dict, total_steps: int):
     lr = float(tcfg["learning_rate"])
     ssm_lr = float(tcfg["ssm_lr"]) if tcfg["ssm_lr"] is not None else float(model.config.ssm_lr)
-    groups = param_groups(model, float(tcfg["weight_decay"]), lr, ssm_lr)
+    # decayed weights, undecayed 1-D parameters, the SSM parameters at ssm_lr without decay (training.optim)
+    groups = parameter_groups(model, lr, float(tcfg["weight_decay"]), ssm_lr)
     optimizer = torch.optim.AdamW(groups, lr=lr, betas=tuple(float(b) for b in tcfg["adam_betas"]))
     warmup = int(round(float(tcfg["warmup_ratio"]) * total_steps))
     lambdas = [
