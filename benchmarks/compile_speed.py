@@ -25,6 +25,7 @@ from pathlib import Path
 os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
 
 import torch  # noqa: E402
+from bench_common import RowLog, existing_file, positive_int  # noqa: E402
 from docs_section import cpu_name, tune_malloc, write_section  # noqa: E402
 
 from modeling_bst import BSTConfig, BSTForCausalLM, ssm_bst  # noqa: E402
@@ -124,19 +125,42 @@ def write_docs(rows: list[dict], meta: dict):
     write_section("compile", lines)
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", nargs="+", default=["configs/models/bst-tiny-sh-s4.json"])
-    p.add_argument("--lengths", nargs="+", type=int, default=[512])
+    p.add_argument("--configs", nargs="+", type=existing_file, default=["configs/models/bst-tiny-sh-s4.json"])
+    p.add_argument("--lengths", nargs="+", type=positive_int, default=[512])
     p.add_argument("--modes", nargs="+", default=["forward", "train"], choices=["forward", "train"])
     p.add_argument("--fft", nargs="+", default=["op", "disable"], choices=sorted(FFT_VARIANTS))
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=positive_int, default=5)
+    p.add_argument("--threads", type=positive_int, default=1)
     p.add_argument("--output", default="docs/benchmarks/compile_speed.json")
     p.add_argument("--write-docs", action="store_true")
     p.add_argument("--note", default="", help="a line for the docs section (e.g. machine load)")
-    p.add_argument("--from-json", nargs="+", default=None, help="write the docs section from earlier runs' JSON")
-    args = p.parse_args()
+    p.add_argument(
+        "--from-json",
+        nargs="+",
+        type=existing_file,
+        default=None,
+        help="write the docs section from earlier runs' JSON",
+    )
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The flags, every one checked before anything is built or compiled (the configs are read here)."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    if not args.from_json:
+        for path in args.configs:
+            try:
+                BSTConfig.from_json_file(path)
+            except Exception as exc:  # a broken config fails now, not after the earlier configs' compiles
+                p.error(f"--configs {path}: not a BST config ({type(exc).__name__}: {exc})")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     if args.from_json:
         runs = [json.loads(Path(f).read_text()) for f in args.from_json]
         meta = dict(runs[0]["meta"], argv=" ; ".join(r["meta"]["argv"] for r in runs), note=args.note)
@@ -144,19 +168,6 @@ def main():
         return None
     torch.set_num_threads(args.threads)
     tune_malloc()
-    rows = []
-    for config in args.configs:
-        for length in args.lengths:
-            for mode in args.modes:
-                for fft in args.fft:
-                    row = run(config, length, mode, fft, args.repeats)
-                    rows.append(row)
-                    print(
-                        f"{row['config']:>16} L={length:<5} {mode:<7} fft={fft:<8} first {row['first_call_s']:7.1f} s"
-                        f"  eager {1e3 * row['eager_s']:8.1f} ms  compiled {1e3 * row['compiled_s']:8.1f} ms"
-                        f"  x{row['speedup']:.2f}  diff {row['max_abs_diff']:.1e}",
-                        flush=True,
-                    )
     meta = {
         "argv": " ".join(sys.argv[1:]),
         "cpu": cpu_name(),
@@ -165,10 +176,24 @@ def main():
         "note": args.note,
     }
     out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    if args.write_docs:
-        write_docs(rows, meta)
+    with RowLog(out, meta) as log:
+        for config in args.configs:
+            for length in args.lengths:
+                for mode in args.modes:
+                    for fft in args.fft:
+                        row = log.add(run(config, length, mode, fft, args.repeats))
+                        print(
+                            f"{row['config']:>16} L={length:<5} {mode:<7} fft={fft:<8} first {row['first_call_s']:7.1f} s"
+                            f"  eager {1e3 * row['eager_s']:8.1f} ms  compiled {1e3 * row['compiled_s']:8.1f} ms"
+                            f"  x{row['speedup']:.2f}  diff {row['max_abs_diff']:.1e}",
+                            flush=True,
+                        )
+        rows = log.rows
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        if args.write_docs:
+            write_docs(rows, meta)
+        log.done()
     return rows
 
 

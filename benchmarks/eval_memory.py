@@ -26,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench_common import TORCH_DTYPE_ALIASES, RowLog, alias_choice, positive_float, positive_int  # noqa: E402
 
 
 def _rss_gib() -> float:
@@ -81,8 +82,11 @@ def run(preset: str, tokens: int, chunk: int, dtype: str, threads: int) -> dict:
     cmd = [sys.executable, __file__, "--child", "--preset", preset, "--tokens", str(tokens), "--chunk", str(chunk)]
     cmd += ["--dtype", dtype, "--threads", str(threads)]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:  # the child's own error, not just its exit status
+        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        raise RuntimeError(f"{preset} at {tokens} tokens: child process exited with {proc.returncode}:\n{tail}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def write_docs(rows: list[dict], budget_gib: float) -> None:
@@ -143,34 +147,53 @@ def write_docs(rows: list[dict], budget_gib: float) -> None:
     write_section("eval_memory", lines)
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+PRESETS = sorted(f.stem for f in (ROOT / "configs" / "models").glob("*.json"))
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
-    p.add_argument("--preset", default="bst-sh-s4")
-    p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 65536])
-    p.add_argument("--chunk", type=int, default=4096)
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--budget_gib", type=float, default=12.0)
+    p.add_argument("--preset", default="bst-sh-s4", choices=PRESETS, help="a config of configs/models/")
+    p.add_argument("--tokens", type=positive_int, nargs="+", default=[4096, 16384, 65536])
+    p.add_argument("--chunk", type=positive_int, default=4096)
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        type=alias_choice(TORCH_DTYPE_ALIASES),
+        choices=["float32", "bfloat16"],
+        help="float32 (alias fp32) or bfloat16 (alias bf16)",
+    )
+    p.add_argument("--threads", type=positive_int, default=1)
+    p.add_argument("--budget_gib", type=positive_float, default=12.0)
     p.add_argument("--no_docs", action="store_true")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, every one checked before a model is built."""
+    return build_parser().parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
     if args.child:
         print(json.dumps(child(args.preset, args.tokens[0], args.chunk, args.dtype, args.threads)))
         return []
-    rows = []
-    for n in args.tokens:
-        r = run(args.preset, n, args.chunk, args.dtype, args.threads)
-        rows.append(r)
-        print(
-            f"{r['preset']} ({r['parameters'] / 1e6:.0f}M) {n} tokens chunk {r['chunk']} {r['dtype']}: "
-            f"peak {r['peak_rss_gib']:.2f} GiB (model {r['rss_model_gib']:.2f}), {r['seconds']:.0f} s",
-            flush=True,
-        )
-    if not args.no_docs:
-        write_docs(rows, args.budget_gib)
-    return rows
+    meta = dict(preset=args.preset, chunk=args.chunk, dtype=args.dtype, threads=args.threads, argv=sys.argv[1:])
+    with RowLog(ROOT / "docs" / "benchmarks" / "eval_memory.json", meta) as log:
+        for n in args.tokens:
+            r = log.add(run(args.preset, n, args.chunk, args.dtype, args.threads))
+            print(
+                f"{r['preset']} ({r['parameters'] / 1e6:.0f}M) {n} tokens chunk {r['chunk']} {r['dtype']}: "
+                f"peak {r['peak_rss_gib']:.2f} GiB (model {r['rss_model_gib']:.2f}), {r['seconds']:.0f} s",
+                flush=True,
+            )
+        if not args.no_docs:
+            write_docs(log.rows, args.budget_gib)
+        log.done()
+    return log.rows
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from bench_common import RowLog, device_arg, non_negative_int, positive_int
 from docs_section import clock, cpu_name, device_name, write_section
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MambaConfig, MambaForCausalLM, StaticCache
 
@@ -183,10 +184,13 @@ def compile_counters() -> dict:
     return picked
 
 
-def measure_compiled(models: dict, contexts, steps: int, device: str, mode: str, skip=None) -> tuple[list, dict]:
+def measure_compiled(
+    models: dict, contexts, steps: int, device: str, mode: str, skip=None, on_row=None
+) -> tuple[list, dict]:
     """Compiled decode steps of [`COMPILED_KINDS`]: each compile checked against eager first, then timed at every
     context (those of them in ``models``) but those ``skip(kind, context)`` rules out (the eager run's limits).
-    Returns rows (``model`` = kind + "-compiled") and per kind the check and dynamo's counters."""
+    Returns rows (``model`` = kind + "-compiled") and per kind the check and dynamo's counters; ``on_row(row)`` is
+    called with each row as it is measured."""
     from torch._dynamo.utils import counters
 
     rows, report = [], {}
@@ -202,6 +206,8 @@ def measure_compiled(models: dict, contexts, steps: int, device: str, mode: str,
                 continue
             ms, nbytes = measure(kind, models[kind], context, steps, device, step_model=step_model)
             rows.append(dict(model=f"{kind}-compiled", context=context, ms_per_token=ms, cache_bytes=nbytes))
+            if on_row is not None:
+                on_row(rows[-1])
             print(f"{kind + '-compiled':<15} {context:>8} {ms:>9.2f} {nbytes / 2**20:>10.2f}", flush=True)
         record.update(compile_counters())
         print(f"{kind} compiled ({mode}): {record}", flush=True)
@@ -290,23 +296,27 @@ def plot(rows, out: Path):
     fig.savefig(out, dpi=120)
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--recompute-max", type=int, default=4096, help="largest context for the no-cache baseline")
-    parser.add_argument("--mamba-max", type=int, default=4096, help="largest context for Mamba (slow torch prefill)")
+    parser.add_argument("--contexts", type=positive_int, nargs="+", default=[1024, 4096, 16384, 65536])
+    parser.add_argument("--hidden", type=positive_int, default=512)
+    parser.add_argument("--layers", type=positive_int, default=8)
+    parser.add_argument("--steps", type=positive_int, default=8)
+    parser.add_argument("--threads", type=positive_int, default=1)
+    parser.add_argument(
+        "--recompute-max", type=non_negative_int, default=4096, help="largest context for the no-cache baseline"
+    )
+    parser.add_argument(
+        "--mamba-max", type=non_negative_int, default=4096, help="largest context for Mamba (slow torch prefill)"
+    )
     parser.add_argument(
         "--llama-max",
-        type=int,
+        type=non_negative_int,
         default=None,
         help="largest context for Llama (its full-attention prefill is quadratic)",
     )
     parser.add_argument("--quick", action="store_true", help="hidden 256, 4 layers, contexts 1k/4k/16k")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--device", type=device_arg, default="cpu", help="cpu or cuda")
     parser.add_argument(
         "--compile",
         default=None,
@@ -327,11 +337,22 @@ def main():
         choices=["best", "mean"],
         help="per-token time: best of --steps, or their mean (amortised cost: unstruct chunks refresh every 256 steps)",
     )
-    parser.add_argument("--repeats", type=int, default=1, help="run all contexts this many times, alternating")
+    parser.add_argument(
+        "--repeats", type=positive_int, default=1, help="run all contexts this many times, alternating"
+    )
     parser.add_argument(
         "--no-write", action="store_true", help="print only: no JSON/PNG, no docs/benchmarks.md section"
     )
-    args = parser.parse_args()
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The flags, every one checked before a model is built."""
+    return build_parser().parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
     if args.quick:
         args.hidden, args.layers, args.contexts = 256, 4, [1024, 4096, 16384]
     torch.set_num_threads(args.threads)
@@ -355,7 +376,9 @@ def main():
     models = {k: build(k, args.hidden, args.layers, max_context).to(args.device) for k in built}
     if "bst-recompute" in kinds:
         models["bst-recompute"] = models["bst-s4"]
-    rows = []
+    out = ROOT / "docs" / "benchmarks"
+    stem = "generation_speed_gpu" if torch.device(args.device).type == "cuda" else "generation_speed"
+    log = RowLog(out / f"{stem}.json", meta)
     print(f"{'model':<15} {'context':>8} {'ms/token':>9} {'cache MiB':>10}")
 
     def skipped(kind: str, context: int) -> bool:
@@ -366,30 +389,30 @@ def main():
             return context > args.mamba_max
         return kind.startswith("llama") and args.llama_max is not None and context > args.llama_max
 
-    for context in [c for _ in range(args.repeats) for c in args.contexts]:
-        for kind in kinds:
-            if skipped(kind, context):
-                continue
-            steps = args.steps if kind != "bst-recompute" else 2
-            ms, nbytes = measure(kind, models[kind], context, steps, args.device, stat=args.stat)
-            rows.append(dict(model=kind, context=context, ms_per_token=ms, cache_bytes=nbytes))
-            print(f"{kind:<15} {context:>8} {ms:>9.2f} {nbytes / 2**20:>10.2f}", flush=True)
-    if args.compile is not None:
-        meta["compile_mode"] = args.compile
-        compiled_rows, meta["compiled"] = measure_compiled(
-            models, args.contexts, args.steps, args.device, args.compile, skip=skipped
-        )
-        rows += compiled_rows
-    if args.no_write:
-        print(json.dumps(meta))
-        return
-    out = ROOT / "docs" / "benchmarks"
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "generation_speed_gpu" if torch.device(args.device).type == "cuda" else "generation_speed"
-    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    plot(rows, out / f"{stem}.png")
-    if stem == "generation_speed":
-        write_docs(rows, meta, args.contexts)
+    with log:
+        for context in [c for _ in range(args.repeats) for c in args.contexts]:
+            for kind in kinds:
+                if skipped(kind, context):
+                    continue
+                steps = args.steps if kind != "bst-recompute" else 2
+                ms, nbytes = measure(kind, models[kind], context, steps, args.device, stat=args.stat)
+                log.add(dict(model=kind, context=context, ms_per_token=ms, cache_bytes=nbytes))
+                print(f"{kind:<15} {context:>8} {ms:>9.2f} {nbytes / 2**20:>10.2f}", flush=True)
+        if args.compile is not None:
+            meta["compile_mode"] = args.compile
+            _, meta["compiled"] = measure_compiled(
+                models, args.contexts, args.steps, args.device, args.compile, skip=skipped, on_row=log.add
+            )
+        rows = log.rows
+        if args.no_write:
+            print(json.dumps(meta))
+        else:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+            plot(rows, out / f"{stem}.png")
+            if stem == "generation_speed":
+                write_docs(rows, meta, args.contexts)
+        log.done()
 
 
 if __name__ == "__main__":

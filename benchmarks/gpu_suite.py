@@ -6,7 +6,9 @@ writes one JSON and a markdown summary.
 
 Parts, each in its own process with its own time budget (seconds; ``--budget PART=S`` changes one), killed
 ``GRACE`` seconds after it; a part writes its results after every measurement, so a killed part keeps what it
-measured, and within a part a measurement whose estimated time exceeds what is left is skipped and recorded:
+measured, and within a part a measurement whose estimated time exceeds what is left is skipped and recorded; each
+finished part's entry is appended to OUTDIR/gpu_suite.partial.jsonl at once (benchmarks/bench_common.py's ``RowLog``,
+removed when gpu_suite.json is written), so a suite stopped midway keeps the parts it finished:
 
 * ``tests`` (120 s): ``pytest -m gpu tests/test_gpu.py`` (every model family on CUDA vs CPU float64, step ==
   parallel, generate, FFT in fp32 under bf16 autocast, no host-device sync in an S4 decode step);
@@ -46,6 +48,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from bench_common import RowLog, positive_float, write_json_atomic  # noqa: E402
 from docs_section import device_name  # noqa: E402
 
 
@@ -111,9 +114,7 @@ class Part:
         return False
 
     def save(self):
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=1, default=float))
-        tmp.replace(self.path)
+        write_json_atomic(self.path, self.data)
 
 
 def empty_device_cache(device: str):
@@ -314,17 +315,27 @@ def run_suite(outdir: Path, dry_run: bool, budgets: dict, parts) -> dict:
         command="bash benchmarks/gpu_suite.sh " + " ".join(sys.argv[1:]),
     )
     report = {"schema": SCHEMA, "dry_run": dry_run, "meta": meta, "budget_s": budgets, "parts": {}}
+    # Each part's entry goes to OUTDIR/gpu_suite.partial.jsonl as soon as the part ends: a suite killed midway keeps
+    # the parts it finished.
+    with RowLog(outdir / "gpu_suite.json", meta) as log:
+        run_parts(report, outdir, dry_run, budgets, parts, log)
+        log.done()
+    return report
+
+
+def run_parts(report: dict, outdir: Path, dry_run: bool, budgets: dict, parts, log: RowLog):
+    plan = PLANS["dry" if dry_run else "full"]
     suite_start = time.perf_counter()
     for name in PARTS:
         entry = report["parts"][name] = {"budget_s": budgets[name]}
         if name not in parts:
             entry.update(status="skipped (not selected)", seconds=0.0)
             continue
-        log = outdir / f"{name}.log"
+        part_log = outdir / f"{name}.log"
         if name == "tests":
             xml = outdir / "gpu_tests.xml"
             cmd = [sys.executable, "-m", "pytest", *plan["tests"], "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider"]
-            status, seconds = launch([*cmd, f"--junitxml={xml}"], budgets[name] + GRACE, log)
+            status, seconds = launch([*cmd, f"--junitxml={xml}"], budgets[name] + GRACE, part_log)
             data = junit_summary(xml)
             if status == "failed (rc 1)":  # pytest's "some tests failed": the tests ran, their results are data
                 status = "ok"
@@ -332,18 +343,18 @@ def run_suite(outdir: Path, dry_run: bool, budgets: dict, parts) -> dict:
             result = outdir / f"{name}.json"
             cmd = [sys.executable, str(Path(__file__).resolve()), "--part", name, "--budget", str(budgets[name])]
             cmd += ["--result", str(result)] + (["--dry-run"] if dry_run else [])
-            status, seconds = launch(cmd, budgets[name] + GRACE, log)
+            status, seconds = launch(cmd, budgets[name] + GRACE, part_log)
             data = json.loads(result.read_text()) if result.exists() else {}
             result.unlink(missing_ok=True)
         entry.update(status=status, seconds=round(seconds, 1), data=data)
         if status != "ok":
-            entry["log_tail"] = log_tail(log)
+            entry["log_tail"] = log_tail(part_log)
+        log.add({"part": name, **entry})
         print(f"[gpu_suite] {name}: {status} in {seconds:.0f} s", flush=True)
     report["seconds"] = round(time.perf_counter() - suite_start, 1)
     report["targets"] = targets(report)
     (outdir / "gpu_suite.json").write_text(json.dumps(report, indent=2, default=float) + "\n")
     (outdir / "gpu_suite.md").write_text("\n".join(markdown(report)) + "\n")
-    return report
 
 
 # -- summary -----------------------------------------------------------------------------------------------------------
@@ -500,7 +511,7 @@ def markdown(report: dict) -> list[str]:
     return lines
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
@@ -510,19 +521,44 @@ def main():
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--part", choices=PARTS[1:], help=argparse.SUPPRESS)  # a part's own process
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.part:
-        run_part(args.part, float(args.budget[0]), args.result, args.dry_run)
-        return
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The flags, every one checked before any part starts; ``args.budgets``: every part's budget in seconds."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.part:  # a part's own process: --budget SECONDS --result PATH
+        if len(args.budget) != 1 or args.result is None:
+            parser.error("--part takes one --budget SECONDS and --result PATH")
+        try:
+            args.budgets = {args.part: positive_float(args.budget[0])}
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"--budget: {exc}")
+        return args
     if args.outdir is None:
         parser.error("OUTDIR is required")
     budgets = dict(BUDGETS)
     for item in args.budget:
         name, _, seconds = item.partition("=")
-        if name not in budgets or not seconds:
-            parser.error(f"--budget takes PART=SECONDS with PART one of {', '.join(PARTS)}; got {item!r}")
-        budgets[name] = float(seconds)
-    report = run_suite(args.outdir, args.dry_run, budgets, args.parts)
+        try:
+            if name not in budgets:
+                raise argparse.ArgumentTypeError(f"PART {name!r} is not one of {', '.join(PARTS)}")
+            budgets[name] = positive_float(seconds)
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"--budget takes PART=SECONDS with PART one of {', '.join(PARTS)}; got {item!r} ({exc})")
+    args.budgets = budgets
+    if not args.dry_run and not torch.cuda.is_available():
+        parser.error("no CUDA device (torch.cuda.is_available() is False); use --dry-run on a CPU")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.part:
+        run_part(args.part, args.budgets[args.part], args.result, args.dry_run)
+        return
+    report = run_suite(args.outdir, args.dry_run, args.budgets, args.parts)
     print(f"[gpu_suite] wrote {args.outdir / 'gpu_suite.json'} and {args.outdir / 'gpu_suite.md'}")
     print("\n".join(markdown(report)[:40]))
 

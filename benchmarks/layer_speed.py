@@ -55,6 +55,15 @@ from modeling_bst import BSTConfig, BSTModel
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import (  # noqa: E402
+    DTYPE_ALIASES,
+    RowLog,
+    alias_choice,
+    device_arg,
+    existing_file,
+    positive_float,
+    positive_int,
+)
 from docs_section import clock, device_name, tune_malloc  # noqa: E402
 
 
@@ -480,31 +489,56 @@ def write_markdown(meta, results, names, path: Path):
     path.write_text(text)
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
     parser.add_argument("--quick", action="store_true", help="L up to 4k, 3 rounds")
     parser.add_argument("--long", action="store_true", help="also L = 32k and 64k")
-    parser.add_argument("--dtype", choices=["fp32", "bf16", "both"], default="both")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=None, help="alternating rounds per length (default 7, quick 3)")
-    parser.add_argument("--budget", type=float, default=90.0, help="seconds per (length, dtype) after 2 rounds")
-    parser.add_argument("--recurrent-states", type=int, default=512, help="BRecT / lucidrains state vectors")
-    parser.add_argument("--lengths", type=int, nargs="*", default=None)
+    parser.add_argument(
+        "--dtype",
+        type=alias_choice(DTYPE_ALIASES),
+        choices=["fp32", "bf16", "both"],
+        default="both",
+        help="fp32 (alias float32), bf16 autocast (alias bfloat16) or both",
+    )
+    parser.add_argument("--threads", type=positive_int, default=1)
+    parser.add_argument(
+        "--rounds", type=positive_int, default=None, help="alternating rounds per length (default 7, quick 3)"
+    )
+    parser.add_argument(
+        "--budget", type=positive_float, default=90.0, help="seconds per (length, dtype) after 2 rounds"
+    )
+    parser.add_argument("--recurrent-states", type=positive_int, default=512, help="BRecT / lucidrains state vectors")
+    parser.add_argument("--lengths", type=positive_int, nargs="*", default=None)
     parser.add_argument("--contenders", nargs="*", default=None, choices=CONTENDERS)
     parser.add_argument("--no-write", action="store_true", help="print only")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (a GPU: synchronised timing, its free memory)")
+    parser.add_argument(
+        "--device", type=device_arg, default="cpu", help="cpu or cuda (a GPU: synchronised timing, its free memory)"
+    )
     parser.add_argument(
         "--render",
-        type=Path,
+        type=existing_file,
         nargs="+",
         default=None,
         help="re-render table/plot/markdown from saved JSON(s); several runs are merged by per-cell minimum",
     )
-    args = parser.parse_args()
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The flags, every one checked before a layer is built."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.contenders and set(args.contenders) == {"lucidrains"} and not has_lucidrains():
+        parser.error("--contenders lucidrains: block-recurrent-transformer-pytorch is not installed (see --help)")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     if args.render:
-        meta, results = merge_runs([json.loads(p.read_text()) for p in args.render])
+        meta, results = merge_runs([json.loads(Path(p).read_text()) for p in args.render])
         render(meta, results, list(next(iter(next(iter(results.values())).values()))))
         return
 
@@ -557,37 +591,41 @@ def main():
     print(f"{meta['cpu']}, {meta['threads']} thread(s); canary {meta['canary_before']:.0f} GFLOP/s")
 
     results = {}
-    for dtype in dtypes:
-        results[dtype] = {}
-        for seq_len in lengths:
-            t0 = time.perf_counter()
-            results[dtype][str(seq_len)] = time_length(
-                names,
-                seq_len,
-                dtype,
-                rounds,
-                args.budget,
-                args.recurrent_states,
-                count_flops=dtype == dtypes[0],
-                device=args.device,
-            )
-            row = results[dtype][str(seq_len)]
-            print(
-                f"{dtype} L={seq_len:6d} ({time.perf_counter() - t0:5.1f}s): "
-                + "  ".join(f"{n}={fmt(ms(row[n]))}" for n in names),
-                flush=True,
-            )
-            for n in names:
-                if "error" in row[n]:
-                    print(f"  {n}: {row[n]['error']}")
-    meta["canary_after"] = canary_gflops()
-    meta["loadavg_after"] = os.getloadavg()[0]
-    print(f"canary after {meta['canary_after']:.0f} GFLOP/s\n")
-    if args.no_write:
-        print("\n".join(table_rows(results, names)))
-        print("\n" + "\n".join(verdict(results)))
-        return
-    render(meta, results, names)
+    gpu = torch.device(args.device).type == "cuda"
+    with RowLog(ROOT / "docs" / "benchmarks" / ("layer_speed_gpu.json" if gpu else "layer_speed.json"), meta) as log:
+        for dtype in dtypes:
+            results[dtype] = {}
+            for seq_len in lengths:
+                t0 = time.perf_counter()
+                results[dtype][str(seq_len)] = time_length(
+                    names,
+                    seq_len,
+                    dtype,
+                    rounds,
+                    args.budget,
+                    args.recurrent_states,
+                    count_flops=dtype == dtypes[0],
+                    device=args.device,
+                )
+                row = results[dtype][str(seq_len)]
+                log.add(dict(dtype=dtype, length=seq_len, entries=row))
+                print(
+                    f"{dtype} L={seq_len:6d} ({time.perf_counter() - t0:5.1f}s): "
+                    + "  ".join(f"{n}={fmt(ms(row[n]))}" for n in names),
+                    flush=True,
+                )
+                for n in names:
+                    if "error" in row[n]:
+                        print(f"  {n}: {row[n]['error']}")
+        meta["canary_after"] = canary_gflops()
+        meta["loadavg_after"] = os.getloadavg()[0]
+        print(f"canary after {meta['canary_after']:.0f} GFLOP/s\n")
+        if args.no_write:
+            print("\n".join(table_rows(results, names)))
+            print("\n" + "\n".join(verdict(results)))
+        else:
+            render(meta, results, names)
+        log.done()
 
 
 def merge_runs(runs):

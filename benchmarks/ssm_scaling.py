@@ -39,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import generation_speed  # noqa: E402
 import layer_speed  # noqa: E402
+from bench_common import RowLog, existing_file, positive_int  # noqa: E402
 from docs_section import clock, cpu_name, tune_malloc, write_section  # noqa: E402
 
 from modeling_bst import ssm_bst  # noqa: E402
@@ -65,8 +66,9 @@ def segmented(layer: torch.nn.Module) -> bool:
     return any(isinstance(m, TokenContextStates) and m.segment_len for m in layer.modules())
 
 
-def layer_ab(lengths, rounds, names=None, paths=("whole", "unsegmented", "default")):
-    """{mode: {L: {contender/path: min ms}}} for mode in eval / train."""
+def layer_ab(lengths, rounds, names=None, paths=("whole", "unsegmented", "default"), on_row=None):
+    """{mode: {L: {contender/path: min ms}}} for mode in eval / train; ``on_row(row)`` is called with each (mode, L)
+    as it is measured."""
     names = names or LAYERS + ["BST:SH:S4 D_s=D/4"]
     out = {"eval": {}, "train": {}, "gflop": {}}
     for seq_len in lengths:
@@ -103,6 +105,8 @@ def layer_ab(lengths, rounds, names=None, paths=("whole", "unsegmented", "defaul
                         times[f"{name}/{path}" if path else name].append(1e3 * (clock("cpu") - t0))
                     gc.collect()
             out[mode][str(seq_len)] = {k: min(v) for k, v in times.items()}
+            if on_row is not None:
+                on_row(dict(part="layers", mode=mode, length=seq_len, ms=out[mode][str(seq_len)], gflop=flops))
             print(mode, seq_len, {k: round(v) for k, v in out[mode][str(seq_len)].items()}, flush=True)
         del layers
         gc.collect()
@@ -117,12 +121,12 @@ def set_decode_chunk(module: torch.nn.Module, chunked: bool):
             m.decode_chunk = min(ssm_bst.UNSTRUCT_DECODE_CHUNK, m.max_len) if chunked else m.max_len
 
 
-def decode_ab(contexts, steps, rounds):
+def decode_ab(contexts, steps, rounds, on_row=None):
     """{path: {context: mean ms/token}} for the unstruct decode model, "direct" vs "chunked", alternated round by
-    round (the smallest round mean kept)."""
+    round (the smallest round mean kept); ``on_row(row)`` is called with each (round, context, path)'s mean."""
     model = generation_speed.build("bst-unstruct", 512, 8, max(contexts))
     out = {"direct": {}, "chunked": {}}
-    for _ in range(rounds):  # every round measures every (context, path): a change in machine load hits them all
+    for r in range(rounds):  # every round measures every (context, path): a change in machine load hits them all
         for context in contexts:
             for path in out:
                 set_decode_chunk(model, path == "chunked")
@@ -130,6 +134,8 @@ def decode_ab(contexts, steps, rounds):
                     ms, _ = generation_speed.measure("bst-unstruct", model, context, steps, stat="mean")
                 key = str(context)
                 out[path][key] = min(ms, out[path].get(key, float("inf")))
+                if on_row is not None:
+                    on_row(dict(part="decode", round=r, context=context, path=path, ms=ms))
                 print("decode", path, context, round(ms, 1), flush=True)
                 gc.collect()
     set_decode_chunk(model, True)
@@ -218,6 +224,8 @@ def markdown(results) -> list[str]:
             if name == "Slide" or "Slide" not in g:
                 continue
             key = f"{name}/default"
+            if key not in layers["eval"][str(n)]:  # --paths without default: no ratio to state
+                continue
             fr = g[name] / g["Slide"]
             te = layers["eval"][str(n)][key] / layers["eval"][str(n)]["Slide"]
             tt = layers["train"][str(n)][key] / layers["train"][str(n)]["Slide"]
@@ -242,13 +250,13 @@ def markdown(results) -> list[str]:
     return lines
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 16384, 65536])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--lengths", type=positive_int, nargs="+", default=[4096, 8192, 16384])
+    parser.add_argument("--contexts", type=positive_int, nargs="+", default=[1024, 16384, 65536])
+    parser.add_argument("--rounds", type=positive_int, default=3)
     parser.add_argument(
-        "--steps", type=int, default=2 * ssm_bst.UNSTRUCT_DECODE_CHUNK, help="decode steps per context (mean)"
+        "--steps", type=positive_int, default=2 * ssm_bst.UNSTRUCT_DECODE_CHUNK, help="decode steps per context (mean)"
     )
     parser.add_argument(
         "--parts",
@@ -267,10 +275,29 @@ def main():
         help="SSM paths of the BST layers (unsegmented: only where the default is the segmented one, MH)",
     )
     parser.add_argument("--no-write", action="store_true", help="print only")
-    parser.add_argument("--render", type=Path, default=None, help="re-render the plot and section from a saved JSON")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--render", type=existing_file, default=None, help="re-render the plot and section from a saved JSON"
+    )
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The flags, every one checked before anything is built or timed (a part left out must have saved results)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    saved = OUT / "ssm_scaling.json"
+    if not args.render:
+        old = json.loads(saved.read_text()) if saved.exists() else {}
+        missing = [p for p in ("layers", "decode") if p not in args.parts and p not in old]
+        if missing:
+            parser.error(f"--parts leaves out {missing} but {saved} has no saved results for it")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     if args.render:
-        results = json.loads(args.render.read_text())
+        results = json.loads(Path(args.render).read_text())
         plot(results, OUT / "ssm_scaling.png")
         write_section("ssm_scaling", markdown(results))
         return
@@ -287,31 +314,29 @@ def main():
     t0 = time.perf_counter()
     saved = OUT / "ssm_scaling.json"
     old = json.loads(saved.read_text()) if saved.exists() else {}
-    missing = [p for p in ("layers", "decode") if p not in args.parts and p not in old]
-    if missing:
-        parser.error(f"--parts leaves out {missing} but {saved} has no saved results for it")
     results = {"meta": meta}
-    for part in ("layers", "decode"):
-        if part not in args.parts:
-            results[part] = old[part]
-            meta[f"{part}_from"] = old["meta"].get("command", "an earlier run")
-            if part == "decode":  # the kept part's settings, for its table text
-                meta.update({k: old["meta"][k] for k in ("decode_steps", "decode_chunk") if k in old["meta"]})
-        elif part == "layers":
-            results[part] = layer_ab(args.lengths, args.rounds, args.layers, args.paths)
-        else:
-            meta.update(decode_steps=args.steps, decode_chunk=ssm_bst.UNSTRUCT_DECODE_CHUNK)
-            results[part] = decode_ab(args.contexts, args.steps, args.rounds)
-    meta["loadavg_after"] = os.getloadavg()[0]
-    meta["seconds"] = round(time.perf_counter() - t0)
-    text = markdown(results)
-    print("\n".join(text))
-    if args.no_write:
-        return
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "ssm_scaling.json").write_text(json.dumps(results, indent=1))
-    plot(results, OUT / "ssm_scaling.png")
-    write_section("ssm_scaling", text)
+    with RowLog(saved, meta) as log:
+        for part in ("layers", "decode"):
+            if part not in args.parts:
+                results[part] = old[part]
+                meta[f"{part}_from"] = old["meta"].get("command", "an earlier run")
+                if part == "decode":  # the kept part's settings, for its table text
+                    meta.update({k: old["meta"][k] for k in ("decode_steps", "decode_chunk") if k in old["meta"]})
+            elif part == "layers":
+                results[part] = layer_ab(args.lengths, args.rounds, args.layers, args.paths, on_row=log.add)
+            else:
+                meta.update(decode_steps=args.steps, decode_chunk=ssm_bst.UNSTRUCT_DECODE_CHUNK)
+                results[part] = decode_ab(args.contexts, args.steps, args.rounds, on_row=log.add)
+        meta["loadavg_after"] = os.getloadavg()[0]
+        meta["seconds"] = round(time.perf_counter() - t0)
+        text = markdown(results)
+        print("\n".join(text))
+        if not args.no_write:
+            OUT.mkdir(parents=True, exist_ok=True)
+            (OUT / "ssm_scaling.json").write_text(json.dumps(results, indent=1))
+            plot(results, OUT / "ssm_scaling.png")
+            write_section("ssm_scaling", text)
+        log.done()
 
 
 if __name__ == "__main__":

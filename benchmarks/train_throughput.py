@@ -9,7 +9,7 @@ the run's dtype and against the bf16 peak (the issue's yardstick); see ``flops_p
 is the speed-up BST would show if both models ran at the same FLOP rate.
 
     python benchmarks/train_throughput.py [--quick] [--threads 1] [--seq-len 4096] [--rounds 3] [--steps 2]
-                                          [--size 60m|200m] [--device cpu|cuda]
+                                          [--size 60m|200m] [--device cpu|cuda] [--dtypes fp32 bf16]
 
 Prints a table and writes docs/benchmarks/train_throughput.{json,png} and a section of docs/benchmarks.md. ``--size
 200m`` is the ~200M preset (configs/models/bst-sh-s4.json's shape: hidden 1024, 12 layers, BST layers {0, 7, 9}) and
@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from bench_common import DTYPE_ALIASES, RowLog, alias_choice, device_arg, positive_int
 from docs_section import clock, cpu_name, device_name, tune_malloc, write_section
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -166,6 +167,8 @@ def measure(
     """One row per contender (``kinds``, "llama" among them: the reference), contenders alternated round by round,
     tokens/s from each one's fastest step. ``peaks``: measured matmul FLOP/s, keys "fp32" and "bf16".
     ``checkpointing``: gradient checkpointing for every contender (the useful FLOPs do not count the recomputation)."""
+    if dtype_name not in peaks or "llama" not in kinds:  # before any model is built, not after the timing
+        raise ValueError(f"dtype {dtype_name!r} (valid: {', '.join(peaks)}) and kinds {kinds} (must include llama)")
     dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
     contenders = [Contender(kind, seq_len, dtype, device, size, checkpointing) for kind in kinds]
     # Alternate contenders and keep each one's best, so a machine-state flip hits all of them.
@@ -288,16 +291,26 @@ def plot(rows, path: Path):
     plt.close(fig)
 
 
-def main():
+DTYPES = ["fp32", "bf16"]
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=2, help="timed steps per contender and round")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds in which the contenders alternate")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seq-len", type=positive_int, default=4096)
+    parser.add_argument("--steps", type=positive_int, default=2, help="timed steps per contender and round")
+    parser.add_argument("--rounds", type=positive_int, default=3, help="rounds in which the contenders alternate")
+    parser.add_argument("--threads", type=positive_int, default=1)
     parser.add_argument("--quick", action="store_true", help="L=1024, 1 round of 1 step")
-    parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        type=alias_choice(DTYPE_ALIASES),
+        choices=DTYPES,
+        default=list(DTYPES),
+        help="fp32 (alias float32) and/or bf16 autocast (alias bfloat16)",
+    )
     parser.add_argument("--size", choices=list(SIZES), default="60m")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--device", type=device_arg, default="cpu", help="cpu or cuda")
     parser.add_argument(
         "--gradient-checkpointing",
         action="store_true",
@@ -306,9 +319,22 @@ def main():
     parser.add_argument(
         "--kinds", nargs="+", default=["llama", "bst", "slide"], choices=["llama", "bst", "slide"], help="contenders"
     )
-    args = parser.parse_args()
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The flags, every one checked before anything is built or timed."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if "llama" not in args.kinds:
         parser.error("--kinds must include llama (the reference every ratio is taken against)")
+    args.dtypes = list(dict.fromkeys(args.dtypes))
+    args.kinds = list(dict.fromkeys(args.kinds))
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     if args.quick:
         args.seq_len, args.steps, args.rounds = 1024, 1, 1
     torch.set_num_threads(args.threads)
@@ -333,33 +359,38 @@ def main():
         peak_bf16=matmul_peak(torch.bfloat16, device=args.device),
     )
     peaks = {"fp32": meta["peak_fp32"], "bf16": meta["peak_bf16"]}
-    rows = []
-    for dtype_name in args.dtypes:
-        kinds = list(args.kinds) + (["llama-flash"] if gpu and dtype_name == "bf16" and has_flash() else [])
-        rows += measure(
-            kinds,
-            args.seq_len,
-            dtype_name,
-            args.rounds,
-            args.steps,
-            peaks,
-            args.device,
-            args.size,
-            args.gradient_checkpointing,
-        )
-    print(f"{'model':<18} {'dtype':<5} {'params':>8} {'tok/s':>8} {'vs Llama':>8} {'FLOP ratio':>10} {'MFU bf16':>8}")
-    for r in rows:
-        print(
-            f"{r['model']:<18} {r['dtype']:<5} {r['params'] / 1e6:>7.1f}M {r['tokens_per_s']:>8.0f} "
-            f"{r['vs_llama']:>7.2f}x {r['flop_ratio']:>9.2f}x {100 * r['mfu_bf16']:>7.1f}%"
-        )
     out = ROOT / "docs" / "benchmarks"
-    out.mkdir(parents=True, exist_ok=True)
     stem = stem_for(meta, gpu)
-    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    plot(rows, out / f"{stem}.png")
-    if not gpu:
-        write_docs(rows, meta)
+    with RowLog(out / f"{stem}.json", meta) as log:
+        for dtype_name in args.dtypes:
+            kinds = list(args.kinds) + (["llama-flash"] if gpu and dtype_name == "bf16" and has_flash() else [])
+            for row in measure(
+                kinds,
+                args.seq_len,
+                dtype_name,
+                args.rounds,
+                args.steps,
+                peaks,
+                args.device,
+                args.size,
+                args.gradient_checkpointing,
+            ):
+                log.add(row)
+        rows = log.rows
+        print(
+            f"{'model':<18} {'dtype':<5} {'params':>8} {'tok/s':>8} {'vs Llama':>8} {'FLOP ratio':>10} {'MFU bf16':>8}"
+        )
+        for r in rows:
+            print(
+                f"{r['model']:<18} {r['dtype']:<5} {r['params'] / 1e6:>7.1f}M {r['tokens_per_s']:>8.0f} "
+                f"{r['vs_llama']:>7.2f}x {r['flop_ratio']:>9.2f}x {100 * r['mfu_bf16']:>7.1f}%"
+            )
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+        plot(rows, out / f"{stem}.png")
+        if not gpu:
+            write_docs(rows, meta)
+        log.done()
 
 
 if __name__ == "__main__":
