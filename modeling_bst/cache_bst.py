@@ -406,7 +406,8 @@ class BSTLayerCache(CacheLayerMixin):
     HAS = ()  # the parts this layer type holds
 
     def __init__(self, **kwargs):
-        super().__init__()
+        CacheLayerMixin.__init__(self)  # not super(): a static twin's next base is StaticLayer, sized by max_cache_len
+        self.max_cache_len = kwargs.get("max_cache_len")  # given to static twins; a BST state has no length to size
         self.attention: AttentionCache | None = AttentionCache() if "attention" in self.HAS else None
         self.ssm: SSMStateCache | None = SSMStateCache() if "ssm" in self.HAS else None
         # BST layers: SH/MH a TokenContextCache, MF a BlockContextCache ([`configure`]).
@@ -684,20 +685,32 @@ class GSSLayerCache(BSTLayerCache):
     HAS = ("ssm",)
 
 
-class _StaticRefused(StaticLayer):
-    """``StaticCache(config=bst_config)`` (``generate(..., cache_implementation="static")``) for a BST layer type:
-    refused with an error that says what to use. BST's default cache is already bounded and written in place."""
+class StaticBSTLayerCache(StaticLayer):
+    """The static twin of a BST cache layer (``StaticCache(config=bst_config)``, what
+    ``generate(..., cache_implementation="static")`` builds): the same state, declared compileable, so that
+    ``generate`` compiles its decode step (on an accelerator by default; on the CPU with a ``compile_config`` whose
+    ``_compile_all_devices`` is set). A BST state has no length dimension: every tensor is allocated once, by the
+    prefill, at a size fixed by the batch and the config (``max_cache_len`` is not needed), and decode steps write it
+    in place (see the module docstring, "Fixed addresses"), which is what a compiled or CUDA-graph step needs."""
 
-    def __init__(self, *args, **kwargs):
-        raise ValueError(
-            f"BST has no static cache for its {self._layer_type!r} layers: drop cache_implementation='static' (the "
-            "default BST cache is bounded and updates its state in place), and compile a decode step with "
-            "torch.compile(model) where needed."
-        )
+    is_compileable = True
 
 
-for _kind in ("block", "bst", "recurrent", "gss"):
-    type(f"_StaticRefused_{_kind}", (_StaticRefused,), {"_layer_type": _kind})
+# Each twin takes its behaviour from the BST layer first in the method order (StaticLayer only registers it as static).
+class StaticBlockLayerCache(BlockLayerCache, StaticBSTLayerCache):
+    is_compileable = True
+
+
+class StaticBSTContextLayerCache(BSTContextLayerCache, StaticBSTLayerCache):
+    is_compileable = True
+
+
+class StaticRecurrentLayerCache(RecurrentLayerCache, StaticBSTLayerCache):
+    is_compileable = True
+
+
+class StaticGSSLayerCache(GSSLayerCache, StaticBSTLayerCache):
+    is_compileable = True
 
 
 LAYER_CACHE_TYPES = {

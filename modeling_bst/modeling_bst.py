@@ -2011,6 +2011,12 @@ class BSTModel(BSTPreTrainedModel):
 class BSTForCausalLM(BSTPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
+    def create_masks_for_generate(self, attention_mask=None, is_first_iteration=True, **kwargs):
+        """``generate`` asks for 4-D attention masks when its cache is compileable (a static BST cache). BST builds
+        its block masks itself from the 2-D padding mask, which only the first forward needs: a decoded token is
+        always real, so decode steps get no mask (one compiled step then serves every position)."""
+        return attention_mask if is_first_iteration else None
+
     def __init__(self, config: BSTConfig):
         super().__init__(config)
         self.model = BSTModel(config)

@@ -17,7 +17,7 @@ import bench_common  # noqa: E402
 
 
 SCRIPTS = ["compile_speed", "eval_memory", "generation_speed", "gpu_suite", "layer_speed", "ssm_scaling"]
-SCRIPTS.append("train_throughput")
+SCRIPTS += ["train_throughput", "generate_compile"]
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +59,7 @@ BAD_NAMES = [
     ("ssm_scaling", ["--parts", "all"], "all", ["layers", "decode"]),
     ("ssm_scaling", ["--layers", "BST:XX:S4"], "BST:XX:S4", ["Slide", "BST:SH:S4", "BST:MH:S4"]),
     ("ssm_scaling", ["--paths", "segmented"], "segmented", ["whole", "unsegmented", "default"]),
+    ("generate_compile", ["--variants", "bst-sh-s4", "llama"], "llama", ["bst-sh-s4", "bst-mf-s4", "slide"]),
 ]
 
 
@@ -90,6 +91,8 @@ BAD_NUMBERS = [
     ("ssm_scaling", ["--lengths", "-4096"]),
     ("gpu_suite", ["out", "--dry-run", "--budget", "train=-5"]),
     ("gpu_suite", ["out", "--dry-run", "--budget", "train=soon"]),
+    ("generate_compile", ["--batches", "1", "0"]),
+    ("generate_compile", ["--new-tokens", "-3"]),
 ]
 
 
@@ -210,3 +213,11 @@ def test_a_benchmark_that_fails_midway_keeps_its_rows(bench, tmp_path, monkeypat
     _, rows = bench_common.read_partial(tmp_path / "compile.partial.jsonl")
     assert [(r["length"], r["mode"]) for r in rows] == [(64, "forward"), (128, "forward")]
     assert not output.exists()
+
+
+def test_generate_compile_needs_two_new_tokens_and_whole_heads(bench, capsys):
+    err = parse_error(bench, capsys, "generate_compile", ["--new-tokens", "1"])
+    assert "--new-tokens" in err and "at least 2" in err
+    err = parse_error(bench, capsys, "generate_compile", ["--hidden", "100"])
+    assert "--hidden" in err and "multiple of 64" in err
+    assert bench["generate_compile"].parse_args(["--quick"]).new_tokens == 8

@@ -5,7 +5,7 @@ import pytest
 import torch
 import transformers
 from conftest import VARIANTS, make_model, tiny_config
-from transformers import DynamicCache
+from transformers import CompileConfig, DynamicCache, StaticCache
 
 from modeling_bst import BSTCache, BSTForCausalLM
 from modeling_bst.cache_bst import LAYER_CACHE_TYPES, BSTLayerCache
@@ -106,7 +106,39 @@ def test_a_cache_of_another_model_is_refused_with_the_reason():
         model(ids, **{CACHE_NAME: attention_only})
 
 
-def test_static_cache_implementation_is_refused_naming_it():
+def _compile_on_cpu():
+    config = CompileConfig(fullgraph=False, mode="default")
+    config._compile_all_devices = True  # generate compiles only on accelerators unless asked to (transformers' flag)
+    return config
+
+
+@pytest.mark.parametrize(
+    "variant", ["sh-s4", pytest.param("mf-s4", marks=pytest.mark.slow), pytest.param("brect", marks=pytest.mark.slow)]
+)
+def test_static_cache_compiles_the_decode_step_in_generate_and_equals_eager(variant):
+    """``cache_implementation="static"``: transformers' StaticCache of BST's static twins, compileable, so generate
+    compiles its decode step itself (no torch.compile call by the user); greedy output equals eager decoding."""
+    model = make_model(variant)
+    cache = StaticCache(config=model.config, max_cache_len=32)
+    assert cache.is_compileable and all(isinstance(layer, BSTLayerCache) for layer in cache.layers)
+    ids = torch.randint(1, 97, (2, 7))
+    eager = model.generate(ids, max_new_tokens=10, do_sample=False)
+    with torch.compiler.config.patch(force_disable_caches=True):
+        out = model.generate(
+            ids,
+            max_new_tokens=10,
+            do_sample=False,
+            cache_implementation="static",
+            compile_config=_compile_on_cpu(),
+            return_dict_in_generate=True,
+        )
+    assert hasattr(model, "_compiled_call")  # generate's own compiled forward ran the decode steps
+    assert type(getattr(out, CACHE_NAME).layers[0]).__name__.startswith("Static")
+    assert torch.equal(out.sequences, eager)
+
+
+def test_decode_steps_of_generate_get_no_mask():
     model = make_model("sh-s4")
-    with pytest.raises(ValueError, match="static"):
-        model.generate(torch.randint(1, 97, (1, 5)), max_new_tokens=2, cache_implementation="static")
+    mask = torch.ones(1, 5, dtype=torch.long)
+    assert model.create_masks_for_generate(attention_mask=mask, is_first_iteration=True) is mask
+    assert model.create_masks_for_generate(attention_mask=mask, is_first_iteration=False) is None

@@ -241,8 +241,8 @@ def limitations(config) -> list[str]:
         "- Generation: assisted/speculative decoding (`assistant_model=` with another BST model, "
         "`prompt_lookup_num_tokens=`) works and equals greedy decoding (`BSTCache.crop` takes back up to the last "
         "64 positions). The cache is a transformers `Cache` of bounded BST layers (`BSTCache`; `generate` builds it as "
-        '`DynamicCache(config=model.config)`); `cache_implementation="static"` and `"quantized"` are refused '
-        "with an error. The "
+        '`DynamicCache(config=model.config)`); `cache_implementation="static"` builds its compileable twin, with '
+        "which `generate` compiles the decode step (on the CPU too, with a `compile_config`). The "
         "decoding strategies Transformers moved to Hub `custom_generate` repositories (contrastive search, DoLa, "
         "group/constrained beam search) are not tested with this model. Greedy, sampling and beam search work.",
         "- Padding (left, right or inside a row) is supported in one forward or a `generate` call; padding inside a "
