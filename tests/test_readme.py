@@ -83,3 +83,12 @@ def test_readme_python_blocks_run(tmp_path):
     assert proc.returncode == 0 and "README blocks OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
     # What the blocks wrote stays in the temporary directory.
     assert (root / "my-bst" / "config.json").is_file() and not (REPO / "my-bst").exists()
+
+
+def test_readme_relative_links_resolve():
+    """Every relative link of the README (outside code blocks) names a file or folder of the repository."""
+    text = re.sub(r"^```.*?^```", "", README.read_text(), flags=re.S | re.M).replace("\n", " ")
+    targets = [t for t in re.findall(r"\]\(([^)\s]+)\)", text) if not re.match(r"[a-z]+:|#", t)]
+    assert targets
+    missing = [t for t in targets if not (REPO / t.partition("#")[0]).exists()]
+    assert not missing, missing
