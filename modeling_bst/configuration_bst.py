@@ -219,7 +219,10 @@ class BSTConfig(PreTrainedConfig):
         attn_scale_init (`float`, *optional*): initial per-head logit scale; default sqrt(head_dim) with qk_norm,
             else 1/sqrt(head_dim).
         relative_attention_num_buckets / relative_attention_max_distance: T5 bias buckets (32) and max distance (128).
-        logit_scale (`float`, *optional*): multiplier on the output logits; default 1/sqrt(vocab_size) (meliad).
+        logit_scale (`float`, *optional*): multiplier on the output logits. Not given (None): 1/sqrt(vocab_size) (meliad),
+            stored as that number at construction, so that clients that compute logits from the hidden states and the
+            LM head (TRL's fused LM head, which reads ``config.logit_scale``) scale them as the model does, and the
+            scale of a trained model stays when ``resize_token_embeddings`` changes ``vocab_size``.
         rms_norm_eps (`float`, defaults to 1e-6), dropout (`float`, 0.05), attention_dropout (`float`, 0.05).
         final_dropout (`float`, *optional*): dropout on the final hidden states before the logits (meliad's
             ``final_dropout_rate``); default ``dropout``.
@@ -322,6 +325,9 @@ class BSTConfig(PreTrainedConfig):
                     setattr(self, field, list(DEFAULT_BST_LAYER_INDICES) if kind == "bst" else [])
             # None while the index fields are invalid (out of range, overlapping): ``validate_bst`` names the field.
             self.layer_types = self._types_from_indices()
+        if self.logit_scale is None and isinstance(self.vocab_size, int) and self.vocab_size > 0:
+            # One number for every reader of the config (a config.json written before stored null: the same value).
+            self.logit_scale = 1.0 / math.sqrt(self.vocab_size)
         super().__post_init__(**kwargs)
         # Entries already present (a loaded config.json; on the Hub "org/name--module.Class") are kept.
         self.auto_map = {**AUTO_MAP, **(getattr(self, "auto_map", None) or {})}

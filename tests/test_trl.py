@@ -1,0 +1,79 @@
+"""Outside clients that compute log-probabilities from the hidden states and the LM head (TRL's fused LM head, used by
+its SFT, DPO, GRPO, KTO and distillation trainers) see the model's own logit scale (issue #36, point 1)."""
+
+import pytest
+import torch
+from conftest import tiny_config
+from datasets import Dataset
+from transformers import AutoTokenizer
+
+from modeling_bst import BSTConfig, BSTForCausalLM
+
+
+trl = pytest.importorskip("trl", reason="TRL is in the test extra (pip install -e .[test])")
+from trl.trainer.utils import add_fused_lm_head  # noqa: E402
+
+
+TOKENIZER = "training/tokenizers/mistral-v1-32k"
+
+
+def test_the_default_logit_scale_is_a_number_in_the_config(tmp_path):
+    config = tiny_config()
+    assert config.logit_scale == pytest.approx(1 / 97**0.5)
+    # A config.json written when the default was stored as null loads with the same number (identical logits).
+    config.save_pretrained(tmp_path)
+    text = (tmp_path / "config.json").read_text()
+    (tmp_path / "config.json").write_text(text.replace(f'"logit_scale": {config.logit_scale}', '"logit_scale": null'))
+    assert '"logit_scale": null' in (tmp_path / "config.json").read_text()
+    assert BSTConfig.from_pretrained(tmp_path).logit_scale == config.logit_scale
+
+
+def test_resizing_the_vocabulary_keeps_the_trained_scale():
+    torch.manual_seed(0)
+    model = BSTForCausalLM(tiny_config(dropout=0.0, attention_dropout=0.0)).eval()
+    ids = torch.randint(1, 97, (1, 9))
+    before = model(ids).logits
+    model.resize_token_embeddings(120)
+    after = model(ids).logits
+    torch.testing.assert_close(after[..., :97], before, atol=1e-6, rtol=0)
+
+
+def test_trl_fused_lm_head_log_probs_equal_the_models():
+    torch.manual_seed(0)
+    model = BSTForCausalLM(tiny_config(dropout=0.0, attention_dropout=0.0)).eval()
+    ids = torch.randint(1, 97, (2, 11))
+    with torch.no_grad():
+        want = torch.log_softmax(model(ids).logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+        add_fused_lm_head(model)
+        got = model(input_ids=ids, labels=ids, fused_lm_head=True).log_probs
+    torch.testing.assert_close(got.reshape(want.shape), want, atol=1e-5, rtol=1e-5)
+
+
+def test_sft_trainer_reports_the_models_own_loss(tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    config = tiny_config(vocab_size=len(tokenizer), dropout=0.0, attention_dropout=0.0)
+    config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    torch.manual_seed(0)
+    model = BSTForCausalLM(config)
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randint(3, len(tokenizer), (4, 16), generator=g)
+    dataset = Dataset.from_dict({"input_ids": rows.tolist()})
+    args = trl.SFTConfig(
+        output_dir=str(tmp_path),
+        max_steps=1,
+        per_device_train_batch_size=4,
+        learning_rate=0.0,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        dataloader_num_workers=0,
+        max_length=None,
+    )
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+    batch = next(iter(trainer.get_train_dataloader()))
+    with torch.no_grad():
+        own = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss.item()
+    trainer.train()
+    reported = next(entry["loss"] for entry in trainer.state.log_history if "loss" in entry)
+    assert reported == pytest.approx(own, rel=1e-3), (reported, own)
