@@ -81,8 +81,19 @@ def test_readme_python_blocks_run(tmp_path):
         timeout=600,
     )
     assert proc.returncode == 0 and "README blocks OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
-    # What the blocks wrote stays in the temporary directory.
-    assert (root / "my-bst" / "config.json").is_file() and not (REPO / "my-bst").exists()
+    # What the blocks wrote stays in the temporary directory, under outputs/ (which git ignores).
+    # (the scratch copy's outputs/ is its own folder, not a link: a user's own outputs/ is neither read nor written)
+    assert (root / "outputs" / "my-bst" / "config.json").is_file() and not (root / "outputs").is_symlink()
+
+
+def test_readme_blocks_write_only_under_outputs():
+    """A user who runs the README at the repository root leaves nothing the tests or git see: every path the blocks
+    write (save_pretrained, Trainer output folders) is under outputs/, which .gitignore lists and the test above does
+    not link into its scratch copy."""
+    code = "\n".join(source for _, source in python_blocks())
+    written = re.findall(r'(?:save_pretrained|TrainingArguments)\(\s*"([^"]+)"', code)
+    assert written and all(path.startswith("outputs/") for path in written), written
+    assert "outputs/" in (REPO / ".gitignore").read_text().splitlines()
 
 
 def test_readme_relative_links_resolve():
