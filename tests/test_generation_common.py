@@ -1,8 +1,9 @@
 """generate() across decoding modes, for every tiny variant: what transformers' ``GenerationTesterMixin`` checks.
 
 That mixin lives in the transformers repository (tests/generation/test_utils.py), not in its PyPI release, and
-third-party test code stays out of this repository, so ``tests/test_hf_common.py`` runs it only when
-``TRANSFORMERS_TESTS_DIR`` points at a checkout. These tests are our own and always run. The references are
+third-party test code stays out of this repository, so ``tests/test_hf_common.py`` runs it only when the repository's
+tests can be had (``TRANSFORMERS_TESTS_DIR`` pointing at a checkout, or the tag archive fetched from github.com; see
+tests/hf_common/fetch.py). These tests are our own and always run. The references are
 independent of the cache: greedy decoding is compared with an argmax loop over full forwards, scores / logits /
 hidden states with the parallel forward over the generated sequence, cached decoding modes with the same mode
 under ``use_cache=False``, and beam scores with the log-probabilities of the parallel forward.

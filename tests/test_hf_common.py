@@ -1,9 +1,9 @@
 """transformers' own common model tests applied to the BST models, as for an in-tree model.
 
-``ModelTesterMixin``, ``GenerationTesterMixin`` and ``ConfigTester`` (see ``tests/hf_common`` and
-docs/hf-common-tests.md) run against ``BSTModel``, ``BSTForCausalLM`` and ``BSTForSequenceClassification`` on tiny
-configs of four variants: SH:S4 (the full suite), MH:S4, MF:S4 and SH:unstruct (subclasses of the SH:S4 test case,
-with transformers' loading/saving plumbing tests marked slow).
+``ModelTesterMixin``, ``GenerationTesterMixin`` and ``ConfigTester`` (fetched for the installed transformers version,
+see ``tests/hf_common/fetch.py`` and docs/hf-common-tests.md) run against ``BSTModel``, ``BSTForCausalLM`` and
+``BSTForSequenceClassification`` on tiny configs of four variants: SH:S4 (the full suite), MH:S4, MF:S4 and
+SH:unstruct (subclasses of the SH:S4 test case, with transformers' loading/saving plumbing tests marked slow).
 
 No model test is skipped here: the skips in a run are the mixins' own capability checks (no GPU, no flash
 attention, no RoPE, ...), listed with their reasons in docs/hf-common-tests.md; a skip added here must quote the
@@ -17,17 +17,29 @@ import re
 import unittest
 from unittest import mock
 
+import hf_common
 import pytest
 import torch
 from conftest import TINY_DEFAULTS
-from hf_common.generation import test_utils as generation_test_utils
-from hf_common.generation.test_utils import GenerationTesterMixin
-from hf_common.test_configuration_common import ConfigTester
-from hf_common.test_modeling_common import ModelTesterMixin, ids_tensor, random_attention_mask
-from hf_common.upstream import ENV_VAR, upstream_module
+from hf_common import fetch
 from transformers.models.auto import modeling_auto
 
 from modeling_bst import BSTCache, BSTConfig, BSTForCausalLM, BSTForSequenceClassification, BSTModel
+
+
+# transformers' test_modeling_common.py and test_configuration_common.py are not in this repository: they come from the
+# source release of the installed transformers version on the package index, fetched once into a cache
+# (tests/hf_common/fetch.py). Where they cannot be had, this whole module is skipped with the reason.
+try:
+    SDIST_TESTS = fetch.attach_sdist_tests(hf_common.__path__)
+except fetch.Unavailable as error:
+    pytest.skip(str(error), allow_module_level=True)
+
+from hf_common.generation import test_utils as generation_test_utils  # noqa: E402
+from hf_common.generation.test_utils import GenerationTesterMixin  # noqa: E402
+from hf_common.test_configuration_common import ConfigTester  # noqa: E402
+from hf_common.test_modeling_common import ModelTesterMixin, ids_tensor, random_attention_mask  # noqa: E402
+from hf_common.upstream import ENV_VAR, unavailable_reason, upstream_module  # noqa: E402
 
 
 GENERATION_UPSTREAM = upstream_module(generation_test_utils)
@@ -232,10 +244,12 @@ class BSTSHUnstructModelTest(BSTModelTest):
 
 
 def test_generation_tester_mixin_ran():
-    """Reports whether GenerationTesterMixin's tests ran: they need the transformers repository (see NOTICE)."""
+    """Reports whether GenerationTesterMixin's tests ran: they need the transformers repository's tests/generation/
+    (from $TRANSFORMERS_TESTS_DIR or the tag archive fetched into the test cache; the source release lacks it)."""
     if not GENERATION_UPSTREAM:
         pytest.skip(
-            f"GenerationTesterMixin is repository-only: set ${ENV_VAR} to a transformers checkout's tests/ folder "
-            "to run its tests (docs/hf-common-tests.md)"
+            f"GenerationTesterMixin is repository-only and could not be had ({unavailable_reason()}): set ${ENV_VAR} "
+            "to a transformers checkout's tests/ folder, or allow access to github.com, to run its tests "
+            "(docs/hf-common-tests.md)"
         )
     assert hasattr(GenerationTesterMixin, "test_greedy_generate")

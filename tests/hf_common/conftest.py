@@ -1,2 +1,2 @@
-# The vendored files are libraries of test mixins, not test modules of their own: never collect them.
+# This folder holds the mixins' stand-ins and the fetcher, not test modules of their own: never collect them.
 collect_ignore_glob = ["*.py", "*/*.py"]

@@ -1,5 +1,6 @@
-"""Where the repository-only transformers test modules come from (see ``__init__.py``)."""
+"""Where the repository-only transformers test modules come from (see ``__init__.py`` and ``fetch.py``)."""
 
+import functools
 import os
 from pathlib import Path
 
@@ -7,17 +8,35 @@ from pathlib import Path
 ENV_VAR = "TRANSFORMERS_TESTS_DIR"
 
 
-def tests_dir() -> Path | None:
-    """The ``tests/`` folder of a transformers checkout named by ``$TRANSFORMERS_TESTS_DIR``, or None."""
+@functools.cache
+def _source() -> tuple[Path | None, str]:
+    """The repository's ``tests/`` folder and where it came from, or None and why there is none."""
     value = os.environ.get(ENV_VAR)
-    if not value:
-        return None
-    path = Path(value).expanduser().resolve()
-    if not (path / "generation" / "test_utils.py").is_file():
-        raise FileNotFoundError(
-            f"${ENV_VAR}={value} is not the tests/ folder of a transformers checkout (no generation/test_utils.py)."
-        )
-    return path
+    if value:
+        path = Path(value).expanduser().resolve()
+        if not (path / "generation" / "test_utils.py").is_file():
+            raise FileNotFoundError(
+                f"${ENV_VAR}={value} is not the tests/ folder of a transformers checkout (no generation/test_utils.py)."
+            )
+        return path, f"${ENV_VAR}"
+    from . import fetch
+
+    try:
+        return fetch.repository_tests().resolve(), "the fetched tag archive"
+    except fetch.Unavailable as error:
+        return None, str(error)
+
+
+def tests_dir() -> Path | None:
+    """The repository's ``tests/`` folder: ``$TRANSFORMERS_TESTS_DIR`` when set, else the tag archive of the installed
+    version fetched into the test cache (``fetch.repository_tests``); None when neither can be had."""
+    return _source()[0]
+
+
+def unavailable_reason() -> str:
+    """Why ``tests_dir()`` is None (empty when it is not)."""
+    path, why = _source()
+    return "" if path is not None else why
 
 
 def extend_path(package_path: list, subfolder: str) -> bool:

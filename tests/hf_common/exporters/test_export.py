@@ -1,4 +1,4 @@
-"""Stand-in for transformers' tests/exporters/test_export.py, used when ``$TRANSFORMERS_TESTS_DIR`` is not set.
+"""Stand-in for transformers' tests/exporters/test_export.py, used when the repository's file cannot be had.
 
 ``ModelTesterMixin`` inherits ``ExportTesterMixin``. The repository's mixin exports every model class through
 transformers' exporters (torch.export, ONNX, ExecuTorch) and compares the outputs with eager. This stand-in keeps

@@ -1,8 +1,9 @@
-"""Stand-in for transformers' tests/utils/test_configuration_utils.py (a repository-only module; see NOTICE).
+"""Stand-in for transformers' tests/utils/test_configuration_utils.py (a repository-only module), always ours.
 
 ``ConfigTester.check_config_arguments_init`` builds the config from these general ``PreTrainedConfig`` arguments,
 each set to a non-default value, and checks that every one is kept. Written here from the fields of the installed
-``transformers.PreTrainedConfig``.
+``transformers.PreTrainedConfig`` (the repository's module needs the repository's ``utils/test_module`` package,
+which neither the source release nor the fetched ``tests/`` folders carry).
 """
 
 config_common_kwargs = {
