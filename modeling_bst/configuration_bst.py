@@ -156,6 +156,11 @@ def _errors_name_the_field(cls):
     return cls
 
 
+def _default_logit_scale(vocab_size) -> float | None:
+    """meliad's logit scale, 1/sqrt(vocab_size) (None for a vocabulary size that ``validate`` will refuse)."""
+    return 1.0 / math.sqrt(vocab_size) if isinstance(vocab_size, int) and vocab_size > 0 else None
+
+
 @_errors_name_the_field
 @strict
 class BSTConfig(PreTrainedConfig):
@@ -221,8 +226,9 @@ class BSTConfig(PreTrainedConfig):
         relative_attention_num_buckets / relative_attention_max_distance: T5 bias buckets (32) and max distance (128).
         logit_scale (`float`, *optional*): multiplier on the output logits. Not given (None): 1/sqrt(vocab_size) (meliad),
             stored as that number at construction, so that clients that compute logits from the hidden states and the
-            LM head (TRL's fused LM head, which reads ``config.logit_scale``) scale them as the model does, and the
-            scale of a trained model stays when ``resize_token_embeddings`` changes ``vocab_size``.
+            LM head (TRL's fused LM head, which reads ``config.logit_scale``) scale them as the model does. While it is
+            that default, setting ``vocab_size`` updates it; a model's ``resize_token_embeddings`` keeps its trained
+            scale.
         rms_norm_eps (`float`, defaults to 1e-6), dropout (`float`, 0.05), attention_dropout (`float`, 0.05).
         final_dropout (`float`, *optional*): dropout on the final hidden states before the logits (meliad's
             ``final_dropout_rate``); default ``dropout``.
@@ -325,9 +331,9 @@ class BSTConfig(PreTrainedConfig):
                     setattr(self, field, list(DEFAULT_BST_LAYER_INDICES) if kind == "bst" else [])
             # None while the index fields are invalid (out of range, overlapping): ``validate_bst`` names the field.
             self.layer_types = self._types_from_indices()
-        if self.logit_scale is None and isinstance(self.vocab_size, int) and self.vocab_size > 0:
+        if self.logit_scale is None:
             # One number for every reader of the config (a config.json written before stored null: the same value).
-            self.logit_scale = 1.0 / math.sqrt(self.vocab_size)
+            self.logit_scale = _default_logit_scale(self.vocab_size)
         super().__post_init__(**kwargs)
         # Entries already present (a loaded config.json; on the Hub "org/name--module.Class") are kept.
         self.auto_map = {**AUTO_MAP, **(getattr(self, "auto_map", None) or {})}
@@ -375,6 +381,10 @@ class BSTConfig(PreTrainedConfig):
                 for kind, indices in self._indices_from_types(value).items():
                     super().__setattr__(LAYER_INDEX_FIELDS[kind], indices)
             return
+        if name == "vocab_size" and self.logit_scale == _default_logit_scale(self.vocab_size):
+            # The default scale follows the vocabulary (a preset given the tokenizer's size); a model's
+            # ``resize_token_embeddings`` keeps its trained scale instead (``BSTPreTrainedModel``).
+            super().__setattr__("logit_scale", _default_logit_scale(value))
         super().__setattr__(name, value)
         if name in LAYER_INDEX_FIELDS.values() or name == "num_hidden_layers":
             super().__setattr__("layer_types", self._types_from_indices())

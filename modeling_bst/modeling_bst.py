@@ -1645,6 +1645,14 @@ class BSTPreTrainedModel(PreTrainedModel):
         names the checkpoint was loaded from)."""
         return super().save_pretrained(save_directory, *args, save_original_format=save_original_format, **kwargs)
 
+    def resize_token_embeddings(self, *args, **kwargs):
+        """As transformers' (which sets ``config.vocab_size``), keeping ``config.logit_scale``: a trained model's
+        logits keep their scale when tokens are added."""
+        scale = self.config.logit_scale
+        embeddings = super().resize_token_embeddings(*args, **kwargs)
+        self.config.logit_scale = scale
+        return embeddings
+
     def ssm_parameter_names(self) -> list[str]:
         """Parameters that train with their own learning rate (``config.ssm_lr``) and no weight decay (S4 practice;
         docs/paper-mapping.md, "Optimiser"), in ``named_parameters`` order. Per SSM kernel (every ``S4DKernel`` and

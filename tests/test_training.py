@@ -287,6 +287,21 @@ def test_chunked_evaluation_equals_whole_windows(trained, corpus):
     assert math.isclose(whole["nll_sum"], batched["nll_sum"], rel_tol=1e-5)
 
 
+def test_evaluation_shows_progress_over_the_scored_tokens(trained, corpus, capsys):
+    """A long evaluation is not silent: with ``progress`` a bar per length counts the scored tokens (tokens/s) and
+    names the document; without it nothing is printed."""
+    _, summary = trained
+    model, tok = E.load_model(summary["final_model"])
+    texts = [(corpus / "validation" / "val.txt").read_text()[:1500]] * 2
+    capsys.readouterr()  # what loading printed
+    E.evaluate_model(model, tok, texts, [96], progress=False)
+    assert capsys.readouterr().err == ""
+    rows = E.evaluate_model(model, tok, texts, [96, 40], progress=True)
+    err = capsys.readouterr().err
+    assert "eval L=96" in err and "eval L=40" in err and "document 2/2" in err, err
+    assert "tok/s" in err and rows[0]["tokens"] == rows[1]["tokens"], err
+
+
 # ---------------------------------------------------------------------------------------------------- DDP
 @pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
 def test_two_process_ddp_run(corpus, tmp_path, launcher):

@@ -28,6 +28,15 @@ def test_the_default_logit_scale_is_a_number_in_the_config(tmp_path):
     assert BSTConfig.from_pretrained(tmp_path).logit_scale == config.logit_scale
 
 
+def test_the_default_scale_follows_vocab_size_set_on_the_config_and_an_explicit_one_stays():
+    config = BSTConfig()  # a preset's vocabulary, before the tokenizer's size is set (training.train.build_config)
+    config.vocab_size = 300
+    assert config.logit_scale == pytest.approx(1 / 300**0.5)
+    explicit = BSTConfig(logit_scale=0.5)
+    explicit.vocab_size = 300
+    assert explicit.logit_scale == 0.5
+
+
 def test_resizing_the_vocabulary_keeps_the_trained_scale():
     torch.manual_seed(0)
     model = BSTForCausalLM(tiny_config(dropout=0.0, attention_dropout=0.0)).eval()

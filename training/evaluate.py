@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from training import data as D
 
@@ -108,12 +109,16 @@ def evaluate_model(
     device = next(model.parameters()).device
     docs = [scored_document(tokenizer, text, max_tokens_per_doc) for text in texts]
     results = []
+    total = sum(len(ids) - 1 for ids, _, _ in docs)
     for L in lengths:
         t0 = time.time()
         nll = 0.0
         windows = 0
+        # Scored tokens at this length (tokens/s on the bar), documents in the postfix; stderr, only with progress.
+        bar = tqdm(total=total, desc=f"eval L={L}", unit="tok", unit_scale=True, disable=not progress, leave=False)
         try:
-            for ids, _, _ in docs:
+            for d, (ids, _, _) in enumerate(docs):
+                bar.set_postfix_str(f"document {d + 1}/{len(docs)}")
                 x = torch.tensor(ids, dtype=torch.long, device=device)
                 full, rest = window_starts(len(ids) - 1, L)
                 windows += len(full) + len(rest)
@@ -123,17 +128,22 @@ def evaluate_model(
                         e = min(s + L, len(ids) - 1)
                         n, cache = window_nll(model, x[None, s:e], x[None, s + 1 : e + 1], chunk_size, cache, True)
                         nll += float(n)
+                        bar.update(e - s)
                     continue
                 for group in _batched(full, batch_size):
                     inp = torch.stack([x[s : s + L] for s in group])
                     tgt = torch.stack([x[s + 1 : s + L + 1] for s in group])
                     nll += float(window_nll(model, inp, tgt, chunk_size)[0])
+                    bar.update(tgt.numel())
                 for s in rest:
                     e = len(ids) - 1
                     nll += float(window_nll(model, x[None, s:e], x[None, s + 1 : e + 1], chunk_size)[0])
+                    bar.update(e - s)
         except ValueError as err:  # a model that cannot run length L
             results.append({"length": L, "error": str(err)})
             continue
+        finally:
+            bar.close()
         tokens = sum(len(ids) - 1 for ids, _, _ in docs)
         n_bytes = sum(b for _, b, _ in docs)
         words = sum(w for _, _, w in docs)
