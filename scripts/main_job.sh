@@ -42,8 +42,7 @@ out = sys.argv[1]
 tok = AutoTokenizer.from_pretrained(f"{out}/final")
 model = AutoModelForCausalLM.from_pretrained(f"{out}/final").eval()
 prompt = "It is a truth universally acknowledged, that"
-ids = tok(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
-ids = torch.cat([torch.tensor([[tok.bos_token_id]]), ids], dim=1)
+ids = tok(prompt, return_tensors="pt")["input_ids"]  # <s> first, as every training document
 torch.manual_seed(0)
 gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=200, do_sample=True, top_p=0.9,
                      pad_token_id=tok.pad_token_id)

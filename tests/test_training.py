@@ -287,6 +287,20 @@ def test_chunked_evaluation_equals_whole_windows(trained, corpus):
     assert math.isclose(whole["nll_sum"], batched["nll_sum"], rel_tol=1e-5)
 
 
+def test_the_saved_tokenizer_encodes_a_prompt_as_training_did(trained):
+    """The trained (BPE) tokenizer saved with the model starts a prompt with BOS, as every training document starts
+    (``encode_document``): ``pipeline`` and a user's ``tok(prompt)`` prompt the model the way it was trained."""
+    from transformers import AutoTokenizer
+
+    _, summary = trained
+    tok = AutoTokenizer.from_pretrained(summary["final_model"])
+    prompt = "It is a truth universally acknowledged, that"
+    fed = D.encode_document(tok, prompt, add_eos=False)
+    assert fed[0] == tok.bos_token_id and tok(prompt)["input_ids"] == fed
+    assert D.encode_document(tok, prompt) == fed + [tok.eos_token_id]  # training still ends a document with EOS
+    assert tok.decode(tok(prompt)["input_ids"], skip_special_tokens=True) == prompt
+
+
 def test_evaluation_shows_progress_over_the_scored_tokens(trained, corpus, capsys):
     """A long evaluation is not silent: with ``progress`` a bar per length counts the scored tokens (tokens/s) and
     names the document; without it nothing is printed."""

@@ -409,6 +409,26 @@ def load_tokenizer(name_or_path: str = DEFAULT_TOKENIZER, trust_remote_code: boo
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token
+    return add_bos_when_encoding(tok)
+
+
+def add_bos_when_encoding(tok):
+    """Make ``tok(text)`` start with BOS, as every training document does ([`encode_document`]), so that a saved
+    tokenizer prompts the model (``pipeline``, ``generate`` from a user's ``tok(prompt)``) the way it was trained. Only
+    a fast tokenizer that has a BOS token and does not add it already is changed (its post-processor: BOS before each
+    sequence, nothing after: a prompt is continued, not ended)."""
+    bos = tok.bos_token
+    backend = getattr(tok, "backend_tokenizer", None)
+    if bos is None or backend is None:
+        return tok
+    ids = tok("a")["input_ids"]
+    if ids and ids[0] == tok.bos_token_id:
+        return tok
+    from tokenizers import processors
+
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1", special_tokens=[(bos, tok.bos_token_id)]
+    )
     return tok
 
 
@@ -437,7 +457,7 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 8192, min_freque
                 yield text[i : i + (1 << 16)]
 
     tok.train_from_iterator(pieces(), trainer=trainer)
-    return PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<s>",
         eos_token="</s>",
@@ -445,6 +465,7 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 8192, min_freque
         unk_token="<unk>",
         clean_up_tokenization_spaces=False,
     )
+    return add_bos_when_encoding(fast)
 
 
 def encode_document(tokenizer, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]:
