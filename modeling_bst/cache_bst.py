@@ -691,12 +691,11 @@ class StaticBSTLayerCache(StaticLayer):
     ``generate`` compiles its decode step (on an accelerator by default; on the CPU with a ``compile_config`` whose
     ``_compile_all_devices`` is set). A BST state has no length dimension: every tensor is allocated once, by the
     prefill, at a size fixed by the batch and the config (``max_cache_len`` is not needed), and decode steps write it
-    in place (see the module docstring, "Fixed addresses"), which is what a compiled or CUDA-graph step needs."""
+    in place (see the module docstring, "Fixed addresses"), which is what a compiled or CUDA-graph step needs. A base
+    for registration only: each twin below takes its behaviour (``is_compileable`` included) from its BST layer first
+    in the method order, so it sets ``is_compileable`` itself."""
 
-    is_compileable = True
 
-
-# Each twin takes its behaviour from the BST layer first in the method order (StaticLayer only registers it as static).
 class StaticBlockLayerCache(BlockLayerCache, StaticBSTLayerCache):
     is_compileable = True
 
@@ -826,19 +825,9 @@ class BSTCache(Cache):
         for layer in self.layers:
             layer.advance(seq_len)
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Positions processed so far, padding included (what ``generate`` slices already-processed inputs by)."""
-        return self.layers[0].seen_tokens
-
-    def get_mask_sizes(self, *args, **kwargs):
-        raise NotImplementedError("BSTCache builds its own block masks.")
+    # ``get_seq_length``, ``get_mask_sizes``, ``crop``, ``reorder_cache``, ...: transformers' ``Cache``, layer by layer.
 
     # -- rollback ----------------------------------------------------------------------------------------------------------
-    @staticmethod
-    def capture(layer: BSTLayerCache, positions: torch.Tensor) -> dict:
-        """What one recurrent step of ``layer`` at ``positions`` `(B,)` will overwrite ([`BSTLayerCache.capture`])."""
-        return layer.capture(positions)
-
     def push_undo(self, entries: list):
         """Append the captures of a chunk: ``entries[t][layer]`` for each of its positions t."""
         for i, layer in enumerate(self.layers):

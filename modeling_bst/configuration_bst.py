@@ -441,7 +441,7 @@ class BSTConfig(PreTrainedConfig):
 
     @property
     def resolved_logit_scale(self) -> float:
-        return self.logit_scale if self.logit_scale is not None else 1.0 / math.sqrt(self.vocab_size)
+        return self.logit_scale if self.logit_scale is not None else _default_logit_scale(self.vocab_size)
 
     def layer_kind(self, layer_idx: int) -> str:
         """``layer_types[layer_idx]``: ``"bst"``, ``"recurrent"``, ``"gss"`` or ``"block"`` (plain Slide layer)."""

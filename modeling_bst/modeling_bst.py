@@ -1976,7 +1976,7 @@ class BSTModel(BSTPreTrainedModel):
                     outs, attns, crosses = [], [], []
                     for t in range(seq_len):
                         if undo is not None:
-                            undo[t][layer_idx] = cache.capture(layer_cache, positions + t)
+                            undo[t][layer_idx] = layer_cache.capture(positions + t)
                         h_t, attn, cross = self._call_layer(
                             layer,
                             hidden[:, t : t + 1],
