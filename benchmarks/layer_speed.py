@@ -155,7 +155,7 @@ def bst_layer(name: str, seq_len: int, recurrent_states: int, device: str = "cpu
     model = BSTModel(config).eval().to(device)
     layer = model.layers[0]
     expected = {"Slide": "block", "BRecT": "recurrent"}.get(name, "bst")
-    assert layer.kind == expected, (name, layer.kind)
+    assert layer.layer_type == expected, (name, layer.layer_type)
     return layer, lambda x: layer(x)
 
 

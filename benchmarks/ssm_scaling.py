@@ -43,7 +43,7 @@ from bench_common import RowLog, existing_file, positive_int  # noqa: E402
 from docs_section import clock, cpu_name, tune_malloc, write_section  # noqa: E402
 
 from modeling_bst import ssm_bst  # noqa: E402
-from modeling_bst.modeling_bst import MH_SEGMENT_LEN, TokenContextStates  # noqa: E402
+from modeling_bst.context_bst import MH_SEGMENT_LEN, TokenContextStates  # noqa: E402
 
 
 ROOT = Path(__file__).resolve().parents[1]

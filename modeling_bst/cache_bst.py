@@ -162,6 +162,52 @@ def assign(owner, attr: str, new: torch.Tensor | None):
     keep_address(new)
 
 
+def memoised(store: dict, slot: str, key: tuple, params, compute, max_bytes: int | None = None):
+    """``compute()``, reused from ``store[slot]`` while ``key`` and the tensors ``params`` are unchanged.
+
+    The memo keeps a copy of ``params`` and is used only when they are still equal (``torch.equal``): any change
+    (optimiser step, ``load_state_dict``, ``p.data`` edits, ``.to()``) recomputes, so reuse is exact. Values over
+    ``max_bytes`` are not kept. Callers use it only where no gradient has to flow to ``params``.
+    """
+    params = list(params)
+    memo = store.get(slot)
+    if (
+        memo is not None
+        and memo["key"] == key
+        and len(memo["params"]) == len(params)
+        and all(
+            a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
+            for a, b in zip(memo["params"], params)
+        )
+    ):
+        return memo["value"]
+    value = compute()
+    size = sum(t.numel() * t.element_size() for t in (value if isinstance(value, tuple) else (value,)))
+    if max_bytes is None or size <= max_bytes:
+        store[slot] = {"key": key, "params": [p.detach().clone() for p in params], "value": value}
+    return value
+
+
+def maybe_any(mask: torch.Tensor) -> bool:
+    """``bool(mask.any())`` where reading it costs nothing ([`host_can_branch`]), else ``True`` (do the work)."""
+    return bool(mask.any()) if host_can_branch(mask) else True
+
+
+def decode_memo(layer_cache: "BSTLayerCache", slot: str, key: tuple, params, compute, max_bytes: int | None = None):
+    """``compute()`` kept in ``layer_cache.step_memo[slot]`` and reused while ``key`` and the tensors ``params`` are
+    unchanged (decoding); recomputed every time when gradients flow to ``params`` (the graph must reach them), and
+    where checking the parameters would read device values back (an accelerator, tracing): these constants are
+    cheap, a device sync per step is not. Values over ``max_bytes`` are not kept."""
+    params = list(params)
+    if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+        return compute()
+    if not params or not host_can_branch(params[0]):
+        return compute()
+    if layer_cache.step_memo is None:
+        layer_cache.step_memo = {}
+    return memoised(layer_cache.step_memo, slot, key, params, compute, max_bytes)
+
+
 def ring_from_sequence(x: torch.Tensor, lengths: torch.Tensor, ring: int, offset: torch.Tensor | None = None):
     """Ring buffer (slot = absolute position % ring) of the last ``ring`` real positions of each row.
 

@@ -31,10 +31,8 @@ from dataclasses import fields
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
-from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel
+from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
-from transformers.integrations.flex_attention import compile_friendly_flex_attention
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPastAndCrossAttentions,
@@ -44,9 +42,33 @@ from transformers.modeling_outputs import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import can_return_tuple, logging
 
-from .cache_bst import MAX_ROLLBACK, BSTCache, BSTLayerCache, gather_rows, host_can_branch, tracing
+from .attention_bst import (
+    BSTRMSNorm,
+    additive_mask,
+    flex,
+    grouped_flex,
+    groups_of,
+    l2_normalize,
+    masked_fill_value,
+    positions_of,
+    t5_relative_bucket,
+    tiled_block_mask,
+    upcast,
+    use_flex,
+)
+from .cache_bst import (
+    MAX_ROLLBACK,
+    BSTCache,
+    BSTLayerCache,
+    decode_memo,
+    gather_rows,
+    host_can_branch,
+    maybe_any,
+    tracing,
+)
 from .configuration_bst import BSTConfig
-from .ssm_bst import PerFilterS4D, S4DKernel, UnstructFilter, memoised, upcast_ssm
+from .context_bst import CONTEXT_BUILDERS, SSM_KERNELS, BSTContextStates
+from .ssm_bst import S4DKernel, UnstructFilter
 
 
 logger = logging.get_logger(__name__)
@@ -71,11 +93,6 @@ def resolve_cache_argument(cache, past_key_values):
     return past_key_values
 
 
-def upcast(x: torch.Tensor) -> torch.Tensor:
-    """float32 for half-precision tensors, unchanged otherwise (float32/float64 keep their precision)."""
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-
-
 def eager_attention_forward(module, query, key, value, attention_mask, scaling=1.0, dropout=0.0, **kwargs):
     """Reference attention. ``query`` `(N, H, Lq, d)`, ``key``/``value`` `(N, H, Lk, d)` -> `(N, Lq, H, d)`."""
     weights = torch.matmul(query, key.transpose(-1, -2)) * scaling
@@ -84,434 +101,6 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling=1
     weights = torch.softmax(upcast(weights), dim=-1).to(query.dtype)
     weights = F.dropout(weights, p=dropout, training=module.training)
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
-
-
-def t5_relative_bucket(relative_position, bidirectional: bool, num_buckets: int, max_distance: int):
-    """T5 bucket of ``key_pos - query_pos``: exact for small distances, log-spaced up to ``max_distance``."""
-    bucket = torch.zeros_like(relative_position)
-    n = -relative_position
-    if bidirectional:
-        num_buckets //= 2
-        bucket = (n < 0).long() * num_buckets
-        n = n.abs()
-    else:
-        n = n.clamp(min=0)
-    max_exact = num_buckets // 2
-    large = (
-        max_exact
-        + (
-            torch.log(n.float().clamp(min=1) / max_exact)
-            / math.log(max_distance / max_exact)
-            * (num_buckets - max_exact)
-        ).long()
-    )
-    large = large.clamp(max=num_buckets - 1)
-    return bucket + torch.where(n < max_exact, n, large)
-
-
-def l2_normalize(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(upcast(x).pow(2).sum(-1, keepdim=True) + 1e-6).to(x.dtype)
-
-
-def masked_fill_value(dtype: torch.dtype) -> float:
-    # Finite, so that fully masked rows stay finite (they are zeroed afterwards, meliad's safe softmax).
-    return torch.finfo(dtype).min
-
-
-def additive_mask(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """0 where ``valid``, a large negative number elsewhere."""
-    return torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill(~valid, masked_fill_value(dtype))
-
-
-class BSTRMSNorm(nn.Module):
-    """RMS norm computed in float32 (meliad "LayerNorm": no mean, no bias, learned scale)."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x):
-        dtype = x.dtype
-        x32 = upcast(x)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * upcast(self.weight)).to(dtype)
-
-
-def maybe_any(mask: torch.Tensor) -> bool:
-    """``bool(mask.any())`` where reading it costs nothing ([`host_can_branch`]), else ``True`` (do the work)."""
-    return bool(mask.any()) if host_can_branch(mask) else True
-
-
-def decode_memo(layer_cache: BSTLayerCache, slot: str, key: tuple, params, compute, max_bytes: int | None = None):
-    """``compute()`` kept in ``layer_cache.step_memo[slot]`` and reused while ``key`` and the tensors ``params`` are
-    unchanged (decoding); recomputed every time when gradients flow to ``params`` (the graph must reach them), and
-    where checking the parameters would read device values back (an accelerator, tracing): these constants are
-    cheap, a device sync per step is not. Values over ``max_bytes`` are not kept."""
-    params = list(params)
-    if torch.is_grad_enabled() and any(p.requires_grad for p in params):
-        return compute()
-    if not params or not host_can_branch(params[0]):
-        return compute()
-    if layer_cache.step_memo is None:
-        layer_cache.step_memo = {}
-    return memoised(layer_cache.step_memo, slot, key, params, compute, max_bytes)
-
-
-# Largest unstruct taps spectrum kept for decoding chunks (per layer; recomputed per chunk beyond it).
-CHUNK_SPECTRUM_MEMO_BYTES = 128 * 2**20
-# Tokens per segment of MH's segmented S4 path ([`TokenContextStates.segmented_context`]; 0: off).
-MH_SEGMENT_LEN = 256
-
-
-class BSTContextStates(nn.Module):
-    """SSM sublayer and context-state builder of a BST layer (paper Sec. 3.3-3.4): the part shared by SH/MH/MF.
-
-    ``z = x_n P_down`` (D -> D_s), a long convolution over the whole sequence (``ssm``, picked by ``ssm_kind`` from
-    [`SSM_KERNELS`]), then context keys/values per mode (subclasses, picked by ``context_mode`` from
-    [`CONTEXT_BUILDERS`]), all behind one contract:
-
-    * ``sequence(xn, lengths, layer_cache, positions, fill_cache)``: full-sequence form. Returns context keys and
-      values `(B, nb, S_c, H, d)` per block, an additive cross mask `(W, S_c)` or None, and whether the first query of
-      every block has no context (strict mask); with ``fill_cache``, writes the SSM and context state;
-    * ``step(xn, layer_cache, positions)``: recurrent form for one token; returns keys/values `(B, S_c, H, d)`, an
-      additive mask `(B, 1, 1, S_c)` or None, and which rows see any context (None: all).
-
-    Context keys/values come from their own projections after an RMS norm; keys are L2-normalised with qk_norm.
-    """
-
-    def __init__(self, config: BSTConfig):
-        super().__init__()
-        self.config = config
-        self.mode = config.context_mode
-        self.block_len = config.block_len
-        d, ds = config.hidden_size, config.ssm_channels
-        self.down_proj = nn.Linear(d, ds, bias=False)
-        self.ssm = SSM_KERNELS[config.ssm_kind](ds, config.ssm_output_channels, config)
-        self.norm = BSTRMSNorm(d, config.rms_norm_eps)
-
-    def _heads(self, x):
-        return x.unflatten(-1, (self.config.num_attention_heads, self.config.head_dim))
-
-    def step_constants(self, layer_cache: BSTLayerCache):
-        """The SSM's [`step_constants`], memoised in ``layer_cache`` while its parameters are unchanged."""
-        return decode_memo(layer_cache, "ssm", (), self.ssm.parameters(), self.ssm.step_constants)
-
-    def _ssm_input(self, xn, lengths):
-        z = self.down_proj(xn)  # (B, T, Ds)
-        if lengths is not None and self.config.bidirectional:
-            z = z * (torch.arange(z.shape[1], device=z.device)[None] < lengths[:, None]).to(z.dtype)[..., None]
-        return z
-
-    def _sequence_input(self, xn, lengths, layer_cache, positions):
-        """The SSM input ``z`` of a full sequence, the SSM state it continues from (None: a fresh sequence) and
-        whether it continues a cached one."""
-        continued = layer_cache is not None and positions is not None
-        return self._ssm_input(xn, lengths), (layer_cache.ssm.state if continued else None), continued
-
-    def _fill_ssm_state(self, z, lengths, state0, layer_cache):
-        """The SSM state after each row's real tokens into ``layer_cache`` (rows right-aligned for ``final_state``)."""
-        bsz, seq_len, _ = z.shape
-        lens = lengths if lengths is not None else torch.full((bsz,), seq_len, device=z.device)
-        idx = torch.arange(seq_len, device=z.device)[None] - (seq_len - lens[:, None])
-        z_right = gather_rows(z, idx.clamp(min=0)) * (idx >= 0).to(z.dtype)[..., None]
-        layer_cache.ssm.set(self.ssm.final_state(z_right.detach(), state0).detach())
-        return lens
-
-    def _step_ssm(self, xn, layer_cache, p, output: bool = True, chunked: bool = False):
-        """One SSM step: ``y_t`` `(B, C, Ds)` (None if not ``output``); the cache's SSM state advances.
-
-        ``chunked`` (unstruct, outputs at every step: SH/MH): decode in chunks of M steps ([`_unstruct_chunk`])."""
-        z = self.down_proj(xn)[:, 0]  # (B, Ds)
-        seen = None
-        if self.config.ssm_kind == "unstruct":
-            rp = p - layer_cache.doc_start
-            if not tracing():
-                # Unstruct steps cost O(longest document so far): one read of the position per step.
-                seen = int(rp.max()) + 1
-                if seen > self.config.max_position_embeddings and not self.config.unstruct_finite_filter:
-                    raise ValueError(
-                        f"unstruct BST models generate at most max_position_embeddings="
-                        f"{self.config.max_position_embeddings} tokens (the filter has no taps beyond it); use an S4 "
-                        "model for longer generation."
-                    )
-        constants = self.step_constants(layer_cache)
-        if self.config.ssm_kind != "unstruct":
-            y, state = self.ssm.step(z, layer_cache.ssm.state, constants, seen)
-            layer_cache.ssm.set(state)
-            return y
-        pending = self._unstruct_chunk(layer_cache, constants, seen) if chunked and output else None
-        y, state = self.ssm.step(z, layer_cache.ssm.state, constants, seen, output=output, pending=pending)
-        if pending is None:
-            # Eager: the history stays a view into its slack buffer (``append_history``: O(1) per step). Traced: the
-            # step built a new history anyway; written over the old one in place (a fixed address for CUDA graphs).
-            layer_cache.ssm.set(state, contiguous=tracing())
-        else:
-            layer_cache.ssm.set(state, pending[0], pending[1] + 1, contiguous=False)
-        return y
-
-    def _unstruct_chunk(self, layer_cache, constants, seen):
-        """The current decoding chunk ``(pending outputs, step in the chunk)`` for an unstruct step, or None (a direct
-        dot product over the ``seen`` newest inputs).
-
-        A chunk starts when the last one is used up (or there is none: after a prefill, a continued chunk, a loaded
-        cache, a traced step) and the longest row has more than M inputs (below that the direct product is as
-        cheap): one FFT convolution of the history with the taps gives the share of every earlier input in the next
-        M outputs ([`UnstructFilter.pending_outputs`]). A step then costs O(M) instead of O(seen), plus the chunk's
-        O(seen log seen) / M. Under tracing (``seen`` unknown) steps take the direct form and drop the chunk
-        ([`SSMStateCache.set`]): an eager step after a traced one starts a new one."""
-        if seen is None:
-            return None
-        chunk = layer_cache.ssm.chunk(self.ssm.decode_chunk)
-        if chunk is not None or seen <= self.ssm.decode_chunk:
-            return chunk
-        n = min(seen - 1, self.ssm.max_len)  # the previous inputs that can be non-zero
-        size = self.ssm.pending_fft_size(n)
-        spectrum = decode_memo(
-            layer_cache,
-            "unstruct_chunk",
-            (size,),
-            self.ssm.parameters(),
-            lambda: self.ssm.pending_spectrum(size, constants),
-            CHUNK_SPECTRUM_MEMO_BYTES,
-        )
-        return self.ssm.pending_outputs(layer_cache.ssm.state, n, spectrum), 0
-
-
-class TokenContextStates(BSTContextStates):
-    """SH / MH: one context state per token; block b cross-attends to its own W context states (triangular mask).
-
-    The decoding cache keeps the current block's context keys/values in a W-slot ring (``layer_cache.context``, a
-    ``TokenContextCache``)."""
-
-    # Tokens per segment of the segmented S4 path ([`segmented_context`]); 0: the whole-sequence path.
-    segment_len = 0
-
-    def lift_and_project(self, y: torch.Tensor):
-        """SSM outputs ``y`` `(..., C, Ds)` -> context keys, values `(..., 1, H, d_h)`."""
-        raise NotImplementedError
-
-    def lift_channel_major(self, y: torch.Tensor, bsz: int):
-        """[`lift_and_project`] of SSM outputs laid out `(C, Ds, B * n)` (tokens batch-major) -> context keys,
-        values `(B, n, H, d_h)`."""
-        raise NotImplementedError
-
-    def use_segments(self) -> bool:
-        """Whether [`sequence`] runs the segmented path: ``segment_len`` set, a causal S4D kernel evaluated in chunks,
-        eager mode (under tracing the whole-sequence path keeps the graph free of a length-dependent loop)."""
-        ssm = self.ssm
-        return (
-            self.segment_len > 0
-            and isinstance(ssm, S4DKernel)
-            and ssm.chunk_len > 0
-            and not ssm.bidirectional
-            and not tracing()
-        )
-
-    def segmented_context(self, z: torch.Tensor, state: torch.Tensor | None):
-        """Context keys and values `(B, T, H, d_h)` from the SSM input ``z`` `(B, T, Ds)`, a few chunks at a time.
-
-        The same map as ``lift_and_project(ssm(z, state))`` (the chunked S4D form, [`S4DKernel.chunked_forward`]),
-        but no `(B, T, C, Ds)` SSM output or `(B, T, H, D)` lifted state ever exists: the chunk-start states come from
-        one scan over the whole input, then each segment of ``segment_len`` tokens runs convolution, free response,
-        lift, norm and K/V projection while its tensors are small enough to stay in the caches, in the layout the
-        convolution produces ([`S4DKernel.channel_major_chunks`]). Time and memory traffic stay linear in T.
-        """
-        ssm, bsz, length = self.ssm, z.shape[0], z.shape[1]
-        chunk = ssm.chunk_len
-        nc = -(-length // chunk)
-        zc = F.pad(upcast_ssm(z, ssm.log_dt), (0, 0, 0, nc * chunk - length))  # causal: zeros at the end are inert
-        x0 = ssm.chunk_start_states(zc, chunk, state)  # (B, nc, Ds, N2)
-        constants = ssm.chunked_constants(chunk, zc.dtype)
-        per = max(1, self.segment_len // chunk)  # chunks per segment
-        keys, values = [], []
-        for c0 in range(0, nc, per):
-            c1 = min(nc, c0 + per)
-            # (C, Ds, B*n): the segment's SSM outputs, lifted and projected at once
-            y = ssm.channel_major_chunks(zc[:, c0 * chunk : c1 * chunk], x0[:, c0:c1], chunk, constants)
-            k, v = self.lift_channel_major(y, bsz)
-            keys.append(k)
-            values.append(v)
-        return torch.cat(keys, 1)[:, :length], torch.cat(values, 1)[:, :length]
-
-    def sequence(self, xn, lengths, layer_cache, positions, fill_cache):
-        cfg = self.config
-        bsz, seq_len, _ = xn.shape
-        w = self.block_len
-        nb = seq_len // w
-        z, state0, continued = self._sequence_input(xn, lengths, layer_cache, positions)
-        if self.use_segments():
-            ck, cv = self.segmented_context(z, state0)  # (B, T, H, d)
-        else:
-            y = self.ssm(z, state0)  # (B, T, C, Ds)
-            ck, cv = self.lift_and_project(y)  # (B, T, 1, H, d)
-        ctx_k, ctx_v = ck.view(bsz, nb, w, *ck.shape[-2:]), cv.view(bsz, nb, w, *cv.shape[-2:])
-        if cfg.bidirectional:
-            mask, zero_first = None, False
-        else:
-            i = torch.arange(w, device=z.device)
-            allowed = i[None] <= i[:, None] if cfg.cross_mask == "inclusive" else i[None] < i[:, None]
-            mask = additive_mask(allowed, ck.dtype)
-            zero_first = cfg.cross_mask == "strict"
-        if fill_cache:
-            lens = self._fill_ssm_state(z, lengths, state0, layer_cache)
-            offset = positions if continued else None
-            layer_cache.context.fill(ctx_k.flatten(1, 2).detach(), ctx_v.flatten(1, 2).detach(), lens, w, offset)
-        return ctx_k, ctx_v, mask, zero_first
-
-    def step(self, xn, layer_cache, p):
-        cfg = self.config
-        w = self.block_len
-        y = self._step_ssm(xn, layer_cache, p, chunked=True)
-        ck, cv = self.lift_and_project(y)  # (B, 1, H, d)
-        ctx_k, ctx_v, cpos = layer_cache.context.write(p, ck[:, 0], cv[:, 0])
-        # Blocks are counted from the start of each row's current document.
-        block_start = (p - (p - layer_cache.doc_start).remainder(w))[:, None]
-        upper = (cpos <= p[:, None]) if cfg.cross_mask == "inclusive" else (cpos < p[:, None])
-        valid = (cpos >= block_start) & upper  # (B, W)
-        mask = additive_mask(valid, ck.dtype)[:, None, None, :]
-        return ctx_k, ctx_v, mask, valid.any(-1)
-
-
-class SHContextStates(TokenContextStates):
-    """SH (single head, Listing 2): ``c_t = Norm(P_up y_t)``, projected to H heads by the context K/V projections."""
-
-    def __init__(self, config: BSTConfig):
-        super().__init__(config)
-        d, heads, hd = config.hidden_size, config.num_attention_heads, config.head_dim
-        self.up_proj = nn.Linear(config.ssm_channels, d, bias=False)
-        self.k_proj = nn.Linear(d, heads * hd, bias=False)
-        self.v_proj = nn.Linear(d, heads * hd, bias=False)
-
-    def lift_and_project(self, y: torch.Tensor):
-        c = self.norm(self.up_proj(y.to(self.down_proj.weight.dtype)[..., 0, :]))  # (..., D)
-        k = self._heads(self.k_proj(c)).unsqueeze(-3)
-        v = self._heads(self.v_proj(c)).unsqueeze(-3)
-        return (l2_normalize(k) if self.config.qk_norm else k), v  # (..., 1, H, d_h)
-
-    def lift_channel_major(self, y: torch.Tensor, bsz: int):
-        c = self.norm(F.linear(y[0].to(self.down_proj.weight.dtype).t(), self.up_proj.weight))  # (B*n, D)
-        k = self._heads(self.k_proj(c)).unflatten(0, (bsz, -1))
-        v = self._heads(self.v_proj(c)).unflatten(0, (bsz, -1))
-        return (l2_normalize(k) if self.config.qk_norm else k), v  # (B, n, H, d_h)
-
-
-class MHContextStates(TokenContextStates):
-    """MH (multi-head, Listing 3): H SSM outputs (one C matrix per head), each lifted by its own D_s -> D projection
-    and projected to that head's keys/values."""
-
-    # Long S4 sequences run segment by segment: no (B, T, H, Ds) SSM output or (B, T, H, D) lift is built.
-    segment_len = MH_SEGMENT_LEN
-
-    def __init__(self, config: BSTConfig):
-        super().__init__(config)
-        d, heads, hd = config.hidden_size, config.num_attention_heads, config.head_dim
-        self.up_proj = nn.Parameter(torch.empty(heads, config.ssm_channels, d))  # (H, Ds, D)
-        self.k_proj = nn.Parameter(torch.empty(heads, d, hd))
-        self.v_proj = nn.Parameter(torch.empty(heads, d, hd))
-
-    def lift_and_project(self, y: torch.Tensor):
-        y = y.to(self.down_proj.weight.dtype)
-        c = self.norm(torch.einsum("...hs,hsd->...hd", y, self.up_proj.to(y.dtype)))  # (..., H, D)
-        k = torch.einsum("...hd,hde->...he", c, self.k_proj.to(c.dtype)).unsqueeze(-3)
-        v = torch.einsum("...hd,hde->...he", c, self.v_proj.to(c.dtype)).unsqueeze(-3)
-        return (l2_normalize(k) if self.config.qk_norm else k), v  # (..., 1, H, d_h)
-
-    def lift_channel_major(self, y: torch.Tensor, bsz: int):
-        # Contracted in the layout y has: (H, B*n, Ds) is a transposed view of (H, Ds, B*n), no copy.
-        y = y.to(self.down_proj.weight.dtype)
-        c = self.norm(torch.bmm(y.transpose(1, 2), self.up_proj.to(y.dtype)))  # (H, B*n, D)
-        kv = torch.bmm(c, torch.cat([self.k_proj, self.v_proj], -1).to(c.dtype))  # (H, B*n, 2 d_h)
-        k, v = kv.unflatten(1, (bsz, -1)).permute(1, 2, 0, 3).split(self.config.head_dim, -1)  # (B, n, H, d_h)
-        return (l2_normalize(k) if self.config.qk_norm else k), v
-
-
-class MFContextStates(BSTContextStates):
-    """MF (multi-filter, Listing 4): S filters; block b attends to the S SSM outputs at the last token of block b-1
-    (block 0: a learned initial context), each lifted by its own projection, plus learned context IDs; no mask.
-
-    The decoding cache keeps the current block's S context keys/values and the latest SSM outputs `(B, S, Ds)`, the
-    next block's context (``layer_cache.context``, a ``BlockContextCache``)."""
-
-    def __init__(self, config: BSTConfig):
-        super().__init__(config)
-        d, heads, hd, s = config.hidden_size, config.num_attention_heads, config.head_dim, config.num_context_states
-        self.up_proj = nn.Parameter(torch.empty(s, config.ssm_channels, d))  # (S, Ds, D)
-        self.context_ids = nn.Parameter(torch.empty(s, d))
-        self.initial_context = nn.Parameter(torch.empty(s, d))
-        self.k_proj = nn.Linear(d, heads * hd, bias=False)
-        self.v_proj = nn.Linear(d, heads * hd, bias=False)
-
-    def mf_context(self, y_prev: torch.Tensor | None, batch_shape):
-        """Context keys/values from the previous block's last SSM outputs ``y_prev`` `(..., S, Ds)` (None: block 0)."""
-        if y_prev is None:
-            c = self.initial_context.expand(*batch_shape, -1, -1)
-        else:
-            c = torch.einsum("...sc,scd->...sd", y_prev.to(self.up_proj.dtype), self.up_proj)
-        if self.config.mf_context_ids_after_norm:
-            c = self.norm(c) + self.context_ids.to(c.dtype)
-        else:
-            c = self.norm(c + self.context_ids.to(c.dtype))
-        k, v = self._heads(self.k_proj(c)), self._heads(self.v_proj(c))
-        return (l2_normalize(k) if self.config.qk_norm else k), v  # (..., S, H, d_h)
-
-    def sequence(self, xn, lengths, layer_cache, positions, fill_cache):
-        cfg = self.config
-        bsz, seq_len, _ = xn.shape
-        w = self.block_len
-        nb = seq_len // w
-        z, state0, continued = self._sequence_input(xn, lengths, layer_cache, positions)
-        if cfg.bidirectional:
-            y_end = self.ssm(z, state0)[:, w - 1 :: w]
-        else:
-            # Causal S4: states at block ends, read out by the S filters (no FFT per filter).
-            y_end = self.ssm.block_end_outputs(z, w, state0)  # (B, nb, S, Ds)
-        first_k, first_v = self.mf_context(None, (bsz,))
-        if continued:
-            cont_k, cont_v = self.mf_context(layer_cache.context.last, (bsz,))
-            fresh = (positions == layer_cache.doc_start)[:, None, None, None]
-            first_k = torch.where(fresh, first_k.to(cont_k.dtype), cont_k)
-            first_v = torch.where(fresh, first_v.to(cont_v.dtype), cont_v)
-        rest_k, rest_v = self.mf_context(y_end[:, :-1], (bsz, nb - 1))
-        ctx_k = torch.cat([first_k[:, None].to(rest_k.dtype), rest_k], 1)
-        ctx_v = torch.cat([first_v[:, None].to(rest_v.dtype), rest_v], 1)
-        if fill_cache:
-            lens = self._fill_ssm_state(z, lengths, state0, layer_cache)
-            rows = torch.arange(bsz, device=z.device)
-            blk = ((lens - 1) // w).clamp(min=0)
-            layer_cache.context.set_context(ctx_k[rows, blk].detach(), ctx_v[rows, blk].detach())
-            # Needed at the next block start (lens % W == 0): the output at the last token, a block end.
-            layer_cache.context.set_last(y_end[rows, (lens // w - 1).clamp(min=0)].detach())
-        return ctx_k, ctx_v, None, False
-
-    def step(self, xn, layer_cache, p):
-        w = self.block_len
-        rp = p - layer_cache.doc_start  # position inside the current document: blocks are counted from its start
-        block_start = rp.remainder(w) == 0
-        if maybe_any(block_start):
-            # A new block starts: its context is built from the previous block's last SSM outputs.
-            k_new, v_new = self.mf_context(layer_cache.context.last, (xn.shape[0],))
-            k0, v0 = self.mf_context(None, (xn.shape[0],))
-            first = (p == layer_cache.doc_start)[:, None, None, None]
-            k_new, v_new = torch.where(first, k0, k_new), torch.where(first, v0, v_new)
-            layer_cache.context.set_context(k_new, v_new, rows=block_start)
-        block_end = (rp + 1).remainder(w) == 0
-        # The SSM output matters only at block ends (unstruct computes it only there).
-        y = self._step_ssm(xn, layer_cache, p, output=self.config.ssm_kind == "s4" or maybe_any(block_end))
-        if y is not None:
-            layer_cache.context.set_last(y, rows=block_end)
-        return layer_cache.context.k, layer_cache.context.v, None, None
-
-
-# The SSM kernel of each ``ssm_kind`` and the context builder of each ``context_mode``.
-def _s4_kernel(channels, out_channels, config):
-    """S4D with a state shared by the C read-outs, or (MF, ``mf_independent_filters``) one SSM per filter."""
-    per_filter = config.context_mode == "mf" and config.mf_independent_filters
-    return (PerFilterS4D if per_filter else S4DKernel)(channels, out_channels, config.ssm_state_size, config)
-
-
-SSM_KERNELS = {"s4": _s4_kernel, "unstruct": UnstructFilter}
-CONTEXT_BUILDERS = {"sh": SHContextStates, "mh": MHContextStates, "mf": MFContextStates}
 
 
 def attention(module, q, k, v, mask, dropout, return_weights: bool = False):
@@ -561,146 +150,13 @@ def learned_mask_attention(q, k, v, mask, dropout: float) -> torch.Tensor:
         return torch.matmul(weights, v).to(dtype).transpose(1, 2).contiguous()
 
 
-# -- FlexAttention (attn_implementation="flex_attention") ----------------------------------------------------------
-# The full-sequence forms of the block self-attention and of both cross-attentions run as one FlexAttention call over
-# the whole sequence: the window / block structure is a ``BlockMask`` whose tiles are derived analytically
-# ([`tiled_block_mask`]), row-dependent masks (cached previous block, padding) and the T5 bias are ``mask_mod`` /
-# ``score_mod`` functions. Everything else (decode steps, the BRecT state update) stays on SDPA; see
-# docs/paper-mapping.md "Attention backends".
-
-FLEX_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def use_flex(module, q: torch.Tensor, dropout: float, *tensors: torch.Tensor) -> bool:
-    """Whether a full-sequence attention of ``module`` runs on FlexAttention: ``attn_implementation="flex_attention"``
-    and nothing flex cannot do here, else the SDPA path (same result):
-
-    * attention dropout (flex has no dropout);
-    * a dtype flex's CPU kernel lacks (float64);
-    * a backward on CPU (torch implements flex's backward on accelerators only): with gradients enabled and any of
-      ``q``, ``tensors`` or the module's parameters requiring them, a CPU forward takes SDPA.
-    """
-    if module.config._attn_implementation != "flex_attention" or dropout > 0:
-        return False
-    if q.device.type != "cpu":
-        return True
-    if q.dtype not in FLEX_DTYPES:
-        return False
-    if torch.is_grad_enabled():
-        needs_grad = any(t.requires_grad for t in (q, *tensors)) or any(p.requires_grad for p in module.parameters())
-        if needs_grad:
-            logger.warning_once(
-                "BST: flex_attention has no backward on CPU; full-sequence attention with gradients runs on SDPA."
-            )
-            return False
-    return True
-
-
-_COMPILED_FLEX = {}
-
-
-def flex_kernel(device_type: str):
-    """``flex_attention`` compiled once per device type (uncompiled inside a compiled region, which compiles it).
-
-    On accelerators transformers' [`compile_friendly_flex_attention`] (dynamic shapes after the first recompile).
-    On CPU with static shapes, one compilation per input shape: in torch 2.13 inductor's CPU FlexAttention template
-    emits C++ that does not compile for dynamic shapes (``'cur_kvSplitSize7' was not declared``)."""
-    if torch.compiler.is_compiling():
-        return flex_attention
-    if device_type != "cpu":
-        return compile_friendly_flex_attention
-    if "cpu" not in _COMPILED_FLEX:
-        _COMPILED_FLEX["cpu"] = torch.compile(flex_attention, dynamic=False)
-    compiled = _COMPILED_FLEX["cpu"]
-    return lambda q, k, v, training=False, **kwargs: compiled(q, k, v, **kwargs)
-
-
-def flex(module, q, k, v, block_mask, score_mod=None):
-    """FlexAttention ([`flex_kernel`]), unscaled (queries carry the learned scale). ``q`` `(B, H, Lq, d)`,
-    ``k``/``v`` `(B, H, Lk, d)` -> `(B, Lq, H, d)`; a query without any key gets zeros."""
-    kernel = flex_kernel(q.device.type)
-    out = kernel(q, k, v, training=module.training, score_mod=score_mod, block_mask=block_mask, scale=1.0)
-    return out.transpose(1, 2)
-
-
-def tiled_block_mask(mask_mod, q_len: int, kv_len: int, bands, device, keys_partial=None, tile: int = 128):
-    """The ``BlockMask`` of ``mask_mod`` built from its band structure instead of evaluating it on all pairs.
-
-    ``bands``: constraints ``(f, g, lo, hi)`` that ``mask_mod`` implies, each ``lo <= g(kv) - f(q) <= hi`` with
-    ``f``/``g`` non-decreasing integer maps of index tensors (positions, block indices). A `tile x tile` tile is
-    skipped if some band excludes all its pairs and is "full" (no ``mask_mod`` call) if every band includes all its
-    pairs and no key of it is in ``keys_partial`` (a bool tensor `(kv_len,)` of keys that ``mask_mod`` also masks
-    per row: cached-block validity, padding); all other tiles are partial and ``mask_mod`` decides per pair, so the
-    mask is exactly ``mask_mod`` whenever ``mask_mod`` implies the bands. Costs O((q_len / tile) x (kv_len / tile)).
-    """
-    nq, nk = -(-q_len // tile), -(-kv_len // tile)
-    q_first = torch.arange(nq, device=device) * tile
-    k_first = torch.arange(nk, device=device) * tile
-    q_last = (q_first + tile).clamp(max=q_len) - 1
-    k_last = (k_first + tile).clamp(max=kv_len) - 1
-    any_pair = torch.ones(nq, nk, dtype=torch.bool, device=device)
-    all_pairs = torch.ones(nq, nk, dtype=torch.bool, device=device)
-    for f, g, lo, hi in bands:
-        low = g(k_first)[None] - f(q_last)[:, None]  # (nq, nk): the band quantity's range over the tile
-        high = g(k_last)[None] - f(q_first)[:, None]
-        any_pair &= (high >= lo) & (low <= hi)
-        all_pairs &= (low >= lo) & (high <= hi)
-    if keys_partial is not None:
-        tiles_partial = F.pad(keys_partial, (0, nk * tile - kv_len)).view(nk, tile).any(-1)
-        all_pairs &= ~tiles_partial[None]
-    partial = any_pair & ~all_pairs
-
-    def blocks(selected):
-        # Indices of the selected kv tiles first (stable order), their count per query tile.
-        order = torch.argsort((~selected).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-        return selected.sum(-1, dtype=torch.int32)[None, None], order[None, None]
-
-    kv_num, kv_idx = blocks(partial)
-    full_num, full_idx = blocks(all_pairs)
-    return BlockMask.from_kv_blocks(
-        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tile, mask_mod=mask_mod, seq_lengths=(q_len, kv_len)
-    )
-
-
-def positions_of(offset: int = 0):
-    """Band map: index -> index - ``offset``."""
-    return lambda idx: idx - offset
-
-
-def groups_of(size: int, offset: int = 0):
-    """Band map: index -> (index - ``offset``) // ``size`` (block of a token, group of a context state)."""
-    return lambda idx: torch.div(idx - offset, size, rounding_mode="floor")
-
-
-def grouped_flex(module, q, k, v, q_group: int, kv_group: int, causal_within: str | None = None):
-    """Flex attention of query block ``i // q_group`` over key group ``j // kv_group``: every block's queries see only
-    their own block's keys (context states, recurrent state keys). ``q`` `(B, T, H, d)`, ``k``/``v``
-    `(B, S_total, H, d)` -> `(B, T, H, d)`. ``causal_within``: ``"inclusive"`` (key j <= query i) or ``"strict"``
-    (j < i) for one key per token (SH/MH, ``q_group == kv_group``); None: the whole group."""
-    q_len, kv_len = q.shape[1], k.shape[1]
-    bands = [(groups_of(q_group), groups_of(kv_group), 0, 0)]
-    if causal_within is None:
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return kv_idx // kv_group == q_idx // q_group
-
-    else:
-        upper = 0 if causal_within == "inclusive" else -1
-        bands.append((positions_of(), positions_of(), -(q_group - 1), upper))
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return (kv_idx // kv_group == q_idx // q_group) & (kv_idx - q_idx <= upper)
-
-    block_mask = tiled_block_mask(mask_mod, q_len, kv_len, bands, q.device)
-    return flex(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask)
-
-
 class BSTRecurrentState(nn.Module):
     """BRecT:fixed:skip recurrent cell (meliad ``recurrent_gate_type="bias"``, ``recurrent_skip_ffn=True``).
 
     Per block: ``z = [attn(Qr, Kr, Vr) ; attn(Q2r, K_tokens, V_tokens)] Wo_r`` over the previous and current block's
     token keys/values, then ``s' = g * s + (1 - g) * z`` with a learned input-independent gate ``g = sigmoid(b)``.
-    ``update`` is one block (the recurrent form), ``sequence`` runs it over all blocks of a sequence.
+    ``update`` is one block; ``sequence`` runs it over all blocks of a sequence, ``forward`` with the cache around
+    it (the full-sequence form); ``step_keys_values`` and ``step_update`` are the recurrent form around one token.
     """
 
     def __init__(self, config: BSTConfig):
@@ -773,6 +229,52 @@ class BSTRecurrentState(nn.Module):
             state_values.append(state_kv[1])
             states.append(self.update(states[-1], kcat, vcat, valid, state_kv))
         return torch.stack(states, 1), torch.stack(state_keys, 1), torch.stack(state_values, 1)
+
+    def forward(self, k, v, previous, lengths=None, layer_cache=None, positions=None, fill_cache=False):
+        """Full-sequence form: the state keys/values that every block's tokens attend to, `(B, nb, S, H, d_h)` x 2.
+
+        ``k``/``v`` `(B, T, H, d_h)` are the tokens' self-attention keys/values (T a multiple of W); ``previous`` the
+        cached block before the sequence ``(k, v, valid)`` (a continued sequence, whose state comes from
+        ``layer_cache``) or None (a fresh one, from the learned initial state). With ``fill_cache`` the state after
+        each row's real tokens goes into ``layer_cache``."""
+        bsz, seq_len, heads, hd = k.shape
+        w = self.config.block_len
+        nb = seq_len // w
+        kb, vb = k.view(bsz, nb, w, heads, hd), v.view(bsz, nb, w, heads, hd)
+        if previous is not None:
+            state = layer_cache.recurrent.state.to(kb.dtype)
+            fresh = (positions == layer_cache.doc_start)[:, None, None]
+            state = torch.where(fresh, self.initial_state.to(kb.dtype), state)
+        else:
+            state = self.initial_state.to(kb.dtype).expand(bsz, -1, -1)
+            zeros = torch.zeros_like(kb[:, 0])
+            previous = (zeros, zeros, torch.zeros(bsz, w, dtype=torch.bool, device=kb.device))
+        all_states, keys, values = self.sequence(state, kb, vb, previous)
+        if fill_cache:
+            lens = lengths if lengths is not None else torch.full((bsz,), nb * w, device=kb.device)
+            rows = torch.arange(bsz, device=kb.device)
+            new_state = all_states[rows, lens // w].detach()
+            layer_cache.recurrent.set(new_state, *(t.detach() for t in self.keys_values(new_state)))
+        return keys, values
+
+    def step_keys_values(self, layer_cache: BSTLayerCache, positions):
+        """Recurrent form, before the token's attention: the state keys/values `(B, S, H, d_h)` it reads; a row
+        whose document starts here starts from the learned initial state."""
+        fresh = positions == layer_cache.doc_start
+        if maybe_any(fresh):
+            state = layer_cache.recurrent.state
+            init_state = self.initial_state.to(state.dtype).expand_as(state)
+            layer_cache.recurrent.set(init_state, *self.keys_values(init_state), rows=fresh)
+        return layer_cache.recurrent.k, layer_cache.recurrent.v
+
+    def step_update(self, ring, layer_cache: BSTLayerCache, positions):
+        """Recurrent form, after the token's attention: at the last token of a block the state absorbs the previous
+        and current block (``ring``: the self-attention ring after this token's write, ``(keys, values, positions)``)."""
+        block_end = (positions - layer_cache.doc_start + 1).remainder(self.config.block_len) == 0
+        if maybe_any(block_end):
+            ring_k, ring_v, kpos = ring
+            new_state = self.update(layer_cache.recurrent.state, ring_k, ring_v, kpos >= 0)
+            layer_cache.recurrent.set(new_state, *self.keys_values(new_state), rows=block_end)
 
 
 class BSTBlockSelfAttention(nn.Module):
@@ -1106,7 +608,12 @@ class BSTBlockSelfAttention(nn.Module):
 
 class BSTCrossAttention(nn.Module):
     """The second attention of a BST or BRecT layer: its own queries (``q_proj``, L2-normalised, learned per-head
-    scale) over keys/values that are not the tokens' (context states, or the recurrent state)."""
+    scale) over keys/values that are not the tokens': a BST layer's context states, or a BRecT layer's recurrent
+    state. Block b's queries see only block b's keys/values.
+
+    * ``forward``: full-sequence form, all blocks in one batched call (FlexAttention as one block-diagonal call);
+    * ``step``: one token per row over its current block's keys/values.
+    """
 
     def __init__(self, config: BSTConfig):
         super().__init__()
@@ -1125,181 +632,65 @@ class BSTCrossAttention(nn.Module):
             q = l2_normalize(q)
         return q * self.scale.to(q.dtype)[:, None]
 
+    def forward(self, xn, keys, values, mask=None, zero_first=False, num_positions=None, weights=False):
+        """
+        Args:
+            xn (`torch.Tensor` of shape `(B, T, D)`): the normalised layer input; T is a multiple of W.
+            keys, values (`torch.Tensor` of shape `(B, nb, S, H, d_h)`): per block, what its queries attend to.
+            mask (`torch.Tensor` of shape `(W, S)`, *optional*): additive mask within a block (SH/MH: triangular).
+            zero_first (`bool`): the first query of every block sees nothing (strict mask) and gets zeros.
+            num_positions (`int`, *optional*): leading positions the returned weights cover.
+            weights (`bool`): also return the attention weights `(B, H, T, S)` (eager attention).
 
-class BSTContextCrossAttention(BSTCrossAttention):
-    """BST cross-attention (paper Sec. 3.2): every block's tokens attend to that block's context states, built by
-    the SH / MH / MF builder of ``context_mode`` (``self.context``, from [`CONTEXT_BUILDERS`]) over the SSM."""
-
-    def __init__(self, config: BSTConfig):
-        super().__init__(config)
-        self.context = CONTEXT_BUILDERS[config.context_mode](config)
-
-    def forward(
-        self,
-        xn,
-        lengths=None,
-        layer_cache=None,
-        positions=None,
-        fill_cache=False,
-        num_positions=None,
-        weights=False,
-        ssm_x=None,
-    ):
-        """Full-sequence form: ``xn`` `(B, T, D)`, T a multiple of W (the context builder runs the SSM over it, or
-        over ``ssm_x`` where given (``ssm_input="raw"``), and, with ``fill_cache``, writes its state). Returns
-        `(B, T, H * d_h)` and the weights `(B, H, T, S_c)` (None unless ``weights``)."""
+        Returns:
+            the output `(B, T, H * d_h)` and the weights (None unless ``weights``).
+        """
         cfg = self.config
         bsz, seq_len, _ = xn.shape
         w, heads, hd = self.block_len, cfg.num_attention_heads, cfg.head_dim
-        nb = seq_len // w
-        ssm_x = xn if ssm_x is None else ssm_x
-        ctx_k, ctx_v, ctx_mask, zero_first = self.context.sequence(ssm_x, lengths, layer_cache, positions, fill_cache)
+        nb, s = seq_len // w, keys.shape[2]
         drop = cfg.attention_dropout if self.training else 0.0
-        s_c = ctx_k.shape[2]
-        if not weights and use_flex(self, xn, drop, ctx_k, ctx_v):
-            # Block-diagonal over the context states of each block (SH/MH: triangular within it; strict: a block's
-            # first query sees none and gets zeros, as ``zero_first`` below).
-            within = None if ctx_mask is None else cfg.cross_mask
-            out = grouped_flex(self, self.query(xn), ctx_k.flatten(1, 2), ctx_v.flatten(1, 2), w, s_c, within)
+        q = self.query(xn)
+        if not weights and use_flex(self, q, drop, keys, values):
+            # Block-diagonal (SH/MH: triangular within the block; strict: a block's first query gets zeros).
+            within = None if mask is None else cfg.cross_mask
+            out = grouped_flex(self, q, keys.flatten(1, 2), values.flatten(1, 2), w, s, within)
             return out.reshape(bsz, seq_len, heads * hd), None
-        q2 = self.query(xn).view(bsz * nb, w, heads, hd).transpose(1, 2)
-        ck = ctx_k.reshape(bsz * nb, s_c, heads, hd).transpose(1, 2)
-        cv = ctx_v.reshape(bsz * nb, s_c, heads, hd).transpose(1, 2)
+        qb = q.view(bsz * nb, w, heads, hd).transpose(1, 2)
+        kb = keys.reshape(bsz * nb, s, heads, hd).transpose(1, 2)
+        vb = values.reshape(bsz * nb, s, heads, hd).transpose(1, 2)
         chunk = min(cfg.resolved_attention_query_chunk, w)
         probs = None
         if weights:
-            out, cw = attention(self, q2, ck, cv, ctx_mask, drop, return_weights=True)  # cw (B*nb, H, W, S_c)
+            out, probs = attention(self, qb, kb, vb, mask, drop, return_weights=True)  # probs (B*nb, H, W, S)
             if zero_first:
-                cw = torch.cat([torch.zeros_like(cw[:, :, :1]), cw[:, :, 1:]], 2)
-            probs = cw.view(bsz, nb, heads, w, s_c).transpose(1, 2).reshape(bsz, heads, seq_len, s_c)
+                probs = torch.cat([torch.zeros_like(probs[:, :, :1]), probs[:, :, 1:]], 2)
+            probs = probs.view(bsz, nb, heads, w, s).transpose(1, 2).reshape(bsz, heads, seq_len, s)
             probs = probs[:, :, : seq_len if num_positions is None else num_positions]
-        elif ctx_mask is not None and chunk < w:
-            # Triangular SH/MH mask: queries of a chunk see only the context states up to the chunk's end.
-            out = torch.cat(
-                [
-                    attention(
-                        self,
-                        q2[:, :, i : i + chunk],
-                        ck[:, :, : i + chunk],
-                        cv[:, :, : i + chunk],
-                        ctx_mask[i : i + chunk, : i + chunk],
-                        drop,
-                    )
-                    for i in range(0, w, chunk)
-                ],
-                1,
-            )
+        elif mask is not None and chunk < w:
+            # Triangular mask: the queries of a chunk see only the states up to the chunk's end.
+            parts = [
+                attention(self, qb[:, :, i : i + chunk], kb[:, :, : i + chunk], vb[:, :, : i + chunk],
+                          mask[i : i + chunk, : i + chunk], drop)
+                for i in range(0, w, chunk)
+            ]  # fmt: skip
+            out = torch.cat(parts, 1)
         else:
-            out = attention(self, q2, ck, cv, ctx_mask, drop)  # (B*nb, W, H, d)
+            out = attention(self, qb, kb, vb, mask, drop)  # (B*nb, W, H, d)
         if zero_first:
             out = torch.cat([torch.zeros_like(out[:, :1]), out[:, 1:]], 1)
         return out.reshape(bsz, seq_len, heads * hd), probs
 
-    def step(self, xn, layer_cache: BSTLayerCache, positions, weights=False, ssm_x=None):
-        """Recurrent form for one token ``xn`` `(B, 1, D)`: the context builder advances the SSM (over ``ssm_x``
-        where given) and context state in ``layer_cache``. Returns `(B, 1, H * d_h)` and the weights `(B, H, 1, S_c)`
-        (None unless ``weights``)."""
-        bsz = xn.shape[0]
-        ssm_x = xn if ssm_x is None else ssm_x
-        ctx_k, ctx_v, ctx_mask, any_valid = self.context.step(ssm_x, layer_cache, positions)
-        q2 = self.query(xn).transpose(1, 2)  # (B, H, 1, d)
-        out, probs = attention(self, q2, ctx_k.transpose(1, 2), ctx_v.transpose(1, 2), ctx_mask, 0.0, True)
+    def step(self, xn, keys, values, mask=None, any_valid=None, weights=False):
+        """One token per row: ``xn`` `(B, 1, D)` over ``keys``/``values`` `(B, S, H, d_h)` with an additive ``mask``
+        `(B, 1, 1, S)`; rows where ``any_valid`` `(B,)` is False see nothing and get zeros. Returns `(B, 1, H * d_h)`
+        and the weights `(B, H, 1, S)` (None unless ``weights``)."""
+        q = self.query(xn).transpose(1, 2)  # (B, H, 1, d)
+        out, probs = attention(self, q, keys.transpose(1, 2), values.transpose(1, 2), mask, 0.0, True)
         if any_valid is not None:
             keep = any_valid.to(out.dtype)[:, None, None, None]
             out = out * keep
-            if weights:
-                probs = probs * keep
-        return out.reshape(bsz, 1, -1), probs if weights else None
-
-
-class BSTRecurrentCrossAttention(BSTCrossAttention):
-    """BRecT cross-attention: every block's tokens attend to the recurrent state before that block; the state
-    (``self.recurrent``, a [`BSTRecurrentState`]) absorbs each block's tokens at its end."""
-
-    def __init__(self, config: BSTConfig):
-        super().__init__(config)
-        self.recurrent = BSTRecurrentState(config)
-
-    def forward(
-        self,
-        xn,
-        k,
-        v,
-        previous,
-        lengths=None,
-        layer_cache=None,
-        positions=None,
-        fill_cache=False,
-        num_positions=None,
-        weights=False,
-    ):
-        """Full-sequence form. ``xn`` `(B, T, D)`; ``k``/``v`` `(B, T, H, d_h)` the tokens' self-attention keys/values;
-        ``previous`` the cached block before the sequence ``(k, v, valid)`` or None. With ``fill_cache`` the state
-        after each row's real tokens goes into ``layer_cache``. Returns `(B, T, H * d_h)` and the weights
-        `(B, H, T, S)` (None unless ``weights``)."""
-        cfg = self.config
-        bsz, seq_len, heads, hd = k.shape
-        w = self.block_len
-        nb = seq_len // w
-        rec = self.recurrent
-        kb, vb = k.view(bsz, nb, w, heads, hd), v.view(bsz, nb, w, heads, hd)
-        if previous is not None:
-            state = layer_cache.recurrent.state.to(kb.dtype)
-            fresh = (positions == layer_cache.doc_start)[:, None, None]
-            state = torch.where(fresh, rec.initial_state.to(kb.dtype), state)
-        else:
-            state = rec.initial_state.to(kb.dtype).expand(bsz, -1, -1)
-            zeros = torch.zeros_like(kb[:, 0])
-            previous = (zeros, zeros, torch.zeros(bsz, w, dtype=torch.bool, device=kb.device))
-        all_states, sk, sv = rec.sequence(state, kb, vb, previous)  # (B, nb+1, S, D), (B, nb, S, H, d) x 2
-        s = sk.shape[2]
-        drop = cfg.attention_dropout if self.training else 0.0
-        q2 = self.query(xn)
-        probs = None
-        if not weights and use_flex(self, q2, drop, sk, sv):
-            # Every block's queries over the S state keys before that block (the state recurrence stays on SDPA).
-            out = grouped_flex(self, q2, sk.flatten(1, 2), sv.flatten(1, 2), w, s)
-        else:
-            out, probs = attention(
-                self,
-                q2.view(bsz * nb, w, heads, hd).transpose(1, 2),
-                sk.reshape(bsz * nb, s, heads, hd).transpose(1, 2),
-                sv.reshape(bsz * nb, s, heads, hd).transpose(1, 2),
-                None,
-                drop,
-                return_weights=True,
-            )
-        if fill_cache:
-            lens = lengths if lengths is not None else torch.full((bsz,), nb * w, device=kb.device)
-            rows = torch.arange(bsz, device=kb.device)
-            new_state = all_states[rows, lens // w].detach()
-            layer_cache.recurrent.set(new_state, *(t.detach() for t in rec.keys_values(new_state)))
-        if weights:
-            probs = probs.view(bsz, nb, heads, w, s).transpose(1, 2).reshape(bsz, heads, nb * w, s)
-            probs = probs[:, :, : seq_len if num_positions is None else num_positions]
-        return out.reshape(bsz, seq_len, heads * hd), probs if weights else None
-
-    def step(self, xn, ring, layer_cache: BSTLayerCache, positions, weights=False):
-        """Recurrent form for one token ``xn`` `(B, 1, D)`; ``ring``: the self-attention ring after this token's
-        write ``(keys, values, key positions)``. Returns `(B, 1, H * d_h)` and the weights `(B, H, 1, S)`."""
-        p = positions
-        rec = self.recurrent
-        fresh = p == layer_cache.doc_start
-        if maybe_any(fresh):
-            # First token of a document: the state starts from the learned initial state.
-            state = layer_cache.recurrent.state
-            init_state = rec.initial_state.to(state.dtype).expand_as(state)
-            layer_cache.recurrent.set(init_state, *rec.keys_values(init_state), rows=fresh)
-        q2 = self.query(xn).transpose(1, 2)
-        out, probs = attention(
-            self, q2, layer_cache.recurrent.k.transpose(1, 2), layer_cache.recurrent.v.transpose(1, 2), None, 0.0, True
-        )
-        # At the last token of a block, the state absorbs the previous and current block.
-        block_end = (p - layer_cache.doc_start + 1).remainder(self.block_len) == 0
-        if maybe_any(block_end):
-            ring_k, ring_v, kpos = ring
-            new_state = rec.update(layer_cache.recurrent.state, ring_k, ring_v, kpos >= 0)
-            layer_cache.recurrent.set(new_state, *rec.keys_values(new_state), rows=block_end)
+            probs = probs * keep if weights else None
         return out.reshape(xn.shape[0], 1, -1), probs if weights else None
 
 
@@ -1316,102 +707,53 @@ class BSTMLP(nn.Module):
         return self.down_proj(F.relu(self.up_proj(x), inplace=True))
 
 
-# Parameter names of the layout before core v2 (one flat decoder layer) -> names now, per layer kind; used by the
-# load hooks (``BSTDecoderLayer`` for ``load_state_dict``, ``legacy_key_mapping`` for ``from_pretrained``).
-LEGACY_PARAMETER_NAMES = {
-    "block": {
-        "q_proj.": "self_attn.q_proj.",
-        "k_proj.": "self_attn.k_proj.",
-        "v_proj.": "self_attn.v_proj.",
-        "self_scale": "self_attn.scale",
-        "relative_bias.": "self_attn.relative_bias.",
-        "up_proj.": "mlp.up_proj.",
-        "down_proj.": "mlp.down_proj.",
-    },
-}
-LEGACY_PARAMETER_NAMES["bst"] = {
-    **LEGACY_PARAMETER_NAMES["block"],
-    "q2_proj.": "cross_attn.q_proj.",
-    "cross_scale": "cross_attn.scale",
-    "context.": "cross_attn.context.",
-}
-LEGACY_PARAMETER_NAMES["recurrent"] = {
-    **LEGACY_PARAMETER_NAMES["block"],
-    "q2_proj.": "cross_attn.q_proj.",
-    "cross_scale": "cross_attn.scale",
-    "recurrent.": "cross_attn.recurrent.",
-}
-
-
-def legacy_name(kind: str, name: str) -> str:
-    """The current name of parameter ``name`` (relative to a layer of ``kind``) written by the pre-core-v2 layout;
-    ``name`` unchanged if it is not such a name."""
-    for old, new in LEGACY_PARAMETER_NAMES.get(kind, {}).items():
-        if name == old or (old.endswith(".") and name.startswith(old)):
-            return new + name[len(old) :]
-    return name
-
-
-def legacy_key_mapping(config: BSTConfig) -> dict[str, str]:
-    """``from_pretrained``'s ``key_mapping`` (regex -> replacement) that loads checkpoints of the pre-core-v2 layout.
-
-    Per layer kind, because a bare name is ambiguous: ``layers.N.v_proj`` is a self-attention projection in an
-    attention layer but the gate projection of a GSS layer."""
-    mapping = {}
-    for kind, names in LEGACY_PARAMETER_NAMES.items():
-        indices = [str(i) for i in range(config.num_hidden_layers) if config.layer_kind(i) == kind]
-        if not indices:
-            continue
-        layers = rf"layers\.({'|'.join(indices)})\."
-        for old, new in names.items():
-            if old.endswith("."):
-                mapping[layers + re.escape(old)] = rf"layers.\1.{new}"
-            else:
-                mapping[layers + re.escape(old) + "$"] = rf"layers.\1.{new}"
-    return mapping
-
-
 class BSTDecoderLayer(GradientCheckpointingLayer):
-    """One layer, Llama-shaped: norm -> block self-attention -> context (BST) or recurrent (BRecT) cross-attention ->
-    concat -> one projection -> residual -> MLP (a "block" layer, Slide, has no cross-attention).
+    """A block layer (layer type "block": the paper's Slide layer) and the base of the BST and BRecT layers.
 
-    Full-sequence form (training, prefill, aligned chunk continuation) and recurrent form (one token) share all
-    parameters; each sub-module has both. ``forward`` dispatches once on ``hidden_states.shape[1] == 1`` with a
-    filled cache.
+    1. RMS norm of the input;
+    2. block self-attention over the W previous tokens;
+    3. the second attention of the layer type ([`attend_states`]: none here; BST: SSM -> context states ->
+       cross-attention; BRecT: the recurrent state);
+    4. both outputs concatenated, one output projection, residual;
+    5. RMS norm, MLP, residual.
+
+    Two forms share every parameter: the full-sequence form (training, prefill, a block-aligned chunk continuing
+    ``layer_cache``) and the recurrent form (one token per row at ``positions``, advancing ``layer_cache`` in place).
     """
-
-    cross_attention_classes = {"bst": BSTContextCrossAttention, "recurrent": BSTRecurrentCrossAttention}
 
     def __init__(self, config: BSTConfig, layer_idx: int):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
-        self.kind = config.layer_kind(layer_idx)
+        self.layer_type = config.layer_kind(layer_idx)
         d, heads, hd = config.hidden_size, config.num_attention_heads, config.head_dim
-        ring = 2 * config.block_len if self.kind == "recurrent" else config.block_len + 1
         self.input_norm = BSTRMSNorm(d, config.rms_norm_eps)
-        self.self_attn = BSTBlockSelfAttention(config, ring)
-        cross = self.cross_attention_classes.get(self.kind)
-        self.cross_attn = cross(config) if cross is not None else None
-        self.o_proj = nn.Linear((1 if cross is None else 2) * heads * hd, d, bias=False)
+        self.self_attn = BSTBlockSelfAttention(config, self.ring_len(config))
+        self.build_state_attention(config)
+        width = heads * hd * (1 if self.cross_attn is None else 2)
+        self.o_proj = nn.Linear(width, d, bias=False)
         self.post_attention_norm = BSTRMSNorm(d, config.rms_norm_eps)
         self.mlp = BSTMLP(config)
         self.dropout = nn.Dropout(config.dropout)
-        self.register_load_state_dict_pre_hook(BSTDecoderLayer._rename_legacy_keys)
 
     @staticmethod
-    def _rename_legacy_keys(module, state_dict, prefix, *args):
-        """``load_state_dict`` of a state dict of the pre-core-v2 layout: rename this layer's keys in place."""
-        for key in [k for k in state_dict if k.startswith(prefix)]:
-            new = legacy_name(module.kind, key[len(prefix) :])
-            if prefix + new != key:
-                state_dict[prefix + new] = state_dict.pop(key)
+    def ring_len(config: BSTConfig) -> int:
+        """Token keys/values the decoding cache keeps: the W-token window and the newest token."""
+        return config.block_len + 1
+
+    def build_state_attention(self, config: BSTConfig):
+        """The modules of step 3 (none in a block layer)."""
+        self.cross_attn = None
+
+    def attend_states(self, hidden_states, xn, k, v, ring, step, layer_cache, lengths, positions, **kwargs):
+        """Step 3: ``(output (B, T, H d_h), weights)``, or None for a layer without a second attention."""
+        return None
 
     def forward(
         self,
         hidden_states: torch.Tensor,
-        lengths: torch.Tensor | None = None,
         layer_cache: BSTLayerCache | None = None,
+        lengths: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         fill_cache: bool = False,
         num_positions: int | None = None,
@@ -1421,8 +763,8 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
         Args:
             hidden_states (`torch.Tensor` of shape `(B, T, D)`): rows aligned to start at their first real token; in
                 the full-sequence form T is a multiple of W and rows are right-padded.
-            lengths (`torch.LongTensor` of shape `(B,)`, *optional*): real tokens per row (None: all T are real).
             layer_cache ([`BSTLayerCache`], *optional*): read (continuation / decoding) and written (``fill_cache``).
+            lengths (`torch.LongTensor` of shape `(B,)`, *optional*): real tokens per row (None: all T are real).
             positions (`torch.LongTensor` of shape `(B,)`, *optional*): tokens already in ``layer_cache`` per row.
             fill_cache (`bool`): write this layer's state after the input into ``layer_cache``.
             num_positions (`int`, *optional*): how many leading positions the caller asked for (the rest pads the
@@ -1431,47 +773,99 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
 
         Returns:
             ``hidden_states`` `(B, T, D)`; with ``output_attentions`` the tuple ``(hidden_states,
-            self_attention_weights, cross_attention_weights)`` (cross: None for a block layer).
+            self_attention_weights, second_attention_weights)`` (the latter None for a block layer).
         """
         step = layer_cache is not None and positions is not None and hidden_states.shape[1] == 1
+        # 1. Pre-attention norm (meliad's dropout on it in the full-sequence form).
         xn = self.input_norm(hidden_states)
-        raw = self.kind == "bst" and self.config.ssm_input == "raw"  # the SSM reads the un-normed layer input
-        if step:
-            # Recurrent form: one token per row at ``positions``; the cache advances in place.
-            q, k, v = self.self_attn.project(xn)  # (B, 1, H, d)
-            a_self, self_w, ring = self.self_attn.step(q, k, v, layer_cache, positions, output_attentions)
-            if isinstance(self.cross_attn, BSTRecurrentCrossAttention):
-                cross = self.cross_attn.step(xn, ring, layer_cache, positions, output_attentions)
-            elif self.cross_attn is not None:
-                ssm_x = hidden_states if raw else None
-                cross = self.cross_attn.step(xn, layer_cache, positions, output_attentions, ssm_x=ssm_x)
-        else:
-            # Full-sequence form. A continued sequence (cache filled, rows block-aligned) sees the cached previous
-            # block and the cached SSM / recurrent state.
+        if not step:
             xn = self.dropout(xn)
-            q, k, v = self.self_attn.project(xn)  # (B, T, H, d)
+        # 2. Block self-attention.
+        q, k, v = self.self_attn.project(xn)  # (B, T, H, d_h)
+        ring = None
+        if step:
+            a_self, self_w, ring = self.self_attn.step(q, k, v, layer_cache, positions, output_attentions)
+        else:
             a_self, self_w = self.self_attn(q, k, v, lengths, layer_cache, positions, num_positions, output_attentions)
-            if isinstance(self.cross_attn, BSTRecurrentCrossAttention):
-                continued = layer_cache is not None and positions is not None
-                previous = self.self_attn.previous_block(layer_cache, positions) if continued else None
-                cross = self.cross_attn(
-                    xn, k, v, previous, lengths, layer_cache, positions, fill_cache, num_positions, output_attentions
-                )
-            elif self.cross_attn is not None:
-                ssm_x = self.dropout(hidden_states) if raw else None
-                cross = self.cross_attn(
-                    xn, lengths, layer_cache, positions, fill_cache, num_positions, output_attentions, ssm_x=ssm_x
-                )
-            if fill_cache:
-                self.self_attn.write_cache(layer_cache, k, v, lengths, positions)
-        cross_w = None
-        if self.cross_attn is not None:
-            a_cross, cross_w = cross
-            a_self = torch.cat([a_self, a_cross], -1)  # (B, T, 2 H d_h)
+        # 3. The layer type's second attention (context states or recurrent state).
+        second = self.attend_states(
+            hidden_states,
+            xn,
+            k,
+            v,
+            ring,
+            step,
+            layer_cache,
+            lengths,
+            positions,
+            fill_cache=fill_cache,
+            num_positions=num_positions,
+            output_attentions=output_attentions,
+        )
+        if fill_cache:
+            self.self_attn.write_cache(layer_cache, k, v, lengths, positions)
+        # 4. Concatenation, one output projection, residual.
+        second_w = None
+        if second is not None:
+            a_second, second_w = second
+            a_self = torch.cat([a_self, a_second], -1)  # (B, T, 2 H d_h)
         attn = self.o_proj(a_self)
         h = hidden_states + (attn if step else self.dropout(attn))
+        # 5. MLP, residual.
         h = h + self.dropout(self.mlp(self.post_attention_norm(h)))
-        return (h, self_w, cross_w) if output_attentions else h
+        return (h, self_w, second_w) if output_attentions else h
+
+
+class BSTContextLayer(BSTDecoderLayer):
+    """A BST layer (layer type "bst", paper Sec. 3): step 3 runs the SSM over the whole sequence (``ssm``, the kernel
+    of ``ssm_kind``), builds context states from its outputs (``context``, the SH / MH / MF builder of
+    ``context_mode``) and cross-attends to them block by block (``cross_attn``)."""
+
+    def build_state_attention(self, config: BSTConfig):
+        self.ssm = SSM_KERNELS[config.ssm_kind](config.ssm_channels, config.ssm_output_channels, config)
+        self.context = CONTEXT_BUILDERS[config.context_mode](config)
+        self.cross_attn = BSTCrossAttention(config)
+
+    def attend_states(self, hidden_states, xn, k, v, ring, step, layer_cache, lengths, positions, **kwargs):
+        weights = kwargs["output_attentions"]
+        # The SSM reads the normed input, or with ssm_input="raw" the layer input itself.
+        if self.config.ssm_input == "raw":
+            x = hidden_states if step else self.dropout(hidden_states)
+        else:
+            x = xn
+        if step:
+            keys, values, mask, any_valid = self.context.step(self.ssm, x, layer_cache, positions)
+            return self.cross_attn.step(xn, keys, values, mask, any_valid, weights)
+        keys, values, mask, zero_first = self.context.sequence(
+            self.ssm, x, lengths, layer_cache, positions, kwargs["fill_cache"]
+        )
+        return self.cross_attn(xn, keys, values, mask, zero_first, kwargs["num_positions"], weights)
+
+
+class BSTRecurrentLayer(BSTDecoderLayer):
+    """A Block-Recurrent Transformer layer (layer type "recurrent", the paper's BRecT:fixed:skip baseline): step 3
+    cross-attends to the recurrent state before each block (``cross_attn``); the state (``recurrent``) absorbs the
+    previous and current block's token keys/values at each block end."""
+
+    @staticmethod
+    def ring_len(config: BSTConfig) -> int:
+        return 2 * config.block_len  # the state update reads the previous and the current block
+
+    def build_state_attention(self, config: BSTConfig):
+        self.recurrent = BSTRecurrentState(config)
+        self.cross_attn = BSTCrossAttention(config)
+
+    def attend_states(self, hidden_states, xn, k, v, ring, step, layer_cache, lengths, positions, **kwargs):
+        weights = kwargs["output_attentions"]
+        if step:
+            keys, values = self.recurrent.step_keys_values(layer_cache, positions)
+            out = self.cross_attn.step(xn, keys, values, weights=weights)
+            self.recurrent.step_update(ring, layer_cache, positions)
+            return out
+        continued = layer_cache is not None and positions is not None
+        previous = self.self_attn.previous_block(layer_cache, positions) if continued else None
+        keys, values = self.recurrent(k, v, previous, lengths, layer_cache, positions, kwargs["fill_cache"])
+        return self.cross_attn(xn, keys, values, num_positions=kwargs["num_positions"], weights=weights)
 
 
 class BSTGSSLayer(GradientCheckpointingLayer):
@@ -1486,7 +880,7 @@ class BSTGSSLayer(GradientCheckpointingLayer):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
-        self.kind = "gss"
+        self.layer_type = "gss"
         d, ds = config.hidden_size, config.hidden_size // 4
         width = config.gss_expansion * d
         self.input_norm = BSTRMSNorm(d, config.rms_norm_eps)
@@ -1500,8 +894,8 @@ class BSTGSSLayer(GradientCheckpointingLayer):
     def forward(
         self,
         hidden_states,
-        lengths=None,
         layer_cache=None,
+        lengths=None,
         positions=None,
         fill_cache=False,
         num_positions=None,
@@ -1535,24 +929,19 @@ class BSTGSSLayer(GradientCheckpointingLayer):
         return (h, None, None) if output_attentions else h
 
 
-# The module of each layer kind (``BSTConfig.layer_kind``): one lookup per layer.
+# The module of each layer type (``config.layer_types``).
 DECODER_LAYER_CLASSES = {
     "block": BSTDecoderLayer,
-    "bst": BSTDecoderLayer,
-    "recurrent": BSTDecoderLayer,
+    "bst": BSTContextLayer,
+    "recurrent": BSTRecurrentLayer,
     "gss": BSTGSSLayer,
 }
 
 
-# from_pretrained arguments that locate a checkpoint's config (the rest are the model's).
-_HUB_KWARGS = (
-    "cache_dir",
-    "force_download",
-    "local_files_only",
-    "token",
-    "revision",
-    "subfolder",
-    "proxies",
+# Parameter names that only earlier layouts of the package wrote (see ``training/convert_checkpoint.py``).
+EARLIER_LAYOUT_KEY = re.compile(
+    r"(^|\.)layers\.\d+\.(cross_attn\.(context|recurrent)\.|context\.ssm\.|q2_proj\.|self_scale$|cross_scale$"
+    r"|(q|k)_proj\.weight$|relative_bias\.|up_proj\.weight$|down_proj\.weight$)"
 )
 
 
@@ -1572,7 +961,7 @@ class BSTPreTrainedModel(PreTrainedModel):
     config_class = BSTConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
-    _no_split_modules = ["BSTDecoderLayer", "BSTGSSLayer"]
+    _no_split_modules = ["BSTDecoderLayer", "BSTContextLayer", "BSTRecurrentLayer", "BSTGSSLayer"]
     _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_sdpa = True
     # Full-sequence block / context / recurrent-state attention on FlexAttention (see [`use_flex`]).
@@ -1628,22 +1017,20 @@ class BSTPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """[`PreTrainedModel.from_pretrained`]; checkpoints of the layout before core v2 (issue #12: one flat
-        decoder layer) load through a ``key_mapping`` built from their config's layer types ([`legacy_key_mapping`]),
-        unless the caller passes one."""
-        if kwargs.get("key_mapping") is None and pretrained_model_name_or_path is not None:
-            config = kwargs.get("config")
-            if not isinstance(config, PreTrainedConfig):
-                hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
-                config = BSTConfig.from_pretrained(config or pretrained_model_name_or_path, **hub)
-            kwargs["key_mapping"] = legacy_key_mapping(config)
-        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
-
-    def save_pretrained(self, save_directory, *args, save_original_format: bool = False, **kwargs):
-        """[`PreTrainedModel.save_pretrained`], writing the current parameter names: a model loaded from an old
-        checkpoint is saved in the new layout (transformers' default, ``save_original_format=True``, would write the
-        names the checkpoint was loaded from)."""
-        return super().save_pretrained(save_directory, *args, save_original_format=save_original_format, **kwargs)
+        """[`PreTrainedModel.from_pretrained`]. A checkpoint whose parameter names are those of an earlier layout of
+        this package raises an error naming the command that converts it (instead of loading with fresh weights)."""
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(
+            pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
+        )
+        earlier = sorted(k for k in info.get("unexpected_keys", ()) if EARLIER_LAYOUT_KEY.search(k))
+        if earlier:
+            raise ValueError(
+                f"{pretrained_model_name_or_path} holds parameters named as in an earlier layout of modeling_bst "
+                f"(e.g. {earlier[0]!r}). Convert it once with `python -m training.convert_checkpoint "
+                f"{pretrained_model_name_or_path} <new folder>` and load the new folder."
+            )
+        return (model, info) if want_info else model
 
     def resize_token_embeddings(self, *args, **kwargs):
         """As transformers' (which sets ``config.vocab_size``), keeping ``config.logit_scale``: a trained model's

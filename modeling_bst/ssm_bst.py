@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 
-from .cache_bst import host_can_branch, tracing
+from .cache_bst import host_can_branch, memoised, tracing
 
 
 def _no_autocast(device_type: str):
@@ -140,32 +140,6 @@ def fft_bidirectional_conv(u: torch.Tensor, k_fwd: torch.Tensor, k_bwd: torch.Te
     Shapes as in [`fft_causal_conv`]; ``k_bwd`` has the same shape as ``k_fwd``.
     """
     return fft_conv(u, bidirectional_spectrum(k_fwd, k_bwd))
-
-
-def memoised(store: dict, slot: str, key: tuple, params, compute, max_bytes: int | None = None):
-    """``compute()``, reused from ``store[slot]`` while ``key`` and the tensors ``params`` are unchanged.
-
-    The memo keeps a copy of ``params`` and is used only when they are still equal (``torch.equal``): any change
-    (optimiser step, ``load_state_dict``, ``p.data`` edits, ``.to()``) recomputes, so reuse is exact. Values over
-    ``max_bytes`` are not kept. Callers use it only where no gradient has to flow to ``params``.
-    """
-    params = list(params)
-    memo = store.get(slot)
-    if (
-        memo is not None
-        and memo["key"] == key
-        and len(memo["params"]) == len(params)
-        and all(
-            a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
-            for a, b in zip(memo["params"], params)
-        )
-    ):
-        return memo["value"]
-    value = compute()
-    size = sum(t.numel() * t.element_size() for t in (value if isinstance(value, tuple) else (value,)))
-    if max_bytes is None or size <= max_bytes:
-        store[slot] = {"key": key, "params": [p.detach().clone() for p in params], "value": value}
-    return value
 
 
 # S4D full-sequence outputs beyond twice this length are computed chunk by chunk ([`S4DKernel.chunked_forward`]).

@@ -42,7 +42,7 @@ def test_ssm_gradient_ratio_is_the_ssm_share_of_the_gradient():
     ratios = filter_shape.ssm_gradient_ratios(net, ids, labels)
     assert sorted(ratios) == [0, 1] and all(p.grad is None for p in net.parameters())  # gradients left cleared
     net(ids, labels=labels).loss.backward()
-    ssm = [net.model.layers[i].cross_attn.context.ssm for i in (0, 1)]
+    ssm = [net.model.layers[i].ssm for i in (0, 1)]
     ssm_ids = {id(q) for m in ssm for q in m.parameters()}
     rest = torch.sqrt(sum(q.grad.double().pow(2).sum() for q in net.parameters() if id(q) not in ssm_ids))
     for i, m in enumerate(ssm):

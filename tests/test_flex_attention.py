@@ -19,7 +19,7 @@ import torch
 from conftest import VARIANTS, make_model, tiny_config
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 
-import modeling_bst.modeling_bst as mb
+import modeling_bst.attention_bst as mb
 from modeling_bst import BSTForCausalLM, BSTForSequenceClassification
 
 

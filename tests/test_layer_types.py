@@ -8,7 +8,8 @@ from conftest import tiny_config
 from transformers import PreTrainedConfig
 
 from modeling_bst import BSTConfig, BSTForCausalLM
-from modeling_bst.modeling_bst import BSTGSSLayer, MFContextStates
+from modeling_bst.context_bst import MFContextStates
+from modeling_bst.modeling_bst import BSTGSSLayer
 
 
 def test_layer_types_and_index_fields_are_two_views_of_one_assignment():
@@ -32,9 +33,7 @@ def test_a_model_built_from_layer_types_equals_one_built_from_index_fields():
     a = BSTForCausalLM(by_indices)
     torch.manual_seed(0)
     b = BSTForCausalLM(by_types)
-    assert isinstance(b.model.layers[0].cross_attn.context, MFContextStates) and isinstance(
-        b.model.layers[2], BSTGSSLayer
-    )
+    assert isinstance(b.model.layers[0].context, MFContextStates) and isinstance(b.model.layers[2], BSTGSSLayer)
     for (name_a, p_a), (name_b, p_b) in zip(a.state_dict().items(), b.state_dict().items()):
         assert name_a == name_b and torch.equal(p_a, p_b)
 

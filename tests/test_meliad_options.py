@@ -35,7 +35,7 @@ def test_mf_context_ids_before_or_after_the_norm():
     torch.manual_seed(0)
     for after in (False, True):
         model = BSTForCausalLM(tiny_config(context_mode="mf", mf_context_ids_after_norm=after)).double()
-        ctx = model.model.layers[0].cross_attn.context
+        ctx = model.model.layers[0].context
         y = torch.randn(2, ctx.up_proj.shape[0], ctx.up_proj.shape[1], dtype=torch.float64)
         lifted = torch.einsum("bsc,scd->bsd", y, ctx.up_proj)
         c = ctx.norm(lifted) + ctx.context_ids if after else ctx.norm(lifted + ctx.context_ids)
@@ -69,7 +69,7 @@ def test_mf_independent_filters_step_exactly_and_span_more_than_a_shared_state()
         for independent in (False, True):
             torch.manual_seed(0)
             ssm = BSTForCausalLM(tiny_config(mf_independent_filters=independent, **overrides)).double()
-            ssm = ssm.model.layers[0].cross_attn.context.ssm
+            ssm = ssm.model.layers[0].ssm
             z = torch.randn(64, 16, 2, dtype=torch.float64)
             ends = ssm.block_end_outputs(z, 4)  # (64, 4, S, Ds)
             torch.testing.assert_close(ends, ssm(z)[:, 3::4], atol=1e-10, rtol=0)
@@ -90,9 +90,9 @@ def test_ssm_input_raw_reads_the_layer_input_before_the_norm_and_decodes_exactly
         torch.manual_seed(0)
         models[mode] = BSTForCausalLM(tiny_config(context_mode=context_mode, ssm_input=mode)).double().eval()
     layer = models["raw"].model.layers[0]
-    assert layer.kind == "bst"
+    assert layer.layer_type == "bst"
     seen = []
-    hook = layer.cross_attn.context.down_proj.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    hook = layer.context.down_proj.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
     embeddings = models["raw"].model.embed_tokens(ids)
     with torch.no_grad():
         models["raw"](ids, use_cache=False)

@@ -19,7 +19,7 @@ from transformers import (
 )
 
 from modeling_bst import BSTCache, BSTConfig, BSTForCausalLM, BSTForSequenceClassification, BSTModel
-from modeling_bst.modeling_bst import t5_relative_bucket
+from modeling_bst.attention_bst import t5_relative_bucket
 
 
 # Variants beyond the Table-1 families: mask options and the remaining cell options.
@@ -146,7 +146,7 @@ def test_mf_context_of_block_b_ignores_block_b(kind):
     model = make_model(
         None, dtype=torch.float64, num_hidden_layers=1, bst_layer_indices=[0], context_mode="mf", ssm_kind=kind
     )
-    ctx = model.model.layers[0].cross_attn.context
+    ctx = model.model.layers[0].context
     w, nb = model.config.block_len, 5
     ids = random_ids(1, w * nb)
 

@@ -60,14 +60,14 @@ def test_step_memos_follow_parameter_edits():
     with torch.no_grad():
         assert {"ssm", "bias"} <= set(layer_cache.step_memo)
         layer.self_attn.relative_bias.weight.data.add_(0.25)
-        layer.cross_attn.context.ssm.log_dt.data.add_(0.1)
+        layer.ssm.log_dt.data.add_(0.1)
         table = layer.self_attn.step_bias_table(layer_cache, torch.float64)
-        constants = layer.cross_attn.context.step_constants(layer_cache)
+        constants = layer.context.step_constants(layer.ssm, layer_cache)
         # Reference: computed without any memo.
         distances = -torch.arange(layer.self_attn.ring)
         expected = (layer.self_attn.bias(distances) * layer.self_attn.scale).t()
         torch.testing.assert_close(table, expected, rtol=0, atol=0)
-        for got, want in zip(constants, layer.cross_attn.context.ssm.step_constants()):
+        for got, want in zip(constants, layer.ssm.step_constants()):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
@@ -138,10 +138,10 @@ def test_unstruct_step_taps_follow_parameter_edits():
     model, layer, layer_cache = decoded_one_token("sh-unstruct")
     with torch.no_grad():
         assert "ssm" in layer_cache.step_memo
-        ssm = layer.cross_attn.context.ssm
+        ssm = layer.ssm
         ssm.out.weight.data.mul_(-2.0)
         expected = ssm.reverse_taps(ssm.filters(model.config.max_position_embeddings))
-        torch.testing.assert_close(layer.cross_attn.context.step_constants(layer_cache), expected, rtol=0, atol=0)
+        torch.testing.assert_close(layer.context.step_constants(layer.ssm, layer_cache), expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -392,7 +392,7 @@ def segmented_models(variant, chunk=4):
     tokens; SH switched on for the test) and the whole-sequence path (``segment_len = 0``)."""
     from conftest import make_model
 
-    from modeling_bst.modeling_bst import TokenContextStates
+    from modeling_bst.context_bst import TokenContextStates
 
     models = []
     for seg in (12, 0):

@@ -163,7 +163,7 @@ def test_parameter_groups_ssm_own_lr_no_decay(preset, overrides):
     all_ids = [id(p) for g in groups.values() for p in g["params"]]
     assert len(all_ids) == len(set(all_ids)) == len({id(p) for p in model.parameters()})
     # the SSM group holds the state-space parameters, whatever their shape, and nothing else
-    kernel = "model.layers.0.cross_attn.context.ssm."
+    kernel = "model.layers.0.ssm."
     if config.ssm_kind == "s4":
         expected = {kernel + k for k in ("A_log_real", "A_imag", "log_dt", "B")}
         assert {kernel + "C", kernel + "D"} <= in_group["decay"]

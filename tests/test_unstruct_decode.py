@@ -12,7 +12,7 @@ from conftest import DecodeStep, make_model
 
 from modeling_bst import BSTCache
 from modeling_bst.cache_bst import SSMStateCache
-from modeling_bst.modeling_bst import BSTContextStates
+from modeling_bst.context_bst import BSTContextStates
 from modeling_bst.ssm_bst import UnstructFilter
 
 
@@ -352,7 +352,7 @@ def test_thousands_of_positions_at_the_default_chunk():
     forward (float64) after three chunk refreshes."""
     model = make_model("sh-unstruct", dtype=torch.float64, vocab_size=VOCAB, max_position_embeddings=4096)
     ids = tokens(2, 2500, seed=28)
-    new = tokens(2, 3 * model.model.layers[0].cross_attn.context.ssm.decode_chunk + 7, seed=29)
+    new = tokens(2, 3 * model.model.layers[0].ssm.decode_chunk + 7, seed=29)
     with torch.no_grad():
         logits, _ = step_logits(model, model(ids, use_cache=True).past_key_values, new)
     check_rows(model, logits[:, -40:], [torch.cat([ids[r], new[r]]) for r in range(2)])

@@ -37,7 +37,14 @@ import modeling_bst
 from training.data import EMBEDDED_BOOKS, HUB_DEFAULTS, canonical_split
 
 
-CODE_FILES = ("configuration_bst.py", "modeling_bst.py", "ssm_bst.py", "cache_bst.py")
+CODE_FILES = (
+    "configuration_bst.py",
+    "modeling_bst.py",
+    "attention_bst.py",
+    "context_bst.py",
+    "ssm_bst.py",
+    "cache_bst.py",
+)
 CARD_TEMPLATE = Path(__file__).resolve().parents[1] / "hub_cards" / "model_card.md"
 PAPER = "https://arxiv.org/abs/2306.09539"
 HUB_DATASET_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")

@@ -1,0 +1,211 @@
+"""Attention helpers of the Block-State Transformer that are not modules: the T5 relative-position buckets, the
+additive masks, L2 normalisation and the RMS norm shared by the attention and context modules, and FlexAttention for
+``attn_implementation="flex_attention"``: which calls can take it ([`use_flex`]), the compiled kernel, and block
+masks built analytically from a mask's band structure ([`tiled_block_mask`], [`grouped_flex`]).
+
+The attention modules and the eager / SDPA dispatch through transformers' attention interface are in
+``modeling_bst.py``.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from transformers.integrations.flex_attention import compile_friendly_flex_attention
+from transformers.utils import logging
+
+
+logger = logging.get_logger(__name__)
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """float32 for half-precision tensors, unchanged otherwise (float32/float64 keep their precision)."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def t5_relative_bucket(relative_position, bidirectional: bool, num_buckets: int, max_distance: int):
+    """T5 bucket of ``key_pos - query_pos``: exact for small distances, log-spaced up to ``max_distance``."""
+    bucket = torch.zeros_like(relative_position)
+    n = -relative_position
+    if bidirectional:
+        num_buckets //= 2
+        bucket = (n < 0).long() * num_buckets
+        n = n.abs()
+    else:
+        n = n.clamp(min=0)
+    max_exact = num_buckets // 2
+    large = (
+        max_exact
+        + (
+            torch.log(n.float().clamp(min=1) / max_exact)
+            / math.log(max_distance / max_exact)
+            * (num_buckets - max_exact)
+        ).long()
+    )
+    large = large.clamp(max=num_buckets - 1)
+    return bucket + torch.where(n < max_exact, n, large)
+
+
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(upcast(x).pow(2).sum(-1, keepdim=True) + 1e-6).to(x.dtype)
+
+
+def masked_fill_value(dtype: torch.dtype) -> float:
+    # Finite, so that fully masked rows stay finite (they are zeroed afterwards, meliad's safe softmax).
+    return torch.finfo(dtype).min
+
+
+def additive_mask(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where ``valid``, a large negative number elsewhere."""
+    return torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill(~valid, masked_fill_value(dtype))
+
+
+class BSTRMSNorm(nn.Module):
+    """RMS norm computed in float32 (meliad "LayerNorm": no mean, no bias, learned scale)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x32 = upcast(x)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * upcast(self.weight)).to(dtype)
+
+
+# -- FlexAttention (attn_implementation="flex_attention") ----------------------------------------------------------
+# The full-sequence forms of the block self-attention and of both cross-attentions run as one FlexAttention call over
+# the whole sequence: the window / block structure is a ``BlockMask`` whose tiles are derived analytically
+# ([`tiled_block_mask`]), row-dependent masks (cached previous block, padding) and the T5 bias are ``mask_mod`` /
+# ``score_mod`` functions. Everything else (decode steps, the BRecT state update) stays on SDPA; see
+# docs/paper-mapping.md "Attention backends".
+
+FLEX_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def use_flex(module, q: torch.Tensor, dropout: float, *tensors: torch.Tensor) -> bool:
+    """Whether a full-sequence attention of ``module`` runs on FlexAttention: ``attn_implementation="flex_attention"``
+    and nothing flex cannot do here, else the SDPA path (same result):
+
+    * attention dropout (flex has no dropout);
+    * a dtype flex's CPU kernel lacks (float64);
+    * a backward on CPU (torch implements flex's backward on accelerators only): with gradients enabled and any of
+      ``q``, ``tensors`` or the module's parameters requiring them, a CPU forward takes SDPA.
+    """
+    if module.config._attn_implementation != "flex_attention" or dropout > 0:
+        return False
+    if q.device.type != "cpu":
+        return True
+    if q.dtype not in FLEX_DTYPES:
+        return False
+    if torch.is_grad_enabled():
+        needs_grad = any(t.requires_grad for t in (q, *tensors)) or any(p.requires_grad for p in module.parameters())
+        if needs_grad:
+            logger.warning_once(
+                "BST: flex_attention has no backward on CPU; full-sequence attention with gradients runs on SDPA."
+            )
+            return False
+    return True
+
+
+_COMPILED_FLEX = {}
+
+
+def flex_kernel(device_type: str):
+    """``flex_attention`` compiled once per device type (uncompiled inside a compiled region, which compiles it).
+
+    On accelerators transformers' [`compile_friendly_flex_attention`] (dynamic shapes after the first recompile).
+    On CPU with static shapes, one compilation per input shape: in torch 2.13 inductor's CPU FlexAttention template
+    emits C++ that does not compile for dynamic shapes (``'cur_kvSplitSize7' was not declared``)."""
+    if torch.compiler.is_compiling():
+        return flex_attention
+    if device_type != "cpu":
+        return compile_friendly_flex_attention
+    if "cpu" not in _COMPILED_FLEX:
+        _COMPILED_FLEX["cpu"] = torch.compile(flex_attention, dynamic=False)
+    compiled = _COMPILED_FLEX["cpu"]
+    return lambda q, k, v, training=False, **kwargs: compiled(q, k, v, **kwargs)
+
+
+def flex(module, q, k, v, block_mask, score_mod=None):
+    """FlexAttention ([`flex_kernel`]), unscaled (queries carry the learned scale). ``q`` `(B, H, Lq, d)`,
+    ``k``/``v`` `(B, H, Lk, d)` -> `(B, Lq, H, d)`; a query without any key gets zeros."""
+    kernel = flex_kernel(q.device.type)
+    out = kernel(q, k, v, training=module.training, score_mod=score_mod, block_mask=block_mask, scale=1.0)
+    return out.transpose(1, 2)
+
+
+def tiled_block_mask(mask_mod, q_len: int, kv_len: int, bands, device, keys_partial=None, tile: int = 128):
+    """The ``BlockMask`` of ``mask_mod`` built from its band structure instead of evaluating it on all pairs.
+
+    ``bands``: constraints ``(f, g, lo, hi)`` that ``mask_mod`` implies, each ``lo <= g(kv) - f(q) <= hi`` with
+    ``f``/``g`` non-decreasing integer maps of index tensors (positions, block indices). A `tile x tile` tile is
+    skipped if some band excludes all its pairs and is "full" (no ``mask_mod`` call) if every band includes all its
+    pairs and no key of it is in ``keys_partial`` (a bool tensor `(kv_len,)` of keys that ``mask_mod`` also masks
+    per row: cached-block validity, padding); all other tiles are partial and ``mask_mod`` decides per pair, so the
+    mask is exactly ``mask_mod`` whenever ``mask_mod`` implies the bands. Costs O((q_len / tile) x (kv_len / tile)).
+    """
+    nq, nk = -(-q_len // tile), -(-kv_len // tile)
+    q_first = torch.arange(nq, device=device) * tile
+    k_first = torch.arange(nk, device=device) * tile
+    q_last = (q_first + tile).clamp(max=q_len) - 1
+    k_last = (k_first + tile).clamp(max=kv_len) - 1
+    any_pair = torch.ones(nq, nk, dtype=torch.bool, device=device)
+    all_pairs = torch.ones(nq, nk, dtype=torch.bool, device=device)
+    for f, g, lo, hi in bands:
+        low = g(k_first)[None] - f(q_last)[:, None]  # (nq, nk): the band quantity's range over the tile
+        high = g(k_last)[None] - f(q_first)[:, None]
+        any_pair &= (high >= lo) & (low <= hi)
+        all_pairs &= (low >= lo) & (high <= hi)
+    if keys_partial is not None:
+        tiles_partial = F.pad(keys_partial, (0, nk * tile - kv_len)).view(nk, tile).any(-1)
+        all_pairs &= ~tiles_partial[None]
+    partial = any_pair & ~all_pairs
+
+    def blocks(selected):
+        # Indices of the selected kv tiles first (stable order), their count per query tile.
+        order = torch.argsort((~selected).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return selected.sum(-1, dtype=torch.int32)[None, None], order[None, None]
+
+    kv_num, kv_idx = blocks(partial)
+    full_num, full_idx = blocks(all_pairs)
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tile, mask_mod=mask_mod, seq_lengths=(q_len, kv_len)
+    )
+
+
+def positions_of(offset: int = 0):
+    """Band map: index -> index - ``offset``."""
+    return lambda idx: idx - offset
+
+
+def groups_of(size: int, offset: int = 0):
+    """Band map: index -> (index - ``offset``) // ``size`` (block of a token, group of a context state)."""
+    return lambda idx: torch.div(idx - offset, size, rounding_mode="floor")
+
+
+def grouped_flex(module, q, k, v, q_group: int, kv_group: int, causal_within: str | None = None):
+    """Flex attention of query block ``i // q_group`` over key group ``j // kv_group``: every block's queries see only
+    their own block's keys (context states, recurrent state keys). ``q`` `(B, T, H, d)`, ``k``/``v``
+    `(B, S_total, H, d)` -> `(B, T, H, d)`. ``causal_within``: ``"inclusive"`` (key j <= query i) or ``"strict"``
+    (j < i) for one key per token (SH/MH, ``q_group == kv_group``); None: the whole group."""
+    q_len, kv_len = q.shape[1], k.shape[1]
+    bands = [(groups_of(q_group), groups_of(kv_group), 0, 0)]
+    if causal_within is None:
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return kv_idx // kv_group == q_idx // q_group
+
+    else:
+        upper = 0 if causal_within == "inclusive" else -1
+        bands.append((positions_of(), positions_of(), -(q_group - 1), upper))
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx // kv_group == q_idx // q_group) & (kv_idx - q_idx <= upper)
+
+    block_mask = tiled_block_mask(mask_mod, q_len, kv_len, bands, q.device)
+    return flex(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask)

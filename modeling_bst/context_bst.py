@@ -1,0 +1,370 @@
+"""The SSM sublayer and context states of a BST layer (paper Sec. 3.3-3.4): the SSM input projection, the SSM
+kernel of ``ssm_kind`` over the whole sequence (``ssm_bst.py``), and the SH / MH / MF builders of ``context_mode``
+that turn its outputs into the context keys and values the block cross-attention reads. Each has a full-sequence
+form and a one-token step form over the ``BSTCache`` layer passed in.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention_bst import BSTRMSNorm, additive_mask, l2_normalize
+from .cache_bst import BSTLayerCache, decode_memo, gather_rows, maybe_any, tracing
+from .configuration_bst import BSTConfig
+from .ssm_bst import PerFilterS4D, S4DKernel, UnstructFilter, upcast_ssm
+
+
+# Largest unstruct taps spectrum kept for decoding chunks (per layer; recomputed per chunk beyond it).
+CHUNK_SPECTRUM_MEMO_BYTES = 128 * 2**20
+# Tokens per segment of MH's segmented S4 path ([`TokenContextStates.segmented_context`]; 0: off).
+MH_SEGMENT_LEN = 256
+
+
+class BSTContextStates(nn.Module):
+    """Context-state builder of a BST layer (paper Sec. 3.3-3.4): the part shared by SH/MH/MF.
+
+    It projects the layer input to the SSM's channels, ``z = x_n P_down`` (D -> D_s), runs the layer's SSM kernel over
+    the whole sequence (``ssm``, a sibling module of the layer picked by ``ssm_kind`` from [`SSM_KERNELS`], passed in
+    to every call) and turns its outputs into context keys/values per mode (subclasses, picked by ``context_mode`` from
+    [`CONTEXT_BUILDERS`]), all behind one contract:
+
+    * ``sequence(ssm, xn, lengths, layer_cache, positions, fill_cache)``: full-sequence form. Returns context keys and
+      values `(B, nb, S_c, H, d)` per block, an additive cross mask `(W, S_c)` or None, and whether the first query of
+      every block has no context (strict mask); with ``fill_cache``, writes the SSM and context state;
+    * ``step(ssm, xn, layer_cache, positions)``: recurrent form for one token; returns keys/values `(B, S_c, H, d)`,
+      an additive mask `(B, 1, 1, S_c)` or None, and which rows see any context (None: all).
+
+    Context keys/values come from their own projections after an RMS norm; keys are L2-normalised with qk_norm.
+    """
+
+    def __init__(self, config: BSTConfig):
+        super().__init__()
+        self.config = config
+        self.mode = config.context_mode
+        self.block_len = config.block_len
+        d, ds = config.hidden_size, config.ssm_channels
+        self.down_proj = nn.Linear(d, ds, bias=False)
+        self.norm = BSTRMSNorm(d, config.rms_norm_eps)
+
+    def _heads(self, x):
+        return x.unflatten(-1, (self.config.num_attention_heads, self.config.head_dim))
+
+    @staticmethod
+    def step_constants(ssm, layer_cache: BSTLayerCache):
+        """The SSM's [`step_constants`], memoised in ``layer_cache`` while its parameters are unchanged."""
+        return decode_memo(layer_cache, "ssm", (), ssm.parameters(), ssm.step_constants)
+
+    def _ssm_input(self, xn, lengths):
+        z = self.down_proj(xn)  # (B, T, Ds)
+        if lengths is not None and self.config.bidirectional:
+            z = z * (torch.arange(z.shape[1], device=z.device)[None] < lengths[:, None]).to(z.dtype)[..., None]
+        return z
+
+    def _sequence_input(self, xn, lengths, layer_cache, positions):
+        """The SSM input ``z`` of a full sequence, the SSM state it continues from (None: a fresh sequence) and
+        whether it continues a cached one."""
+        continued = layer_cache is not None and positions is not None
+        return self._ssm_input(xn, lengths), (layer_cache.ssm.state if continued else None), continued
+
+    def _fill_ssm_state(self, ssm, z, lengths, state0, layer_cache):
+        """The SSM state after each row's real tokens into ``layer_cache`` (rows right-aligned for ``final_state``)."""
+        bsz, seq_len, _ = z.shape
+        lens = lengths if lengths is not None else torch.full((bsz,), seq_len, device=z.device)
+        idx = torch.arange(seq_len, device=z.device)[None] - (seq_len - lens[:, None])
+        z_right = gather_rows(z, idx.clamp(min=0)) * (idx >= 0).to(z.dtype)[..., None]
+        layer_cache.ssm.set(ssm.final_state(z_right.detach(), state0).detach())
+        return lens
+
+    def _step_ssm(self, ssm, xn, layer_cache, p, output: bool = True, chunked: bool = False):
+        """One SSM step: ``y_t`` `(B, C, Ds)` (None if not ``output``); the cache's SSM state advances.
+
+        ``chunked`` (unstruct, outputs at every step: SH/MH): decode in chunks of M steps ([`_unstruct_chunk`])."""
+        z = self.down_proj(xn)[:, 0]  # (B, Ds)
+        seen = None
+        if self.config.ssm_kind == "unstruct":
+            rp = p - layer_cache.doc_start
+            if not tracing():
+                # Unstruct steps cost O(longest document so far): one read of the position per step.
+                seen = int(rp.max()) + 1
+                if seen > self.config.max_position_embeddings and not self.config.unstruct_finite_filter:
+                    raise ValueError(
+                        f"unstruct BST models generate at most max_position_embeddings="
+                        f"{self.config.max_position_embeddings} tokens (the filter has no taps beyond it); use an S4 "
+                        "model for longer generation."
+                    )
+        constants = self.step_constants(ssm, layer_cache)
+        if self.config.ssm_kind != "unstruct":
+            y, state = ssm.step(z, layer_cache.ssm.state, constants, seen)
+            layer_cache.ssm.set(state)
+            return y
+        pending = self._unstruct_chunk(ssm, layer_cache, constants, seen) if chunked and output else None
+        y, state = ssm.step(z, layer_cache.ssm.state, constants, seen, output=output, pending=pending)
+        if pending is None:
+            # Eager: the history stays a view into its slack buffer (``append_history``: O(1) per step). Traced: the
+            # step built a new history anyway; written over the old one in place (a fixed address for CUDA graphs).
+            layer_cache.ssm.set(state, contiguous=tracing())
+        else:
+            layer_cache.ssm.set(state, pending[0], pending[1] + 1, contiguous=False)
+        return y
+
+    def _unstruct_chunk(self, ssm, layer_cache, constants, seen):
+        """The current decoding chunk ``(pending outputs, step in the chunk)`` for an unstruct step, or None (a direct
+        dot product over the ``seen`` newest inputs).
+
+        A chunk starts when the last one is used up (or there is none: after a prefill, a continued chunk, a loaded
+        cache, a traced step) and the longest row has more than M inputs (below that the direct product is as
+        cheap): one FFT convolution of the history with the taps gives the share of every earlier input in the next
+        M outputs ([`UnstructFilter.pending_outputs`]). A step then costs O(M) instead of O(seen), plus the chunk's
+        O(seen log seen) / M. Under tracing (``seen`` unknown) steps take the direct form and drop the chunk
+        ([`SSMStateCache.set`]): an eager step after a traced one starts a new one."""
+        if seen is None:
+            return None
+        chunk = layer_cache.ssm.chunk(ssm.decode_chunk)
+        if chunk is not None or seen <= ssm.decode_chunk:
+            return chunk
+        n = min(seen - 1, ssm.max_len)  # the previous inputs that can be non-zero
+        size = ssm.pending_fft_size(n)
+        spectrum = decode_memo(
+            layer_cache,
+            "unstruct_chunk",
+            (size,),
+            ssm.parameters(),
+            lambda: ssm.pending_spectrum(size, constants),
+            CHUNK_SPECTRUM_MEMO_BYTES,
+        )
+        return ssm.pending_outputs(layer_cache.ssm.state, n, spectrum), 0
+
+
+class TokenContextStates(BSTContextStates):
+    """SH / MH: one context state per token; block b cross-attends to its own W context states (triangular mask).
+
+    The decoding cache keeps the current block's context keys/values in a W-slot ring (``layer_cache.context``, a
+    ``TokenContextCache``)."""
+
+    # Tokens per segment of the segmented S4 path ([`segmented_context`]); 0: the whole-sequence path.
+    segment_len = 0
+
+    def lift_and_project(self, y: torch.Tensor):
+        """SSM outputs ``y`` `(..., C, Ds)` -> context keys, values `(..., 1, H, d_h)`."""
+        raise NotImplementedError
+
+    def lift_channel_major(self, y: torch.Tensor, bsz: int):
+        """[`lift_and_project`] of SSM outputs laid out `(C, Ds, B * n)` (tokens batch-major) -> context keys,
+        values `(B, n, H, d_h)`."""
+        raise NotImplementedError
+
+    def use_segments(self, ssm) -> bool:
+        """Whether [`sequence`] runs the segmented path: ``segment_len`` set, a causal S4D kernel evaluated in chunks,
+        eager mode (under tracing the whole-sequence path keeps the graph free of a length-dependent loop)."""
+        return (
+            self.segment_len > 0
+            and isinstance(ssm, S4DKernel)
+            and ssm.chunk_len > 0
+            and not ssm.bidirectional
+            and not tracing()
+        )
+
+    def segmented_context(self, ssm, z: torch.Tensor, state: torch.Tensor | None):
+        """Context keys and values `(B, T, H, d_h)` from the SSM input ``z`` `(B, T, Ds)`, a few chunks at a time.
+
+        The same map as ``lift_and_project(ssm(z, state))`` (the chunked S4D form, [`S4DKernel.chunked_forward`]),
+        but no `(B, T, C, Ds)` SSM output or `(B, T, H, D)` lifted state ever exists: the chunk-start states come from
+        one scan over the whole input, then each segment of ``segment_len`` tokens runs convolution, free response,
+        lift, norm and K/V projection while its tensors are small enough to stay in the caches, in the layout the
+        convolution produces ([`S4DKernel.channel_major_chunks`]). Time and memory traffic stay linear in T.
+        """
+        bsz, length = z.shape[0], z.shape[1]
+        chunk = ssm.chunk_len
+        nc = -(-length // chunk)
+        zc = F.pad(upcast_ssm(z, ssm.log_dt), (0, 0, 0, nc * chunk - length))  # causal: zeros at the end are inert
+        x0 = ssm.chunk_start_states(zc, chunk, state)  # (B, nc, Ds, N2)
+        constants = ssm.chunked_constants(chunk, zc.dtype)
+        per = max(1, self.segment_len // chunk)  # chunks per segment
+        keys, values = [], []
+        for c0 in range(0, nc, per):
+            c1 = min(nc, c0 + per)
+            # (C, Ds, B*n): the segment's SSM outputs, lifted and projected at once
+            y = ssm.channel_major_chunks(zc[:, c0 * chunk : c1 * chunk], x0[:, c0:c1], chunk, constants)
+            k, v = self.lift_channel_major(y, bsz)
+            keys.append(k)
+            values.append(v)
+        return torch.cat(keys, 1)[:, :length], torch.cat(values, 1)[:, :length]
+
+    def sequence(self, ssm, xn, lengths, layer_cache, positions, fill_cache):
+        cfg = self.config
+        bsz, seq_len, _ = xn.shape
+        w = self.block_len
+        nb = seq_len // w
+        z, state0, continued = self._sequence_input(xn, lengths, layer_cache, positions)
+        if self.use_segments(ssm):
+            ck, cv = self.segmented_context(ssm, z, state0)  # (B, T, H, d)
+        else:
+            y = ssm(z, state0)  # (B, T, C, Ds)
+            ck, cv = self.lift_and_project(y)  # (B, T, 1, H, d)
+        ctx_k, ctx_v = ck.view(bsz, nb, w, *ck.shape[-2:]), cv.view(bsz, nb, w, *cv.shape[-2:])
+        if cfg.bidirectional:
+            mask, zero_first = None, False
+        else:
+            i = torch.arange(w, device=z.device)
+            allowed = i[None] <= i[:, None] if cfg.cross_mask == "inclusive" else i[None] < i[:, None]
+            mask = additive_mask(allowed, ck.dtype)
+            zero_first = cfg.cross_mask == "strict"
+        if fill_cache:
+            lens = self._fill_ssm_state(ssm, z, lengths, state0, layer_cache)
+            offset = positions if continued else None
+            layer_cache.context.fill(ctx_k.flatten(1, 2).detach(), ctx_v.flatten(1, 2).detach(), lens, w, offset)
+        return ctx_k, ctx_v, mask, zero_first
+
+    def step(self, ssm, xn, layer_cache, p):
+        cfg = self.config
+        w = self.block_len
+        y = self._step_ssm(ssm, xn, layer_cache, p, chunked=True)
+        ck, cv = self.lift_and_project(y)  # (B, 1, H, d)
+        ctx_k, ctx_v, cpos = layer_cache.context.write(p, ck[:, 0], cv[:, 0])
+        # Blocks are counted from the start of each row's current document.
+        block_start = (p - (p - layer_cache.doc_start).remainder(w))[:, None]
+        upper = (cpos <= p[:, None]) if cfg.cross_mask == "inclusive" else (cpos < p[:, None])
+        valid = (cpos >= block_start) & upper  # (B, W)
+        mask = additive_mask(valid, ck.dtype)[:, None, None, :]
+        return ctx_k, ctx_v, mask, valid.any(-1)
+
+
+class SHContextStates(TokenContextStates):
+    """SH (single head, Listing 2): ``c_t = Norm(P_up y_t)``, projected to H heads by the context K/V projections."""
+
+    def __init__(self, config: BSTConfig):
+        super().__init__(config)
+        d, heads, hd = config.hidden_size, config.num_attention_heads, config.head_dim
+        self.up_proj = nn.Linear(config.ssm_channels, d, bias=False)
+        self.k_proj = nn.Linear(d, heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, heads * hd, bias=False)
+
+    def lift_and_project(self, y: torch.Tensor):
+        c = self.norm(self.up_proj(y.to(self.down_proj.weight.dtype)[..., 0, :]))  # (..., D)
+        k = self._heads(self.k_proj(c)).unsqueeze(-3)
+        v = self._heads(self.v_proj(c)).unsqueeze(-3)
+        return (l2_normalize(k) if self.config.qk_norm else k), v  # (..., 1, H, d_h)
+
+    def lift_channel_major(self, y: torch.Tensor, bsz: int):
+        c = self.norm(F.linear(y[0].to(self.down_proj.weight.dtype).t(), self.up_proj.weight))  # (B*n, D)
+        k = self._heads(self.k_proj(c)).unflatten(0, (bsz, -1))
+        v = self._heads(self.v_proj(c)).unflatten(0, (bsz, -1))
+        return (l2_normalize(k) if self.config.qk_norm else k), v  # (B, n, H, d_h)
+
+
+class MHContextStates(TokenContextStates):
+    """MH (multi-head, Listing 3): H SSM outputs (one C matrix per head), each lifted by its own D_s -> D projection
+    and projected to that head's keys/values."""
+
+    # Long S4 sequences run segment by segment: no (B, T, H, Ds) SSM output or (B, T, H, D) lift is built.
+    segment_len = MH_SEGMENT_LEN
+
+    def __init__(self, config: BSTConfig):
+        super().__init__(config)
+        d, heads, hd = config.hidden_size, config.num_attention_heads, config.head_dim
+        self.up_proj = nn.Parameter(torch.empty(heads, config.ssm_channels, d))  # (H, Ds, D)
+        self.k_proj = nn.Parameter(torch.empty(heads, d, hd))
+        self.v_proj = nn.Parameter(torch.empty(heads, d, hd))
+
+    def lift_and_project(self, y: torch.Tensor):
+        y = y.to(self.down_proj.weight.dtype)
+        c = self.norm(torch.einsum("...hs,hsd->...hd", y, self.up_proj.to(y.dtype)))  # (..., H, D)
+        k = torch.einsum("...hd,hde->...he", c, self.k_proj.to(c.dtype)).unsqueeze(-3)
+        v = torch.einsum("...hd,hde->...he", c, self.v_proj.to(c.dtype)).unsqueeze(-3)
+        return (l2_normalize(k) if self.config.qk_norm else k), v  # (..., 1, H, d_h)
+
+    def lift_channel_major(self, y: torch.Tensor, bsz: int):
+        # Contracted in the layout y has: (H, B*n, Ds) is a transposed view of (H, Ds, B*n), no copy.
+        y = y.to(self.down_proj.weight.dtype)
+        c = self.norm(torch.bmm(y.transpose(1, 2), self.up_proj.to(y.dtype)))  # (H, B*n, D)
+        kv = torch.bmm(c, torch.cat([self.k_proj, self.v_proj], -1).to(c.dtype))  # (H, B*n, 2 d_h)
+        k, v = kv.unflatten(1, (bsz, -1)).permute(1, 2, 0, 3).split(self.config.head_dim, -1)  # (B, n, H, d_h)
+        return (l2_normalize(k) if self.config.qk_norm else k), v
+
+
+class MFContextStates(BSTContextStates):
+    """MF (multi-filter, Listing 4): S filters; block b attends to the S SSM outputs at the last token of block b-1
+    (block 0: a learned initial context), each lifted by its own projection, plus learned context IDs; no mask.
+
+    The decoding cache keeps the current block's S context keys/values and the latest SSM outputs `(B, S, Ds)`, the
+    next block's context (``layer_cache.context``, a ``BlockContextCache``)."""
+
+    def __init__(self, config: BSTConfig):
+        super().__init__(config)
+        d, heads, hd, s = config.hidden_size, config.num_attention_heads, config.head_dim, config.num_context_states
+        self.up_proj = nn.Parameter(torch.empty(s, config.ssm_channels, d))  # (S, Ds, D)
+        self.context_ids = nn.Parameter(torch.empty(s, d))
+        self.initial_context = nn.Parameter(torch.empty(s, d))
+        self.k_proj = nn.Linear(d, heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, heads * hd, bias=False)
+
+    def mf_context(self, y_prev: torch.Tensor | None, batch_shape):
+        """Context keys/values from the previous block's last SSM outputs ``y_prev`` `(..., S, Ds)` (None: block 0)."""
+        if y_prev is None:
+            c = self.initial_context.expand(*batch_shape, -1, -1)
+        else:
+            c = torch.einsum("...sc,scd->...sd", y_prev.to(self.up_proj.dtype), self.up_proj)
+        if self.config.mf_context_ids_after_norm:
+            c = self.norm(c) + self.context_ids.to(c.dtype)
+        else:
+            c = self.norm(c + self.context_ids.to(c.dtype))
+        k, v = self._heads(self.k_proj(c)), self._heads(self.v_proj(c))
+        return (l2_normalize(k) if self.config.qk_norm else k), v  # (..., S, H, d_h)
+
+    def sequence(self, ssm, xn, lengths, layer_cache, positions, fill_cache):
+        cfg = self.config
+        bsz, seq_len, _ = xn.shape
+        w = self.block_len
+        nb = seq_len // w
+        z, state0, continued = self._sequence_input(xn, lengths, layer_cache, positions)
+        if cfg.bidirectional:
+            y_end = ssm(z, state0)[:, w - 1 :: w]
+        else:
+            # Causal S4: states at block ends, read out by the S filters (no FFT per filter).
+            y_end = ssm.block_end_outputs(z, w, state0)  # (B, nb, S, Ds)
+        first_k, first_v = self.mf_context(None, (bsz,))
+        if continued:
+            cont_k, cont_v = self.mf_context(layer_cache.context.last, (bsz,))
+            fresh = (positions == layer_cache.doc_start)[:, None, None, None]
+            first_k = torch.where(fresh, first_k.to(cont_k.dtype), cont_k)
+            first_v = torch.where(fresh, first_v.to(cont_v.dtype), cont_v)
+        rest_k, rest_v = self.mf_context(y_end[:, :-1], (bsz, nb - 1))
+        ctx_k = torch.cat([first_k[:, None].to(rest_k.dtype), rest_k], 1)
+        ctx_v = torch.cat([first_v[:, None].to(rest_v.dtype), rest_v], 1)
+        if fill_cache:
+            lens = self._fill_ssm_state(ssm, z, lengths, state0, layer_cache)
+            rows = torch.arange(bsz, device=z.device)
+            blk = ((lens - 1) // w).clamp(min=0)
+            layer_cache.context.set_context(ctx_k[rows, blk].detach(), ctx_v[rows, blk].detach())
+            # Needed at the next block start (lens % W == 0): the output at the last token, a block end.
+            layer_cache.context.set_last(y_end[rows, (lens // w - 1).clamp(min=0)].detach())
+        return ctx_k, ctx_v, None, False
+
+    def step(self, ssm, xn, layer_cache, p):
+        w = self.block_len
+        rp = p - layer_cache.doc_start  # position inside the current document: blocks are counted from its start
+        block_start = rp.remainder(w) == 0
+        if maybe_any(block_start):
+            # A new block starts: its context is built from the previous block's last SSM outputs.
+            k_new, v_new = self.mf_context(layer_cache.context.last, (xn.shape[0],))
+            k0, v0 = self.mf_context(None, (xn.shape[0],))
+            first = (p == layer_cache.doc_start)[:, None, None, None]
+            k_new, v_new = torch.where(first, k0, k_new), torch.where(first, v0, v_new)
+            layer_cache.context.set_context(k_new, v_new, rows=block_start)
+        block_end = (rp + 1).remainder(w) == 0
+        # The SSM output matters only at block ends (unstruct computes it only there).
+        y = self._step_ssm(ssm, xn, layer_cache, p, output=self.config.ssm_kind == "s4" or maybe_any(block_end))
+        if y is not None:
+            layer_cache.context.set_last(y, rows=block_end)
+        return layer_cache.context.k, layer_cache.context.v, None, None
+
+
+# The SSM kernel of each ``ssm_kind`` and the context builder of each ``context_mode``.
+def _s4_kernel(channels, out_channels, config):
+    """S4D with a state shared by the C read-outs, or (MF, ``mf_independent_filters``) one SSM per filter."""
+    per_filter = config.context_mode == "mf" and config.mf_independent_filters
+    return (PerFilterS4D if per_filter else S4DKernel)(channels, out_channels, config.ssm_state_size, config)
+
+
+SSM_KERNELS = {"s4": _s4_kernel, "unstruct": UnstructFilter}
+CONTEXT_BUILDERS = {"sh": SHContextStates, "mh": MHContextStates, "mf": MFContextStates}
