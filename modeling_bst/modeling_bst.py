@@ -12,10 +12,12 @@ recurrent state updated block by block. The block cell follows meliad (the paper
 * all blocks in one batched attention call; the only Python loop over blocks is the BRecT state recurrence.
 
 Layout (one module per paper concept, docs/paper-mapping.md "Module map"): the layer types of ``config.layer_types``
-pick their module from ``DECODER_LAYER_CLASSES``; a BST layer's context states come from the builder of its
-``context_mode`` (``CONTEXT_BUILDERS``: ``SHContextStates``, ``MHContextStates``, ``MFContextStates``), over the SSM
-kernel of its ``ssm_kind`` (``SSM_KERNELS``, ``ssm_bst.py``). Each of them has a full-sequence form and a one-step
-form; recurrent state lives only in the ``BSTCache`` passed in.
+pick their class from ``DECODER_LAYER_CLASSES`` (``BSTDecoderLayer`` for a block layer and the base of the others,
+``BSTContextLayer``, ``BSTRecurrentLayer``, ``BSTGSSLayer``). A BST layer holds the SSM kernel of its ``ssm_kind``
+(``ssm``, from ``SSM_KERNELS``, ``ssm_bst.py``), the context builder of its ``context_mode`` (``context``, from
+``CONTEXT_BUILDERS``, ``context_bst.py``) and its cross-attention. Every module has a full-sequence form and a
+one-token form; recurrent state lives only in the ``BSTCache`` passed in (``cache_bst.py``). Masks, the T5 buckets
+and the FlexAttention tiling are in ``attention_bst.py``; the eager / SDPA dispatch is [`attention`] here.
 
 Departures from the paper / meliad, each a config field (see docs/paper-mapping.md):
 
@@ -1209,9 +1211,29 @@ class BSTModel(BSTPreTrainedModel):
     ):
         """A prefill into a recording cache: the full-sequence form up to the last ``MAX_ROLLBACK`` positions, then
         recorded steps over those, so that ``cache.crop`` can take any of them back (assisted decoding drafts at the
-        end of the first input). Outputs as one forward over the whole input."""
+        end of the first input). Outputs as one forward over the whole input.
+
+        Padding is honoured by the full-sequence form only: the recorded steps start after the last column that is
+        padding in some row (a right-padded prompt followed by drafts), or do not happen if the last column is one."""
         seq_len = (input_ids if input_ids is not None else inputs_embeds).shape[1]
         split = seq_len - min(seq_len - 1, MAX_ROLLBACK)
+        if attention_mask is not None:
+            padded = torch.nonzero(~attention_mask[:, -seq_len:].bool().all(0))
+            if len(padded):
+                split = max(split, int(padded[-1]) + 1)
+        if split == seq_len:
+            cache.record_past = False
+            out = self(
+                input_ids=input_ids,
+                inputs_embeds=inputs_embeds,
+                attention_mask=attention_mask,
+                cache=cache,
+                use_cache=True,
+                output_hidden_states=output_hidden_states,
+                output_attentions=output_attentions,
+            )
+            cache.record_past = True
+            return out
         parts = []
         for cols, record in ((slice(None, split), False), (slice(split, None), True)):
             cache.record_past = record

@@ -142,6 +142,20 @@ def test_assisted_decoding_and_prompt_lookup_equal_greedy(variant):
 
 
 @parametrize_variants
+def test_assisted_decoding_of_a_right_padded_prompt_equals_greedy(variant):
+    """A right-padded one-row prompt (transformers' generation tests use one): the drafts follow padding columns,
+    which the recorded prefill leaves to the full-sequence form."""
+    model = model_for(variant)
+    draft = model_for(variant, seed=1)
+    ids = prompt(1)
+    mask = torch.ones_like(ids)
+    mask[0, -2:] = 0
+    greedy = model.generate(ids, attention_mask=mask, max_new_tokens=NEW + 4, do_sample=False)
+    assisted = model.generate(ids, attention_mask=mask, max_new_tokens=NEW + 4, do_sample=False, assistant_model=draft)
+    assert torch.equal(assisted, greedy)
+
+
+@parametrize_variants
 def test_return_dict_in_generate_outputs_are_the_parallel_ones(variant):
     """scores / logits / hidden_states / attentions of every generation step: shapes as transformers documents
     them, and values equal to the parallel forward over the generated sequence."""
