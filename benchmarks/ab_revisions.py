@@ -81,10 +81,11 @@ def run_worker(tree: Path, spec: dict, threads: int) -> dict:
         [sys.executable, "-c", WORKER, json.dumps(spec), str(threads)],
         cwd=tree,
         env=env,
-        check=True,
         capture_output=True,
         text=True,
     )
+    if out.returncode != 0:
+        raise RuntimeError(f"the worker on {tree} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -235,6 +235,14 @@ class BSTConfig(PreTrainedConfig):
         mf_context_ids_after_norm (`bool`, defaults to `False`): add the MF context-ID embeddings after the context
             norm (meliad adds position-like embeddings after its norm) instead of before it; the default keeps the
             layout that earlier checkpoints were trained with.
+        mf_initial_context (`str`, defaults to `"lifted"`): where block 0's learned MF context lives: `"lifted"`,
+            S vectors of width D after the lift (the layout that earlier checkpoints were trained with), or
+            `"ssm_output"`, S vectors of width D_s in the SSM's output space, lifted like every other block's context
+            (the paper's Listing 4: ``context_states[0] = init_context`` before the lift).
+        meliad_dropout (`bool`, defaults to `False`): dropout where meliad (the paper's code base) has it: none on the
+            embeddings nor on the attention output before its residual, but on the normed context states before the
+            cross-attention's key/value projections. The default (dropout on the embeddings and the attention output,
+            none on the context states) is how the published runs of this package trained.
         init_truncation_correction (`bool`, defaults to `True`): truncated-normal initialisation with meliad's
             variance correction (``variance_scaling(1.0, "fan_in", "truncated_normal")`` divides the std by
             0.87962566, the std of a unit normal truncated at +-2, so that the weights have variance 1/fan_in).
@@ -296,6 +304,8 @@ class BSTConfig(PreTrainedConfig):
     attention_dropout: float | int = _checked(_rate, 0.05)
     final_dropout: float | int | None = _checked(_rate, None)
     mf_context_ids_after_norm: bool = False
+    mf_initial_context: Literal["lifted", "ssm_output"] = "lifted"
+    meliad_dropout: bool = False
     init_truncation_correction: bool = True
     initializer_range: float | int = 1.0
     use_cache: bool = True

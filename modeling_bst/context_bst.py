@@ -45,6 +45,8 @@ class BSTContextStates(nn.Module):
         d, ds = config.hidden_size, config.ssm_channels
         self.down_proj = nn.Linear(d, ds, bias=False)
         self.norm = BSTRMSNorm(d, config.rms_norm_eps)
+        # meliad_dropout: dropout on the normed context states before the K/V projections (as meliad's cross KVQ).
+        self.dropout = nn.Dropout(config.dropout) if config.meliad_dropout else nn.Identity()
 
     def _heads(self, x):
         return x.unflatten(-1, (self.config.num_attention_heads, self.config.head_dim))
@@ -240,13 +242,15 @@ class SHContextStates(TokenContextStates):
         self.v_proj = nn.Linear(d, heads * hd, bias=False)
 
     def lift_and_project(self, y: torch.Tensor):
-        c = self.norm(self.up_proj(y.to(self.down_proj.weight.dtype)[..., 0, :]))  # (..., D)
+        c = self.dropout(self.norm(self.up_proj(y.to(self.down_proj.weight.dtype)[..., 0, :])))  # (..., D)
         k = self._heads(self.k_proj(c)).unsqueeze(-3)
         v = self._heads(self.v_proj(c)).unsqueeze(-3)
         return (l2_normalize(k) if self.config.qk_norm else k), v  # (..., 1, H, d_h)
 
     def lift_channel_major(self, y: torch.Tensor, bsz: int):
-        c = self.norm(F.linear(y[0].to(self.down_proj.weight.dtype).t(), self.up_proj.weight))  # (B*n, D)
+        c = self.dropout(
+            self.norm(F.linear(y[0].to(self.down_proj.weight.dtype).t(), self.up_proj.weight))
+        )  # (B*n, D)
         k = self._heads(self.k_proj(c)).unflatten(0, (bsz, -1))
         v = self._heads(self.v_proj(c)).unflatten(0, (bsz, -1))
         return (l2_normalize(k) if self.config.qk_norm else k), v  # (B, n, H, d_h)
@@ -268,7 +272,7 @@ class MHContextStates(TokenContextStates):
 
     def lift_and_project(self, y: torch.Tensor):
         y = y.to(self.down_proj.weight.dtype)
-        c = self.norm(torch.einsum("...hs,hsd->...hd", y, self.up_proj.to(y.dtype)))  # (..., H, D)
+        c = self.dropout(self.norm(torch.einsum("...hs,hsd->...hd", y, self.up_proj.to(y.dtype))))  # (..., H, D)
         k = torch.einsum("...hd,hde->...he", c, self.k_proj.to(c.dtype)).unsqueeze(-3)
         v = torch.einsum("...hd,hde->...he", c, self.v_proj.to(c.dtype)).unsqueeze(-3)
         return (l2_normalize(k) if self.config.qk_norm else k), v  # (..., 1, H, d_h)
@@ -276,7 +280,7 @@ class MHContextStates(TokenContextStates):
     def lift_channel_major(self, y: torch.Tensor, bsz: int):
         # Contracted in the layout y has: (H, B*n, Ds) is a transposed view of (H, Ds, B*n), no copy.
         y = y.to(self.down_proj.weight.dtype)
-        c = self.norm(torch.bmm(y.transpose(1, 2), self.up_proj.to(y.dtype)))  # (H, B*n, D)
+        c = self.dropout(self.norm(torch.bmm(y.transpose(1, 2), self.up_proj.to(y.dtype))))  # (H, B*n, D)
         kv = torch.bmm(c, torch.cat([self.k_proj, self.v_proj], -1).to(c.dtype))  # (H, B*n, 2 d_h)
         k, v = kv.unflatten(1, (bsz, -1)).permute(1, 2, 0, 3).split(self.config.head_dim, -1)  # (B, n, H, d_h)
         return (l2_normalize(k) if self.config.qk_norm else k), v
@@ -294,20 +298,26 @@ class MFContextStates(BSTContextStates):
         d, heads, hd, s = config.hidden_size, config.num_attention_heads, config.head_dim, config.num_context_states
         self.up_proj = nn.Parameter(torch.empty(s, config.ssm_channels, d))  # (S, Ds, D)
         self.context_ids = nn.Parameter(torch.empty(s, d))
-        self.initial_context = nn.Parameter(torch.empty(s, d))
+        # Block 0's context: lifted (S, D), or in the SSM's output space (S, Ds) and lifted (``mf_initial_context``).
+        self.initial_context = nn.Parameter(
+            torch.empty(s, d if config.mf_initial_context == "lifted" else config.ssm_channels)
+        )
         self.k_proj = nn.Linear(d, heads * hd, bias=False)
         self.v_proj = nn.Linear(d, heads * hd, bias=False)
 
     def mf_context(self, y_prev: torch.Tensor | None, batch_shape):
         """Context keys/values from the previous block's last SSM outputs ``y_prev`` `(..., S, Ds)` (None: block 0)."""
-        if y_prev is None:
+        if y_prev is None and self.config.mf_initial_context == "lifted":
             c = self.initial_context.expand(*batch_shape, -1, -1)
         else:
+            if y_prev is None:
+                y_prev = self.initial_context.expand(*batch_shape, -1, -1)
             c = torch.einsum("...sc,scd->...sd", y_prev.to(self.up_proj.dtype), self.up_proj)
         if self.config.mf_context_ids_after_norm:
             c = self.norm(c) + self.context_ids.to(c.dtype)
         else:
             c = self.norm(c + self.context_ids.to(c.dtype))
+        c = self.dropout(c)
         k, v = self._heads(self.k_proj(c)), self._heads(self.v_proj(c))
         return (l2_normalize(k) if self.config.qk_norm else k), v  # (..., S, H, d_h)
 

@@ -812,7 +812,7 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
             a_second, second_w = second
             a_self = torch.cat([a_self, a_second], -1)  # (B, T, 2 H d_h)
         attn = self.o_proj(a_self)
-        h = hidden_states + (attn if step else self.dropout(attn))
+        h = hidden_states + (attn if step or self.config.meliad_dropout else self.dropout(attn))
         # 5. MLP, residual.
         h = h + self.dropout(self.mlp(self.post_attention_norm(h)))
         return (h, self_w, second_w) if output_attentions else h
@@ -1319,7 +1319,9 @@ class BSTModel(BSTPreTrainedModel):
             layout = _Layout(attention_mask, (bsz, seq_len), cfg.block_len, hidden.device, host_can_branch(hidden))
             if all_hidden is not None:
                 all_hidden.append(hidden)
-            hidden = self.dropout(layout.to_blocks(hidden))
+            hidden = layout.to_blocks(hidden)
+            if not cfg.meliad_dropout:
+                hidden = self.dropout(hidden)
             for layer_idx, layer in enumerate(self.layers):
                 if all_hidden is not None and layer_idx > 0:
                     # The recorded tensor is the one the next layer reads (gradients reach it).

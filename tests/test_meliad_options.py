@@ -105,3 +105,44 @@ def test_ssm_input_raw_reads_the_layer_input_before_the_norm_and_decodes_exactly
         cache = model(ids[:, :3], use_cache=True).past_key_values
         stepped = torch.cat([model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(3, 21)], 1)
         torch.testing.assert_close(stepped, full[:, 3:], atol=1e-9, rtol=0)
+
+
+def test_mf_initial_context_in_the_ssm_output_space_is_lifted_and_decodes_exactly():
+    """``mf_initial_context="ssm_output"`` (Listing 4): block 0's context is a learned (S, D_s) SSM output, lifted by
+    the same projection as every later block's; decoding equals the parallel forward across block boundaries."""
+    torch.manual_seed(0)
+    model = BSTForCausalLM(tiny_config(context_mode="mf", mf_initial_context="ssm_output")).double().eval()
+    ctx = model.model.layers[0].context
+    assert ctx.initial_context.shape == ctx.up_proj.shape[:2]  # (S, D_s)
+    for got, want in zip(ctx.mf_context(None, (2,)), ctx.mf_context(ctx.initial_context.expand(2, -1, -1), (2,))):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    ids = torch.randint(0, 97, (2, 14))
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        cache = model(ids[:, :3], use_cache=True).past_key_values
+        stepped = torch.cat([model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(3, 14)], 1)
+    torch.testing.assert_close(stepped, full[:, 3:], atol=1e-9, rtol=0)
+    assert BSTForCausalLM(tiny_config(context_mode="mf")).model.layers[0].context.initial_context.shape[1] == 32
+
+
+@pytest.mark.parametrize("meliad", [False, True])
+def test_meliad_dropout_placement(meliad):
+    """``meliad_dropout``: no dropout on the embeddings nor on the attention output, dropout on the normed context
+    states before the cross-attention's K/V projections; the default drops the former and not the latter."""
+    torch.manual_seed(0)
+    model = BSTForCausalLM(tiny_config(dropout=0.5, meliad_dropout=meliad)).train()
+    calls = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Dropout) and module.p > 0:
+            module.register_forward_hook(lambda m, args, out, name=name: calls.update({name: calls.get(name, 0) + 1}))
+    model(torch.randint(0, 97, (2, 8)), use_cache=False)
+    layer = "model.layers.0"  # a BST layer of the tiny config
+    assert ("model.dropout" in calls) is not meliad
+    assert calls[f"{layer}.dropout"] == (2 if meliad else 3)  # normed input, MLP output (+ attention output)
+    assert (f"{layer}.context.dropout" in calls) is meliad
+    if meliad:
+        model.eval()
+        with torch.no_grad():  # inactive in evaluation, as every dropout
+            a = model(torch.arange(8)[None], use_cache=False).logits
+            b = model(torch.arange(8)[None], use_cache=False).logits
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
