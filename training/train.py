@@ -126,7 +126,9 @@ TASKS = ("lm", "listops")
 class DataArguments:
     task: str = field(default="lm", metadata={"help": "lm (language model) | listops (LRA ListOps classifier)"})
     dataset: str = field(default="embedded", metadata={"help": "embedded | pg19 | arxiv | github"})
-    dataset_path: str | None = field(default=None, metadata={"help": "local file/folder or Hub id (default per kind)"})
+    dataset_path: str | None = field(
+        default=None, metadata={"help": "local file/folder or Hub id (default per kind); listops: a folder of splits"}
+    )
     dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset config name"})
     data_files: str | None = field(default=None, metadata={"help": "data_files pattern ({split} is substituted)"})
     dataset_revision: str | None = field(default=None, metadata={"help": "Hub revision"})
