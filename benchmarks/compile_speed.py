@@ -1,6 +1,6 @@
 """torch.compile against eager on CPU: first-call (compile) time and steady-state speed, forward and training step.
 
-    python benchmarks/compile_speed.py --configs configs/models/bst-tiny-sh-s4.json --lengths 512 --write-docs
+    python -m benchmarks.compile_speed --configs configs/models/bst-tiny-sh-s4.json --lengths 512 --write-docs
 
 For each model config and length: eager and ``torch.compile(model)`` (inductor) are timed in the same process,
 alternating call by call, so that background load hits both alike. ``forward``: evaluation forward under
@@ -24,11 +24,11 @@ from pathlib import Path
 # Cold compiles: inductor's on-disk caches would let a later contender reuse an earlier one's kernels.
 os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
 
-import torch  # noqa: E402
-from bench_common import RowLog, existing_file, positive_int  # noqa: E402
-from docs_section import cpu_name, tune_malloc, write_section  # noqa: E402
+import torch
 
-from modeling_bst import BSTConfig, BSTForCausalLM, ssm_bst  # noqa: E402
+from benchmarks.bench_common import RowLog, existing_file, positive_int
+from benchmarks.docs_section import cpu_name, tune_malloc, write_section
+from modeling_bst import BSTConfig, BSTForCausalLM, ssm_bst
 
 
 def _inductor_fft_conv(u, k_f):
@@ -102,7 +102,7 @@ def write_docs(rows: list[dict], meta: dict):
     lines = [
         "## torch.compile (CPU)",
         "",
-        f"`python benchmarks/compile_speed.py {meta['argv']}`: {meta['cpu']}, {meta['threads']} thread(s), "
+        f"`python -m benchmarks.compile_speed {meta['argv']}`: {meta['cpu']}, {meta['threads']} thread(s), "
         f"torch {meta['torch']}. Eager and `torch.compile(model)` timed in one process, alternating call by call "
         f"(best of {'/'.join(sorted({str(r['repeats']) for r in rows}))}); `first call` = tracing + inductor + that call. `forward`: evaluation "
         "forward under `no_grad`; `train`: forward + backward of the LM loss. `fft`: `op` = the FFT convolution as "

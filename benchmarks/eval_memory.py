@@ -1,7 +1,7 @@
 """Peak memory of one long evaluation forward (issue #6: a 65k-token evaluation of a ~200M model in 12 GiB of CPU memory).
 
-    python benchmarks/eval_memory.py                                  # bst-sh-s4 (~200M), 4k/16k/65k tokens, bf16
-    python benchmarks/eval_memory.py --preset slide-12l --tokens 65536 --chunk 4096 --dtype float32 --no_docs
+    python -m benchmarks.eval_memory                                  # bst-sh-s4 (~200M), 4k/16k/65k tokens, bf16
+    python -m benchmarks.eval_memory --preset slide-12l --tokens 65536 --chunk 4096 --dtype float32 --no_docs
 
 Each configuration runs in a fresh process (so ``ru_maxrss`` is that run's own peak): build the preset with random
 weights (the 32k vocabulary; SSM parameters stay float32 as in ``from_pretrained``), then score one sequence of N
@@ -23,10 +23,10 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.bench_common import TORCH_DTYPE_ALIASES, RowLog, alias_choice, positive_float, positive_int
+
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from bench_common import TORCH_DTYPE_ALIASES, RowLog, alias_choice, positive_float, positive_int  # noqa: E402
 
 
 def _rss_gib() -> float:
@@ -79,10 +79,11 @@ def child(preset: str, tokens: int, chunk: int, dtype: str, threads: int) -> dic
 
 
 def run(preset: str, tokens: int, chunk: int, dtype: str, threads: int) -> dict:
-    cmd = [sys.executable, __file__, "--child", "--preset", preset, "--tokens", str(tokens), "--chunk", str(chunk)]
+    cmd = [sys.executable, "-m", "benchmarks.eval_memory", "--child", "--preset", preset, "--tokens", str(tokens)]
+    cmd += ["--chunk", str(chunk)]
     cmd += ["--dtype", dtype, "--threads", str(threads)]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:  # the child's own error, not just its exit status
         tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
         raise RuntimeError(f"{preset} at {tokens} tokens: child process exited with {proc.returncode}:\n{tail}")
@@ -122,7 +123,7 @@ def write_docs(rows: list[dict], budget_gib: float) -> None:
         "## Long evaluation memory (issue #6)",
         "",
         f"Machine: {cpu_name()}, torch {torch.__version__}, transformers {transformers.__version__}, Python "
-        f"{platform.python_version()}. Command: `python benchmarks/eval_memory.py` (one fresh process per row; "
+        f"{platform.python_version()}. Command: `python -m benchmarks.eval_memory` (one fresh process per row; "
         "random weights, 32k vocabulary; the sequence is fed in chunks with the cache carried, exact w.r.t. one "
         "forward).",
         "",

@@ -2,7 +2,7 @@
 ``cache_implementation="static"`` with a ``compile_config`` (transformers compiles the decode step; no
 ``torch.compile`` call by the user), batch 1 and 8, greedy outputs checked identical.
 
-    python benchmarks/generate_compile.py [--quick] [--batches 1 8] [--context 1024] [--new-tokens 32]
+    python -m benchmarks.generate_compile [--quick] [--batches 1 8] [--context 1024] [--new-tokens 32]
 
 A token's time is ``(t(M new tokens) - t(1 new token)) / (M - 1)`` of two ``generate`` calls on the same prompt, so the
 prefill cancels out (best of ``--rounds``). Prints a table, writes docs/benchmarks/generate_compile.{json,png} and the
@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 import transformers
-from bench_common import RowLog, device_arg, positive_int, write_json_atomic
-from docs_section import clock, device_name, write_section
 from transformers import CompileConfig
 
 import modeling_bst  # noqa: F401
+from benchmarks.bench_common import RowLog, device_arg, positive_int, write_json_atomic
+from benchmarks.docs_section import clock, device_name, write_section
 from modeling_bst import BSTConfig, BSTForCausalLM
 
 
@@ -157,7 +157,7 @@ def main(argv=None):
         block_len=args.block_len,
         new_tokens=args.new_tokens,
         rounds=args.rounds,
-        command="python benchmarks/generate_compile.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        command="python -m benchmarks.generate_compile " + " ".join(sys.argv[1:] if argv is None else argv),
     )
     print(f"{machine}, {args.threads} thread(s); hidden {args.hidden}, {args.layers} layers, context {args.context}")
     print(

@@ -3,7 +3,7 @@
 For each context N: prefill N random tokens with one forward, then time single-token decode steps (best of
 ``--steps`` after warm-up). Memory is the cache's tensor bytes. Same width/depth for every model.
 
-    python benchmarks/generation_speed.py [--quick] [--contexts 1024 4096 16384 65536] [--hidden 512 --layers 8]
+    python -m benchmarks.generation_speed [--quick] [--contexts 1024 4096 16384 65536] [--hidden 512 --layers 8]
 
 Prints a table, writes docs/benchmarks/generation_speed.{json,png} and a section of docs/benchmarks.md.
 ``--device cuda`` times on the GPU (synchronised) and writes generation_speed_gpu.{json,png} only;
@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 import transformers
-from bench_common import RowLog, device_arg, non_negative_int, positive_int
-from docs_section import clock, cpu_name, device_name, write_section
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MambaConfig, MambaForCausalLM, StaticCache
 
-import modeling_bst  # noqa: F401
+import modeling_bst
+from benchmarks.bench_common import RowLog, device_arg, non_negative_int, positive_int
+from benchmarks.docs_section import clock, cpu_name, device_name, write_section
 from modeling_bst import BSTConfig, BSTForCausalLM
 from modeling_bst.modeling_bst import CACHE_NAME  # the installed transformers' name for a model's cache
 
@@ -369,7 +369,7 @@ def main(argv=None):
         steps=args.steps,
         stat=args.stat,
         modeling_bst=str(Path(modeling_bst.__file__).parent),
-        command="python " + " ".join(sys.argv),
+        command="python -m benchmarks.generation_speed " + " ".join(sys.argv[1:]),
     )
     kinds = [k for k in KINDS if k in args.kinds]
     built = {"bst-s4" if k == "bst-recompute" else k for k in kinds}

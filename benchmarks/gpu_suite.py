@@ -1,7 +1,7 @@
 """The GPU suite (issue #15): one command that, on one NVIDIA GPU, runs the ``gpu`` tests and the GPU benchmarks and
 writes one JSON and a markdown summary.
 
-    bash benchmarks/gpu_suite.sh OUTDIR              # = python benchmarks/gpu_suite.py OUTDIR
+    bash benchmarks/gpu_suite.sh OUTDIR              # = python -m benchmarks.gpu_suite OUTDIR
     bash benchmarks/gpu_suite.sh OUTDIR --dry-run    # every part with tiny sizes on the CPU (about a minute)
 
 Parts, each in its own process with its own time budget (seconds; ``--budget PART=S`` changes one), killed
@@ -42,14 +42,14 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from bench_common import RowLog, positive_float, write_json_atomic  # noqa: E402
-from docs_section import device_name  # noqa: E402
+
+from benchmarks.bench_common import RowLog, positive_float, write_json_atomic  # noqa: E402
+from benchmarks.docs_section import device_name  # noqa: E402
 
 
 SCHEMA = "bst-gpu-suite/1"
@@ -124,7 +124,7 @@ def empty_device_cache(device: str):
 
 # -- parts -------------------------------------------------------------------------------------------------------------
 def part_layer_speed(part: Part, plan: dict):
-    import layer_speed as ls
+    from benchmarks import layer_speed as ls
 
     device, cfg = plan["device"], plan["layer_speed"]
     contenders = layer_contenders(device)
@@ -153,7 +153,7 @@ def part_layer_speed(part: Part, plan: dict):
 
 
 def part_train(part: Part, plan: dict):
-    import train_throughput as tt
+    from benchmarks import train_throughput as tt
 
     device, cfg = plan["device"], plan["train"]
     peaks = {
@@ -188,7 +188,7 @@ def part_train(part: Part, plan: dict):
 
 
 def part_decode(part: Part, plan: dict):
-    import generation_speed as gs
+    from benchmarks import generation_speed as gs
 
     device, cfg = plan["device"], plan["decode"]
     kinds = ["bst-s4", "bst-unstruct", "llama-dynamic", "llama-static"]
@@ -341,7 +341,7 @@ def run_parts(report: dict, outdir: Path, dry_run: bool, budgets: dict, parts, l
                 status = "ok"
         else:
             result = outdir / f"{name}.json"
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--part", name, "--budget", str(budgets[name])]
+            cmd = [sys.executable, "-m", "benchmarks.gpu_suite", "--part", name, "--budget", str(budgets[name])]
             cmd += ["--result", str(result)] + (["--dry-run"] if dry_run else [])
             status, seconds = launch(cmd, budgets[name] + GRACE, part_log)
             data = json.loads(result.read_text()) if result.exists() else {}
@@ -397,7 +397,7 @@ def targets(report: dict) -> list[dict]:
 
 
 def markdown(report: dict) -> list[str]:
-    import layer_speed as ls
+    from benchmarks import layer_speed as ls
 
     meta, parts = report["meta"], report["parts"]
     kind = "DRY RUN (CPU, tiny sizes: the numbers mean nothing)" if report["dry_run"] else "GPU run"

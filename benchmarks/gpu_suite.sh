@@ -18,4 +18,4 @@ elif ! python3 -c "import torch, transformers, pytest" 2>/dev/null; then
     . .venv/bin/activate
 fi
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec python3 benchmarks/gpu_suite.py "$@"
+exec python3 -m benchmarks.gpu_suite "$@"

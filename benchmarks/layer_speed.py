@@ -27,7 +27,7 @@ A B C ...) and each contender's minimum kept (the median is stored too). The scr
 (= ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000``) to avoid page faults on large temporaries, which
 otherwise make BST:MH 2-3x slower.
 
-    python benchmarks/layer_speed.py [--quick] [--long] [--dtype fp32|bf16|both] [--threads 1] [--rounds 5]
+    python -m benchmarks.layer_speed [--quick] [--long] [--dtype fp32|bf16|both] [--threads 1] [--rounds 5]
                                      [--device cpu|cuda]
 
 ``--device cuda`` runs the same contenders on the GPU (timed with ``torch.cuda.synchronize`` around each forward;
@@ -51,11 +51,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from modeling_bst import BSTConfig, BSTModel
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import (  # noqa: E402
+from benchmarks.bench_common import (
     DTYPE_ALIASES,
     RowLog,
     alias_choice,
@@ -64,7 +60,8 @@ from bench_common import (  # noqa: E402
     positive_float,
     positive_int,
 )
-from docs_section import clock, device_name, tune_malloc  # noqa: E402
+from benchmarks.docs_section import clock, device_name, tune_malloc
+from modeling_bst import BSTConfig, BSTModel
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -569,7 +566,7 @@ def main(argv=None):
         "recurrent_states": args.recurrent_states,
         "rounds": rounds,
         "device": device_name(args.device),
-        "command": "python benchmarks/layer_speed.py " + " ".join(a for a in sys.argv[1:]),
+        "command": "python -m benchmarks.layer_speed " + " ".join(a for a in sys.argv[1:]),
         "setup": dict(
             hidden=D,
             block_len=W,

@@ -17,7 +17,7 @@ Two A/B measurements in one run, the two code paths alternated round by round (m
   "chunked" is the model's decoding in chunks of M = ``ssm_bst.UNSTRUCT_DECODE_CHUNK`` steps (one FFT convolution
   per chunk gives the earlier inputs' share of its M outputs, a step adds a dot product over <= M recent inputs).
 
-    python benchmarks/ssm_scaling.py [--lengths 4096 8192 16384] [--contexts 1024 16384 65536] [--rounds 3]
+    python -m benchmarks.ssm_scaling [--lengths 4096 8192 16384] [--contexts 1024 16384 65536] [--rounds 3]
                                      [--parts layers decode]   # one part: the other is kept from the saved JSON
                                      [--layers BST:MH:S4] [--paths unsegmented default]
 
@@ -35,15 +35,14 @@ from pathlib import Path
 
 import torch
 
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import generation_speed  # noqa: E402
-import layer_speed  # noqa: E402
-from bench_common import RowLog, existing_file, positive_int  # noqa: E402
-from docs_section import clock, cpu_name, tune_malloc, write_section  # noqa: E402
-
-from modeling_bst import ssm_bst  # noqa: E402
-from modeling_bst.context_bst import MH_SEGMENT_LEN, TokenContextStates  # noqa: E402
+from benchmarks import (
+    generation_speed,
+    layer_speed,
+)
+from benchmarks.bench_common import RowLog, existing_file, positive_int
+from benchmarks.docs_section import clock, cpu_name, tune_malloc, write_section
+from modeling_bst import ssm_bst
+from modeling_bst.context_bst import MH_SEGMENT_LEN, TokenContextStates
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -309,7 +308,7 @@ def main(argv=None):
         torch=torch.__version__,
         rounds=args.rounds,
         loadavg_before=os.getloadavg()[0],
-        command="python benchmarks/ssm_scaling.py " + " ".join(sys.argv[1:]),
+        command="python -m benchmarks.ssm_scaling " + " ".join(sys.argv[1:]),
     )
     t0 = time.perf_counter()
     saved = OUT / "ssm_scaling.json"

@@ -8,7 +8,7 @@ MFU = (useful model FLOPs per token x tokens/s) / (measured peak matmul FLOP/s o
 the run's dtype and against the bf16 peak (the issue's yardstick); see ``flops_per_token``. The FLOP ratio Llama/BST
 is the speed-up BST would show if both models ran at the same FLOP rate.
 
-    python benchmarks/train_throughput.py [--quick] [--threads 1] [--seq-len 4096] [--rounds 3] [--steps 2]
+    python -m benchmarks.train_throughput [--quick] [--threads 1] [--seq-len 4096] [--rounds 3] [--steps 2]
                                           [--size 60m|200m] [--device cpu|cuda] [--dtypes fp32 bf16]
 
 Prints a table and writes docs/benchmarks/train_throughput.{json,png} and a section of docs/benchmarks.md. ``--size
@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 import transformers
-from bench_common import DTYPE_ALIASES, RowLog, alias_choice, device_arg, positive_int
-from docs_section import clock, cpu_name, device_name, tune_malloc, write_section
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import modeling_bst  # noqa: F401
+from benchmarks.bench_common import DTYPE_ALIASES, RowLog, alias_choice, device_arg, positive_int
+from benchmarks.docs_section import clock, cpu_name, device_name, tune_malloc, write_section
 from modeling_bst import BSTConfig, BSTForCausalLM
 
 
@@ -353,7 +353,7 @@ def main(argv=None):
         steps=args.steps,
         rounds=args.rounds,
         mallopt="applied" if mallopt else "not available",
-        command="python " + " ".join(sys.argv),
+        command="python -m benchmarks.train_throughput " + " ".join(sys.argv[1:]),
         gradient_checkpointing=args.gradient_checkpointing,
         peak_fp32=matmul_peak(torch.float32, device=args.device),
         peak_bf16=matmul_peak(torch.bfloat16, device=args.device),

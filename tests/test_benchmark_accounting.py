@@ -1,17 +1,9 @@
 """The FLOP accounting behind docs/benchmarks.md: counted numbers must match the arithmetic of the layers."""
 
-import sys
-from pathlib import Path
-
 import torch
 
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import layer_speed  # noqa: E402
-import train_throughput  # noqa: E402
-
-from modeling_bst import BSTConfig, BSTModel  # noqa: E402
+from benchmarks import layer_speed, train_throughput
+from modeling_bst import BSTConfig, BSTModel
 
 
 def one_layer(seq_len, **overrides):

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import bench_common
+
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import bench_common  # noqa: E402
 
 
 SCRIPTS = ["compile_speed", "eval_memory", "generation_speed", "gpu_suite", "layer_speed", "ssm_scaling"]
@@ -24,7 +24,7 @@ SCRIPTS += ["train_throughput", "generate_compile"]
 def bench():
     """The benchmark modules, imported once (compile_speed sets an inductor variable for its own runs: undone)."""
     before = os.environ.get("TORCHINDUCTOR_FORCE_DISABLE_CACHES")
-    modules = {name: importlib.import_module(name) for name in SCRIPTS}
+    modules = {name: importlib.import_module(f"benchmarks.{name}") for name in SCRIPTS}
     if before is None:
         os.environ.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
     else:
@@ -134,7 +134,8 @@ def test_aliases_and_defaults_parse(bench):
 def test_the_issue_command_fails_before_measuring():
     """The command of issue #35 with a dtype that does not exist: status 2 at once, nothing timed."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "train_throughput.py"), "--seq-len", "4096", "--dtypes", "fp16"],
+        [sys.executable, "-m", "benchmarks.train_throughput", "--seq-len", "4096", "--dtypes", "fp16"],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=60,  # a regression would start measuring: stopped long before it writes anything

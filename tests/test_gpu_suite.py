@@ -3,15 +3,14 @@ minute on one core), checked for the JSON schema and the markdown sections the G
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks import gpu_suite
+
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import gpu_suite  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +118,9 @@ def test_budget_skips_and_failures_are_recorded(tmp_path):
 def test_gpu_layer_speed_times_flex_attention_too():
     """On a GPU the layer benchmark also times Slide and SH with attn_implementation="flex_attention"; a "(flex)"
     contender is the same layer (same weights -> same output within float rounding) on the flex backend."""
-    import layer_speed
     import torch
+
+    from benchmarks import layer_speed
 
     assert gpu_suite.layer_contenders("cpu") == gpu_suite.LAYER_CONTENDERS
     assert gpu_suite.layer_contenders("cuda")[-2:] == ["Slide (flex)", "BST:SH:S4 (flex)"]

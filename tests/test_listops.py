@@ -1,4 +1,5 @@
-"""ListOps generator, vocabulary, evaluator, files, the LRA training script, and padding invariance of the classifier."""
+"""ListOps generator, vocabulary, evaluator, files, the ``task: listops`` recipes of training.train (end to end, exact
+resume, parameter groups and schedule), and padding invariance of the classifier."""
 
 import json
 import math
@@ -8,9 +9,20 @@ import statistics
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from modeling_bst import BSTForSequenceClassification
 from training import listops
-from training.train_lra import TRAIN_DEFAULTS, PaddingCollator, build_model, build_optimizer, warmup_cosine
+from training import train as T
+from training.listops import PaddingCollator
+
+
+TINY_RECIPE = "configs/train/listops-tiny.yaml"
+
+
+def build_model(overrides: dict, max_length: int, seed: int) -> BSTForSequenceClassification:
+    torch.manual_seed(seed)
+    return BSTForSequenceClassification(listops.classifier_config(overrides, max_length))
 
 
 # An evaluator independent of listops.evaluate: translate the expression into a Python call tree and eval() it.
@@ -162,25 +174,28 @@ def test_cli_generate(tmp_path):
     assert all(8 <= ex["length"] <= 64 for v in splits.values() for ex in v)
 
 
-def test_optimizer_groups_and_schedule():
+def test_recipe_optimizer_groups_and_schedule(tmp_path):
+    """The ListOps recipe trains with training.optim.parameter_groups (through BSTTrainer) and the paper's schedule:
+    linear warm-up from 1e-7 over the first 10% of the steps, then cosine down to 1e-7."""
+    argv = ["--config", TINY_RECIPE, "--output_dir", str(tmp_path), "--max_steps", "100", "--eval_strategy", "no"]
+    model_args, data_args, train_args = T.parse_args(argv + ["--model_overrides", json.dumps(_TINY_MODEL)])
     model = build_model(_TINY_MODEL, 64, 0)
-    tcfg = dict(TRAIN_DEFAULTS, learning_rate=2e-3, ssm_lr=1e-3, weight_decay=0.05)
-    optimizer, _ = build_optimizer(model, tcfg, 100)  # groups from training.optim.parameter_groups
-    groups = optimizer.param_groups
-    by_name = {g["name"]: g for g in groups}
+    trainer = T.BSTTrainer(model=model, args=train_args, ssm_lr=model_args.ssm_lr)
+    trainer.create_optimizer_and_scheduler(num_training_steps=100)
+    by_name = {g["name"]: g for g in trainer.optimizer.param_groups}
     assert list(by_name) == ["decay", "no_decay", "ssm"]
     assert by_name["decay"]["initial_lr"] == by_name["no_decay"]["initial_lr"] == 2e-3
     ssm_ids = {id(p) for n, p in model.named_parameters() if n in set(model.ssm_parameter_names())}
     assert ssm_ids and {id(p) for p in by_name["ssm"]["params"]} == ssm_ids
     assert by_name["ssm"]["weight_decay"] == 0.0 and by_name["ssm"]["initial_lr"] == 1e-3
     assert by_name["decay"]["weight_decay"] == 0.05 and all(p.ndim >= 2 for p in by_name["decay"]["params"])
-    assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
+    assert sum(len(g["params"]) for g in trainer.optimizer.param_groups) == len(list(model.parameters()))
     # S4 head layers contribute SSM parameters too.
     assert any(n.startswith("s4_layers.") for n in model.ssm_parameter_names())
-    fn = warmup_cosine(100, 10, 1e-4, 1e-4)
-    assert fn(0) == pytest.approx(1e-4) and fn(10) == pytest.approx(1.0) and fn(100) == pytest.approx(1e-4)
-    assert fn(5) == pytest.approx(1e-4 + (1 - 1e-4) * 0.5)
-    assert all(fn(s) >= fn(s + 1) for s in range(10, 100))
+    lambdas = trainer.lr_scheduler.lr_lambdas[0]
+    lr = [2e-3 * lambdas(step) for step in range(100)]
+    assert lr[0] == pytest.approx(1e-7) and lr[9] == pytest.approx(2e-3) and lr[-1] == pytest.approx(1e-7)
+    assert all(a < b for a, b in zip(lr[:9], lr[1:10])) and all(a >= b for a, b in zip(lr[10:], lr[11:]))
 
 
 _TINY_MODEL = {
@@ -214,44 +229,75 @@ def test_classifier_is_padding_invariant():
             torch.testing.assert_close(padded, alone, atol=1e-5, rtol=1e-4)
 
 
-def test_train_lra_tiny_run_end_to_end(tmp_path):
-    from training.train_lra import main
-
-    out = tmp_path / "run"
-    overrides = [f"model.{k}={v}" for k, v in _TINY_MODEL.items()]
-    overrides += [
-        "data.val=16",
-        "data.test=16",
-        "data.min_length=4",
-        "data.max_length=48",
-        "training.batch_size=8",
-        "training.eval_batch_size=16",
-        "training.logging_steps=1",
-        "training.eval_steps=2",
-        "training.num_threads=null",
+def tiny_argv(out, *extra) -> list[str]:
+    """The tiny ListOps recipe, shrunk to a few seconds: 32 generated training examples of 4-48 tokens."""
+    return [
+        "--config",
+        TINY_RECIPE,
+        "--output_dir",
+        str(out),
+        "--model_overrides",
+        json.dumps(_TINY_MODEL),
+        "--listops_train",
+        "32",
+        "--listops_val",
+        "16",
+        "--listops_test",
+        "16",
+        "--listops_min_length",
+        "4",
+        "--listops_max_length",
+        "48",
+        "--per_device_train_batch_size",
+        "8",
+        "--per_device_eval_batch_size",
+        "16",
+        "--logging_steps",
+        "1",
+        "--disable_tqdm",
+        "true",
+        *extra,
     ]
-    argv = ["--task", "listops", "--generate", "32", "--config", "configs/lra/listops-tiny.yaml"]
-    argv += ["--max_steps", "3", "--output_dir", str(out)]
-    for o in overrides:
-        argv += ["--set", o]
-    results = main(argv)
-    saved = json.loads((out / "results.json").read_text())
-    assert saved["steps"] == 3 == results["steps"]
+
+
+def test_listops_recipe_runs_end_to_end(tmp_path):
+    out = tmp_path / "run"
+    summary = T.main(tiny_argv(out, "--max_steps", "3", "--eval_steps", "2", "--save_steps", "2"))
+    saved = json.loads((out / "train_summary.json").read_text())
+    assert saved["task"] == "listops" and saved["steps"] == 3 == summary["steps"]
+    metrics = saved["metrics"]
     for key in ("val_accuracy", "test_accuracy"):
-        assert 0.0 <= saved[key] <= 1.0
-    assert (
-        math.isfinite(saved["train_loss"]) and math.isfinite(saved["val_loss"]) and math.isfinite(saved["test_loss"])
-    )
+        assert 0.0 <= metrics[key] <= 1.0
+    assert all(math.isfinite(metrics[k]) for k in ("train_loss", "val_loss", "test_loss"))
     assert saved["data"]["train"]["n"] == 32 and saved["data"]["test"]["n"] == 16
-    assert saved["chance_accuracy"] == 0.1 and saved["model_parameters"] > 0
-    assert 0.0 <= saved["test_accuracy_of_train_majority_class"] <= saved["test_majority_accuracy"]
-    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-    assert any("loss" in r for r in log) and any("eval_accuracy" in r for r in log)
+    assert saved["baselines"]["chance_accuracy"] == 0.1 and saved["parameters"] > 0
+    assert 0.0 <= saved["baselines"]["test_accuracy_of_train_majority_class"]
+    assert saved["baselines"]["test_accuracy_of_train_majority_class"] <= saved["baselines"]["test_majority_accuracy"]
+    log = json.loads((out / "log_history.json").read_text())
+    assert any("loss" in r for r in log) and any("eval_accuracy" in r for r in log)  # evaluated at step 2
+    assert [p.rsplit("/", 1)[-1] for p in T.complete_checkpoints(str(out))] == ["checkpoint-2", "checkpoint-3"]
+    # The final model is a sequence classifier that loads with the Auto class and predicts one of 10 classes.
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(str(out / "final")).eval()
+    assert isinstance(model, BSTForSequenceClassification) and model.config.num_labels == listops.NUM_CLASSES
+    batch = PaddingCollator()([{"input_ids": listops.encode("[MAX 1 [MIN 2 3 ] ]")}])
+    with torch.no_grad():
+        assert model(**batch).logits.shape == (1, listops.NUM_CLASSES)
 
 
-def test_train_lra_reads_data_dir(tmp_path):
-    from training.train_lra import main
+def test_listops_resume_from_checkpoint_is_exact(tmp_path):
+    common = ["--max_steps", "4", "--save_steps", "2", "--eval_strategy", "no"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    full = T.main(tiny_argv(a, *common))
+    resumed = T.main(tiny_argv(b, *common, "--resume_from_checkpoint", str(a / "checkpoint-2")))
+    assert len(full["losses"]) == 4 and resumed["losses"][-2:] == full["losses"][-2:]
+    wa = load_file(str(a / "final" / "model.safetensors"))
+    wb = load_file(str(b / "final" / "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
+
+def test_listops_recipe_reads_data_dir(tmp_path):
     data = tmp_path / "data"
     listops.main(
         [
@@ -270,12 +316,21 @@ def test_train_lra_reads_data_dir(tmp_path):
             "64",
         ]
     )
-    argv = ["--task", "listops", "--data", str(data), "--max_steps", "1", "--output_dir", str(tmp_path / "run")]
-    for k, v in _TINY_MODEL.items():
-        argv += ["--set", f"model.{k}={v}"]
-    argv += ["--set", "data.max_length=64", "--set", "training.batch_size=8", "--set", "training.logging_steps=1"]
-    results = main(argv)
-    assert results["steps"] == 1 and results["data"]["val"]["n"] == 8
+    summary = T.main(
+        tiny_argv(tmp_path / "run", "--dataset_path", str(data), "--max_steps", "1", "--eval_strategy", "no")
+    )
+    assert summary["steps"] == 1 and summary["data"]["val"]["n"] == 8
+    assert summary["data_source"] == str(data)
+
+
+def test_listops_recipe_rejects_a_bad_override(tmp_path):
+    argv = tiny_argv(tmp_path, "--model_overrides", '{"blok_len": 8}')
+    model_args, data_args, _ = T.parse_args(argv)
+    with pytest.raises(ValueError, match=r"'blok_len' \(did you mean 'block_len'\?\)"):
+        T.build_task_config(model_args, data_args)
+    model_args, data_args, _ = T.parse_args(tiny_argv(tmp_path, "--task", "lra-image"))
+    with pytest.raises(ValueError, match="unknown task 'lra-image'"):
+        T.build_task_config(model_args, data_args)
 
 
 @pytest.mark.slow

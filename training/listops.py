@@ -28,6 +28,12 @@ Files: a split is JSONL (``{"source": "...", "target": 3}`` per line) or TSV wit
 LRA layout; LRA's own files wrap every node in ``(``/``)``, which :func:`tokenize` drops, so the original
 ``basic_{train,val,test}.tsv`` files load as well).
 
+Training: ListOps is a task of ``training.train`` (``task: listops`` in a recipe, configs/train/listops-*.yaml); this
+module gives it its examples (:class:`ListOpsDataset`, :func:`task_splits`), batches (:class:`PaddingCollator`), the
+classifier's config (:func:`classifier_config`) and its metric (:func:`compute_accuracy`)::
+
+    python -m training.train --config configs/train/listops-tiny.yaml
+
 CLI::
 
     python -m training.listops generate --out DIR --train 96000 --val 2000 --test 2000 --max-length 2000
@@ -328,6 +334,125 @@ def split_stats(examples: Sequence[dict]) -> dict:
         "majority_class": labels.most_common(1)[0][0],
         "majority_accuracy": labels.most_common(1)[0][1] / len(examples),
     }
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The training task (training.train, ``task: listops``)
+# --------------------------------------------------------------------------------------------------------------------
+# The classifier of the paper's LRA setup (App. D): bidirectional BST layers (every layer, unless the recipe says
+# otherwise) followed by two S4 layers, mean pooling over real tokens, a linear head. A recipe's model_overrides win.
+MODEL_DEFAULTS = {"bidirectional": True, "num_s4_head_layers": 2}
+
+
+TASK_FIELDS = {"vocab_size": VOCAB_SIZE, "pad_token_id": PAD_ID}  # fixed by the task; num_labels = NUM_CLASSES
+
+
+def classifier_fields(overrides: dict, max_length: int, num_hidden_layers: int | None = None) -> dict:
+    """:data:`MODEL_DEFAULTS` and ``max_position_embeddings = max_length`` under ``overrides``; with
+    ``num_hidden_layers`` (the base config's, for a model not built from a preset) and no ``bst_layer_indices`` in
+    ``overrides``, every layer is a BST layer."""
+    fields = {**MODEL_DEFAULTS, "max_position_embeddings": max_length, **overrides}
+    if num_hidden_layers is not None:
+        fields.setdefault("bst_layer_indices", list(range(fields.get("num_hidden_layers", num_hidden_layers))))
+    return fields
+
+
+def classifier_config(overrides: dict, max_length: int, base=None):
+    """The ``BSTConfig`` of a ListOps classifier: ``base`` (a preset's config; default: ``BSTConfig`` defaults) with
+    :func:`classifier_fields` applied, then the task's own fields (16-token vocabulary, 10 labels, padding id 0),
+    which no override changes. ``training.train`` checks ``overrides`` first (unknown names, types, values)."""
+    from modeling_bst import BSTConfig
+
+    if base is None:
+        fields = classifier_fields(overrides, max_length, BSTConfig().num_hidden_layers)
+        return BSTConfig(**{**fields, **TASK_FIELDS, "num_labels": NUM_CLASSES})
+    for name, value in {**classifier_fields(overrides, max_length), **TASK_FIELDS}.items():
+        setattr(base, name, value)
+    base.num_labels = NUM_CLASSES
+    return base
+
+
+def task_splits(
+    data_dir: str | None,
+    sizes: dict[str, int],
+    seed: int = 0,
+    min_length: int = DEFAULT_MIN_LENGTH,
+    max_length: int = DEFAULT_MAX_LENGTH,
+    **shape,
+) -> dict[str, list[dict]]:
+    """The train / val / test examples: read from ``data_dir`` when given, else generated (``sizes``, ``seed``,
+    length bounds and ``max_depth`` / ``max_args`` / ``p_op``)."""
+    if data_dir:
+        return load_splits(data_dir)
+    return generate_splits(sizes, seed=seed, min_length=min_length, max_length=max_length, **shape)
+
+
+class ListOpsDataset:
+    """Examples ``{"source", "target"}`` as ``{"input_ids": list[int], "labels": int}`` (a map-style dataset)."""
+
+    def __init__(self, examples: Sequence[dict]):
+        self.input_ids = [encode(ex["source"]) for ex in examples]
+        self.labels = [int(ex["target"]) for ex in examples]
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.input_ids[i], "labels": self.labels[i]}
+
+
+class PaddingCollator:
+    """Pads ``input_ids`` with ``pad_id`` on the right (or left) and builds ``attention_mask``."""
+
+    def __init__(self, pad_id: int = PAD_ID, side: str = "right", pad_to_multiple_of: int | None = None):
+        if side not in ("left", "right"):
+            raise ValueError(f"side must be 'left' or 'right', got {side!r}.")
+        self.pad_id, self.side, self.multiple = pad_id, side, pad_to_multiple_of
+
+    def __call__(self, features: Sequence[dict]):
+        import torch
+
+        longest = max(len(f["input_ids"]) for f in features)
+        if self.multiple:
+            longest = -(-longest // self.multiple) * self.multiple
+        ids = torch.full((len(features), longest), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(features), longest), dtype=torch.long)
+        for row, f in enumerate(features):
+            n = len(f["input_ids"])
+            sl = slice(0, n) if self.side == "right" else slice(longest - n, longest)
+            ids[row, sl] = torch.as_tensor(f["input_ids"], dtype=torch.long)
+            mask[row, sl] = 1
+        batch = {"input_ids": ids, "attention_mask": mask}
+        if "labels" in features[0]:
+            batch["labels"] = torch.as_tensor([int(f["labels"]) for f in features], dtype=torch.long)
+        return batch
+
+
+def argmax_logits(logits, labels):
+    """``preprocess_logits_for_metrics``: keep the predicted class, not the logits."""
+    if isinstance(logits, tuple):
+        logits = logits[0]
+    return logits.argmax(-1)
+
+
+def compute_accuracy(eval_pred) -> dict:
+    """``compute_metrics``: accuracy of the predicted classes."""
+    preds, labels = eval_pred.predictions, eval_pred.label_ids
+    return {"accuracy": float((preds == labels).mean())}
+
+
+def baselines(stats: dict[str, dict]) -> dict:
+    """Constant-prediction baselines of the test split: chance, the test majority class, and the honest one (always
+    predict the most frequent *training* label)."""
+    test, train = stats.get("test", {}), stats.get("train", {})
+    out = {"chance_accuracy": 1.0 / NUM_CLASSES}
+    if test.get("n"):
+        out["test_majority_accuracy"] = test["majority_accuracy"]
+        if train.get("n"):
+            out["test_accuracy_of_train_majority_class"] = (
+                test["label_counts"][str(train["majority_class"])] / test["n"]
+            )
+    return out
 
 
 # --------------------------------------------------------------------------------------------------------------------

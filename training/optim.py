@@ -1,8 +1,8 @@
 """Optimizer parameter groups for BST language models (the paper: Adam; S4 practice for the SSM parameters).
 
-The one home of the groups: the language-model Trainer (``training/train.py``), the LRA trainer
-(``training/train_lra.py``) and the experiments (``experiments/mqar.py``, ``experiments/long_range_recall.py``) all
-build them with :func:`parameter_groups`.
+The one home of the groups: the Trainer of ``training/train.py`` (every task: language models and the LRA ListOps
+classifier) and the experiments (``experiments/mqar.py``, ``experiments/long_range_recall.py``) all build them with
+:func:`parameter_groups`.
 
 Three groups: weights with weight decay; one-dimensional parameters (biases, norm scales, per-head scales) and
 embeddings' tied copies without decay; SSM parameters (``model.ssm_parameter_names()``: the S4D state matrix, B and

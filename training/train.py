@@ -1,6 +1,7 @@
-"""Train or fine-tune a BST language model with the Hugging Face ``Trainer``.
+"""Train or fine-tune a BST model with the Hugging Face ``Trainer``: a language model, or a task's classifier.
 
     python -m training.train --config configs/train/tiny.yaml [--<field> <value> ...]
+    python -m training.train --config configs/train/listops-tiny.yaml
     torchrun --nproc_per_node 2 -m training.train --config configs/train/tiny.yaml
     accelerate launch --config_file configs/accelerate/ddp_cpu.yaml -m training.train --config configs/train/tiny.yaml
 
@@ -15,6 +16,14 @@ Segment streaming (``stream_segments: true``, for Transformer-XL and BRecT): eac
 batch's row of the same document; the model's cache is carried from one batch to the next (detached), rows where a
 new document starts are reset (``BSTCache.reset_rows``), and the cache is saved with every checkpoint so that resuming
 is exact.
+
+Tasks (``task`` in the data section): ``lm`` (default) trains ``BSTForCausalLM`` on text segments; ``listops`` trains
+``BSTForSequenceClassification`` on Long Range Arena ListOps (``training/listops.py``; examples generated from the
+``listops_*`` fields, or read from ``dataset_path``), with accuracy as its evaluation metric: evaluation during
+training on the validation split (``max_eval_samples`` caps it), at the end on the whole validation and test splits
+(``val_accuracy``, ``test_accuracy``). The model is a preset (``model_config``) or ``BSTConfig`` defaults with
+``model_overrides`` and the task's defaults (``training.listops.MODEL_DEFAULTS``). Optimizer, schedule, checkpoints
+and resuming are the language model's.
 """
 
 from __future__ import annotations
@@ -110,10 +119,16 @@ class ModelArguments:
     ssm_weight_decay: float = field(default=0.0, metadata={"help": "weight decay of SSM parameters"})
 
 
+TASKS = ("lm", "listops")
+
+
 @dataclass
 class DataArguments:
+    task: str = field(default="lm", metadata={"help": "lm (language model) | listops (LRA ListOps classifier)"})
     dataset: str = field(default="embedded", metadata={"help": "embedded | pg19 | arxiv | github"})
-    dataset_path: str | None = field(default=None, metadata={"help": "local file/folder or Hub id (default per kind)"})
+    dataset_path: str | None = field(
+        default=None, metadata={"help": "local file/folder or Hub id (default per kind); listops: a folder of splits"}
+    )
     dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset config name"})
     data_files: str | None = field(default=None, metadata={"help": "data_files pattern ({split} is substituted)"})
     dataset_revision: str | None = field(default=None, metadata={"help": "Hub revision"})
@@ -129,6 +144,19 @@ class DataArguments:
         default=False, metadata={"help": "carry the model cache across consecutive segments (Trsf-XL / BRecT)"}
     )
     shuffle_buffer: int = field(default=1000, metadata={"help": "segment shuffle buffer when streaming"})
+    # task: listops (dataset_path: a folder of train/val/test splits; unset: the splits are generated)
+    listops_train: int = field(default=96000, metadata={"help": "listops: generated training examples"})
+    listops_val: int = field(default=2000, metadata={"help": "listops: generated validation examples"})
+    listops_test: int = field(default=2000, metadata={"help": "listops: generated test examples"})
+    listops_min_length: int = field(default=500, metadata={"help": "listops: shortest generated expression (tokens)"})
+    listops_max_length: int = field(default=2000, metadata={"help": "listops: longest generated expression (tokens)"})
+    listops_max_depth: int = field(default=10, metadata={"help": "listops: deepest generated nesting"})
+    listops_max_args: int = field(default=10, metadata={"help": "listops: most arguments of an operator"})
+    listops_p_op: float = field(default=0.25, metadata={"help": "listops: probability that a node is an operator"})
+    listops_seed: int = field(default=0, metadata={"help": "listops: generator seed"})
+    max_eval_samples: int | None = field(
+        default=None, metadata={"help": "listops: validation examples evaluated during training (final: all)"}
+    )
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -320,6 +348,29 @@ def build_config(model_args: ModelArguments, tokenizer=None):
     return apply_model_overrides(config, overrides)
 
 
+def build_task_config(model_args: ModelArguments, data_args: DataArguments, max_length: int | None = None):
+    """The config of the recipe's model: :func:`build_config` for ``task: lm``; for ``task: listops`` the classifier's
+    (``training.listops.classifier_config``: a preset's or ``BSTConfig`` defaults, the task's defaults, then
+    ``model_overrides``, checked like the language model's)."""
+    if data_args.task not in TASKS:
+        raise ValueError(f"unknown task {data_args.task!r}; known: {', '.join(TASKS)}")
+    if data_args.task == "lm":
+        return build_config(model_args)
+    from modeling_bst import BSTConfig
+    from training import listops
+
+    overrides = parse_model_overrides(model_args.model_overrides)
+    max_length = max_length or data_args.listops_max_length
+    if model_args.model_name_or_path:
+        return apply_model_overrides(AutoConfig.from_pretrained(model_args.model_name_or_path), overrides)
+    base = AutoConfig.from_pretrained(resolve_preset(model_args.model_config)) if model_args.model_config else None
+    # Names, types and values of the overrides are checked on the config they end up in.
+    checked = base if base is not None else BSTConfig()
+    layers = None if base is not None else checked.num_hidden_layers
+    apply_model_overrides(checked, {**listops.classifier_fields(overrides, max_length, layers), **listops.TASK_FIELDS})
+    return listops.classifier_config(overrides, max_length, base=base)
+
+
 def check_run(data_args: DataArguments, config) -> None:
     """Cross-checks of data and model settings that would otherwise train the wrong thing silently.
 
@@ -331,6 +382,10 @@ def check_run(data_args: DataArguments, config) -> None:
         or getattr(config, "recurrent_layer_indices", None)
         or getattr(config, "gss_layer_indices", None)
     )
+    if data_args.task != "lm":
+        if data_args.stream_segments or data_args.streaming:
+            raise ValueError(f"task {data_args.task!r}: stream_segments / streaming apply to language modelling only")
+        return
     if data_args.stream_segments and is_xl and data_args.seq_len != config.block_len:
         raise ValueError(
             f"stream_segments with a Transformer-XL model (no BST, recurrent or GSS layers): seq_len "
@@ -591,32 +646,88 @@ class BSTTrainer(Trainer):
                 self._stream_cache = BSTCache.from_tensors(self.model.config, tensors)
 
 
+def build_listops(model_args: ModelArguments, data_args: DataArguments, train_args: TrainingArguments):
+    """``task: listops``: the classifier, the datasets (training, evaluation during training, and the final
+    ``{"val", "test"}`` evaluations) and the splits' statistics."""
+    from training import listops
+
+    splits = listops.task_splits(
+        data_args.dataset_path,
+        {"train": data_args.listops_train, "val": data_args.listops_val, "test": data_args.listops_test},
+        seed=data_args.listops_seed,
+        min_length=data_args.listops_min_length,
+        max_length=data_args.listops_max_length,
+        max_depth=data_args.listops_max_depth,
+        max_args=data_args.listops_max_args,
+        p_op=data_args.listops_p_op,
+    )
+    stats = {name: listops.split_stats(ex) for name, ex in splits.items()}
+    logger.info(
+        "listops data (%s): %s",
+        data_args.dataset_path or f"generated, seed {data_args.listops_seed}",
+        ", ".join(f"{k} {v['n']} (length {v.get('min_length')}-{v.get('max_length')})" for k, v in stats.items()),
+    )
+    datasets = {name: listops.ListOpsDataset(ex) for name, ex in splits.items()}
+    during = datasets["val"]
+    if data_args.max_eval_samples and len(during) > data_args.max_eval_samples:
+        during = torch.utils.data.Subset(during, range(data_args.max_eval_samples))
+    longest = max([s["max_length"] for s in stats.values() if s["n"]] + [data_args.listops_max_length])
+    config = build_task_config(model_args, data_args, max_length=longest)
+    set_seed(train_args.seed)  # model init independent of how much randomness data preparation used
+    from transformers import AutoModelForSequenceClassification
+
+    if model_args.model_name_or_path:
+        model = AutoModelForSequenceClassification.from_pretrained(model_args.model_name_or_path, config=config)
+    else:
+        model = AutoModelForSequenceClassification.from_config(config)
+    return model, datasets["train"], during, {"val": datasets["val"], "test": datasets["test"]}, stats
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run a recipe; returns a summary (output folders, losses, timings) also written to ``train_summary.json``."""
     import modeling_bst  # noqa: F401  (registers model_type "bst")
 
     model_args, data_args, train_args = parse_args(argv)
     # Model settings are checked before anything is built (tokenizer, data, model).
-    check_run(data_args, build_config(model_args))
+    check_run(data_args, build_task_config(model_args, data_args))
     logging.basicConfig(
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         level=logging.INFO if train_args.process_index == 0 else logging.WARNING,
     )
     set_seed(train_args.seed)
     t0 = time.time()
-    tokenizer = build_tokenizer(model_args, data_args, train_args)
-    train_ds, eval_ds = build_datasets(data_args, train_args, tokenizer)
-    set_seed(train_args.seed)  # model init independent of how much randomness data preparation used
-    model = build_model(model_args, tokenizer)
+    if data_args.task == "lm":
+        tokenizer = build_tokenizer(model_args, data_args, train_args)
+        train_ds, eval_ds = build_datasets(data_args, train_args, tokenizer)
+        set_seed(train_args.seed)  # model init independent of how much randomness data preparation used
+        model = build_model(model_args, tokenizer)
+        final_evals = {"eval": eval_ds} if eval_ds is not None and len(eval_ds) else {}
+        data_stats, auto_class = None, AutoModelForCausalLM
+        task_kwargs = {"data_collator": D.collate_segments}
+        n_train = len(train_ds) if hasattr(train_ds, "__len__") else "streamed"
+        size = f"{n_train} training segments of {data_args.seq_len} tokens; tokenizer {len(tokenizer)} tokens"
+    else:
+        from transformers import AutoModelForSequenceClassification
+
+        from training import listops
+
+        tokenizer = None
+        model, train_ds, eval_ds, final_evals, data_stats = build_listops(model_args, data_args, train_args)
+        auto_class = AutoModelForSequenceClassification
+        task_kwargs = {
+            "data_collator": listops.PaddingCollator(),
+            "compute_metrics": listops.compute_accuracy,
+            "preprocess_logits_for_metrics": listops.argmax_logits,
+        }
+        size = f"{len(train_ds)} training examples"
     ssm_lr = model_args.ssm_lr if model_args.ssm_lr is not None else getattr(model.config, "ssm_lr", None)
     n_params = sum(p.numel() for p in model.parameters())
     logger.info(
-        "model %s: %.2fM parameters; %s training segments of %d tokens; tokenizer %d tokens",
-        model_args.model_config or model_args.model_name_or_path,
+        "%s model %s: %.2fM parameters; %s",
+        data_args.task,
+        model_args.model_config or model_args.model_name_or_path or "(model_overrides)",
         n_params / 1e6,
-        len(train_ds) if hasattr(train_ds, "__len__") else "streamed",
-        data_args.seq_len,
-        len(tokenizer),
+        size,
     )
     train_args.remove_unused_columns = False
     if data_args.streaming:
@@ -628,10 +739,10 @@ def main(argv: list[str] | None = None) -> dict:
         train_dataset=train_ds,
         eval_dataset=eval_ds,
         processing_class=tokenizer,
-        data_collator=D.collate_segments,
         ssm_lr=ssm_lr,
         ssm_weight_decay=model_args.ssm_weight_decay,
         stream_segments=data_args.stream_segments,
+        **task_kwargs,
     )
     resume = train_args.resume_from_checkpoint
     if isinstance(resume, str) and resume.lower() in ("true", "last"):
@@ -640,8 +751,8 @@ def main(argv: list[str] | None = None) -> dict:
         logger.info("resuming from %s", resume or "scratch (no complete checkpoint)")
     result = trainer.train(resume_from_checkpoint=resume)
     metrics = dict(result.metrics)
-    if eval_ds is not None and len(eval_ds):
-        metrics.update(trainer.evaluate())
+    for prefix, dataset in final_evals.items():
+        metrics.update(trainer.evaluate(dataset, metric_key_prefix=prefix))
     final_dir = os.path.join(train_args.output_dir, "final")
     # Trainer writes use_cache=False into the config while training; a saved model must cache at inference.
     trainer.model.config.use_cache = True
@@ -650,32 +761,48 @@ def main(argv: list[str] | None = None) -> dict:
         # Checkpoints stay sharded; the final model is gathered (on every process) into one plain, loadable folder.
         state_dict = trainer.accelerator.get_state_dict(trainer.model)
         if trainer.args.should_save:
-            plain = AutoModelForCausalLM.from_config(trainer.model.config)
+            plain = auto_class.from_config(trainer.model.config)
             plain.load_state_dict(state_dict)
             plain.save_pretrained(final_dir)
-            tokenizer.save_pretrained(final_dir)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(final_dir)
     else:
         trainer.save_model(final_dir)
     summary = {
+        "task": data_args.task,
         "output_dir": train_args.output_dir,
         "final_model": final_dir,
         "parameters": n_params,
         "train_segments": len(train_ds) if hasattr(train_ds, "__len__") else None,
-        "seq_len": data_args.seq_len,
+        "seq_len": data_args.seq_len if data_args.task == "lm" else None,
         "world_size": train_args.world_size,
         "fsdp": trainer.is_fsdp_enabled,
         "sharding": sharding,
         "train_batch_size": train_args.per_device_train_batch_size * train_args.world_size,
+        "steps": trainer.state.global_step,
         "wall_seconds": time.time() - t0,
         "metrics": metrics,
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
     }
+    if data_stats is not None:
+        from training import listops
+
+        summary["data"] = data_stats
+        summary["data_source"] = data_args.dataset_path or f"generated (seed {data_args.listops_seed})"
+        summary["baselines"] = listops.baselines(data_stats)
+        logger.info(
+            "val_accuracy %.4f, test_accuracy %.4f (chance %.2f, test majority class %.3f)",
+            metrics.get("val_accuracy", float("nan")),
+            metrics.get("test_accuracy", float("nan")),
+            summary["baselines"]["chance_accuracy"],
+            summary["baselines"].get("test_majority_accuracy", float("nan")),
+        )
     if trainer.is_world_process_zero():
         with open(os.path.join(train_args.output_dir, "log_history.json"), "w") as f:
             json.dump(trainer.state.log_history, f, indent=1)
         with open(os.path.join(train_args.output_dir, "train_summary.json"), "w") as f:
             json.dump(summary, f, indent=1)
-        logger.info("final model and tokenizer: %s", final_dir)
+        logger.info("final model%s: %s", " and tokenizer" if tokenizer is not None else "", final_dir)
     return summary
 
 
