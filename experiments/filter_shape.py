@@ -71,9 +71,8 @@ def layer_ssms(net) -> dict[int, torch.nn.Module]:
     """``{layer index: SSM}`` for every BST layer of ``net`` (a ``BSTForCausalLM``)."""
     out = {}
     for i, layer in enumerate(net.model.layers):
-        context = getattr(getattr(layer, "cross_attn", None), "context", None)
-        if context is not None and hasattr(context, "ssm"):
-            out[i] = context.ssm
+        if hasattr(layer, "context"):  # a BST layer (BSTContextLayer): its SSM kernel is ``layer.ssm``
+            out[i] = layer.ssm
     return out
 
 
@@ -172,8 +171,11 @@ def load_weights(net, checkpoint: Path) -> None:
     """The model weights of an ``experiments.mqar`` checkpoint (saved under ``model.``) into ``net``."""
     from safetensors import safe_open
 
-    with safe_open(str(checkpoint), "pt") as f:
-        state = {k[len("model.") :]: f.get_tensor(k) for k in f.keys() if k.startswith("model.")}
+    from training.convert_checkpoint import current_name
+
+    types = [net.config.layer_kind(i) for i in range(net.config.num_hidden_layers)]
+    with safe_open(str(checkpoint), "pt") as f:  # names of any layout of the package, as current names
+        state = {current_name(k[len("model.") :], types): f.get_tensor(k) for k in f.keys() if k.startswith("model.")}
     missing, unexpected = net.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"{checkpoint} does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")

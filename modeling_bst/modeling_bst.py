@@ -973,6 +973,12 @@ class BSTPreTrainedModel(PreTrainedModel):
     # SSM parameters (state matrix, dt, filters) stay float32 when the model is loaded in fp16 or bf16.
     _keep_in_fp32_modules_strict = ["ssm"]
 
+    def post_init(self):
+        # A model without SSM kernels (Slide, Transformer-XL, BRecT) has nothing to keep in float32.
+        if not any(name.rsplit(".", 1)[-1] == "ssm" for name, _ in self.named_modules()):
+            self._keep_in_fp32_modules_strict = []
+        super().post_init()
+
     @torch.no_grad()
     def _init_weights(self, module):
         cfg = self.config

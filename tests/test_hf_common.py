@@ -243,6 +243,15 @@ class BSTSHUnstructModelTest(BSTModelTest):
     variant = {"context_mode": "sh", "ssm_kind": "unstruct"}
 
 
+@mark_known_bugs
+@mark_plumbing_slow
+class BSTBRecTModelTest(BSTModelTest):
+    """A Block-Recurrent Transformer layer (the paper's BRecT baseline) in place of the BST layer."""
+
+    variant_id = "brect"
+    variant = {"bst_layer_indices": [], "recurrent_layer_indices": [1]}
+
+
 def test_generation_tester_mixin_ran():
     """Reports whether GenerationTesterMixin's tests ran: they need the transformers repository's tests/generation/
     (from $TRANSFORMERS_TESTS_DIR or the tag archive fetched into the test cache; the source release lacks it)."""
