@@ -255,7 +255,9 @@ PRESET_LAYER_TYPES = {
     "bst-tiny-mh-unstruct": "SbSb",
     "bst-tiny-sh-s4": "SbSb",
     "bst-tiny-sh-unstruct": "SbSb",
-    "gss-hybrid-l": "Gb" + "GGGb" * 6 + "GG",
+    # changed on purpose after item 5 (issue #33 item 7a): 32 GSS layers, a Transformer layer every 4th from the 2nd
+    # (before: 28 layers, "Gb" + "GGGb" * 6 + "GG")
+    "gss-hybrid-l": "Gb" + "GGGb" * 10 + "G",
     "gss-hybrid-tiny": "GbGG",
     "slide-12l": "b" * 12,
     "slide-tiny": "bbbb",
@@ -268,6 +270,10 @@ LETTERS = {"b": "block", "S": "bst", "R": "recurrent", "G": "gss"}
 def test_every_preset_loads_to_the_layer_types_it_had():
     presets = sorted((ROOT / "configs" / "models").glob("*.json"))
     assert {p.stem for p in presets} == set(PRESET_LAYER_TYPES)
+    gss_hybrid = [LETTERS[c] for c in PRESET_LAYER_TYPES["gss-hybrid-l"]]
+    assert gss_hybrid.count("gss") == 32 and [i for i, t in enumerate(gss_hybrid) if t == "block"] == list(
+        range(1, 43, 4)
+    )
     for path in presets:
         expected = [LETTERS[c] for c in PRESET_LAYER_TYPES[path.stem]]
         assert AutoConfig.from_pretrained(path).layer_types == expected, path.stem
