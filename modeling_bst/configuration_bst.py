@@ -308,7 +308,10 @@ class BSTConfig(PreTrainedConfig):
         ssm_hidden_size (`int`, *optional*): SSM channel width D_s after down-projection. Default D/4 (SH, MH), D/8 (MF).
         ssm_init (`str`, defaults to `"lin"`): S4D initialisation of the state matrix, ``"lin"`` or ``"inv"``.
         ssm_dt_min / ssm_dt_max (`float`, defaults to 1e-3 / 1e-1): range of the log-uniform step size init.
-        ssm_lr (`float`, defaults to 1e-3): learning rate of SSM parameters (Lambda, B, dt, filter MLP), wd 0.
+        ssm_lr (`float`, *optional*): learning rate of the SSM parameters (Lambda, B, dt, filter MLP), which train
+            without weight decay. None (the default): the main learning rate, as the paper trains ("the same
+            learning rate for all layers", Sec. 4.1); before issue #33 the default was 1e-3, which configs written
+            then store.
         ssm_input (`str`, defaults to `"normed"`): what a BST layer's SSM reads (through its down-projection):
             ``"normed"`` the layer's RMS-normed input, as its attention does (meliad, Listing 1 of the paper);
             ``"raw"`` the layer's input before the norm (the embeddings for a first-layer BST), whose scale grows
@@ -382,7 +385,7 @@ class BSTConfig(PreTrainedConfig):
     ssm_init: Literal[SSM_INITS] = "lin"
     ssm_dt_min: float | int = 1e-3
     ssm_dt_max: float | int = 1e-1
-    ssm_lr: float | int = 1e-3
+    ssm_lr: float | int | None = None
     ssm_input: Literal[SSM_INPUTS] = "normed"
     unstruct_emb_dim: int = _checked(_odd_at_least_3, 33)
     unstruct_order: int = _checked(_positive, 64)

@@ -181,6 +181,10 @@ def test_optimizer_groups_and_schedule():
     assert fn(0) == pytest.approx(1e-4) and fn(10) == pytest.approx(1.0) and fn(100) == pytest.approx(1e-4)
     assert fn(5) == pytest.approx(1e-4 + (1 - 1e-4) * 0.5)
     assert all(fn(s) >= fn(s + 1) for s in range(10, 100))
+    # no ssm_lr anywhere (config.ssm_lr's default is None): the SSM parameters train at the main learning rate
+    model.config.ssm_lr = None
+    optimizer, _ = build_optimizer(model, dict(tcfg, ssm_lr=None), 100)
+    assert {g["name"]: g["initial_lr"] for g in optimizer.param_groups}["ssm"] == 2e-3
 
 
 _TINY_MODEL = {

@@ -106,7 +106,9 @@ class ModelArguments:
     )
     tokenizer_vocab_size: int = field(default=8192, metadata={"help": "vocabulary size when tokenizer == 'bpe'"})
     tokenizer_train_docs: int | None = field(default=None, metadata={"help": "train the BPE on the first N docs"})
-    ssm_lr: float | None = field(default=None, metadata={"help": "lr of SSM parameters (default: config.ssm_lr)"})
+    ssm_lr: float | None = field(
+        default=None, metadata={"help": "lr of SSM parameters (default: config.ssm_lr; None there: the lr)"}
+    )
     ssm_weight_decay: float = field(default=0.0, metadata={"help": "weight decay of SSM parameters"})
 
 

@@ -141,7 +141,8 @@ def warmup_cosine(total_steps: int, warmup_steps: int, start_ratio: float, end_r
 
 def build_optimizer(model, tcfg: dict, total_steps: int):
     lr = float(tcfg["learning_rate"])
-    ssm_lr = float(tcfg["ssm_lr"]) if tcfg["ssm_lr"] is not None else float(model.config.ssm_lr)
+    ssm_lr = tcfg["ssm_lr"] if tcfg["ssm_lr"] is not None else model.config.ssm_lr
+    ssm_lr = lr if ssm_lr is None else float(ssm_lr)  # None: the main learning rate
     # decayed weights, undecayed 1-D parameters, the SSM parameters at ssm_lr without decay (training.optim)
     groups = parameter_groups(model, lr, float(tcfg["weight_decay"]), ssm_lr)
     optimizer = torch.optim.AdamW(groups, lr=lr, betas=tuple(float(b) for b in tcfg["adam_betas"]))
