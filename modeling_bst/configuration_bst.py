@@ -148,7 +148,8 @@ def _assign_indices(layer_types, indices: dict) -> list[str]:
             if types[i] != "block":
                 taken.setdefault(types[i], []).append(i)
             types[i] = kind
-        for other, overlap in taken.items():
+        if taken:
+            other, overlap = next(iter(taken.items()))
             raise BSTConfigError(
                 f"BSTConfig: layers {overlap} are in both {LAYER_INDEX_FIELDS[other]} and {LAYER_INDEX_FIELDS[kind]}; "
                 "a layer has one type."
@@ -212,8 +213,7 @@ def _errors_name_the_field(cls):
     strict_setattr, strict_validate = cls.__setattr__, cls.validate
     annotations = {f.name: f.type for f in fields(cls)}
 
-    def naming_the_field(error, name, value):
-        cause = error.__cause__
+    def naming_the_field(cause, name, value):
         if isinstance(cause, TypeError):
             message = f"{cls.__name__}.{name} must be {_describe(annotations.get(name))}, got {value!r}."
         else:
@@ -224,7 +224,7 @@ def _errors_name_the_field(cls):
         try:
             strict_setattr(self, name, value)
         except StrictDataclassFieldValidationError as e:
-            raise naming_the_field(e, name, value) from e.__cause__
+            raise naming_the_field(e.__cause__, name, value) from e.__cause__
 
     def _check_field(self, name, value):
         """Run the checks that assigning ``value`` to the field ``name`` runs (type, own range), setting nothing."""
@@ -232,9 +232,7 @@ def _errors_name_the_field(cls):
             try:
                 validator(value)
             except (ValueError, TypeError) as cause:
-                error = StrictDataclassFieldValidationError(field=name, cause=cause)
-                error.__cause__ = cause
-                raise naming_the_field(error, name, value) from cause
+                raise naming_the_field(cause, name, value) from cause
 
     def validate(self):
         """Run the class validators (``validate_*``); raise [`BSTConfigError`] naming the field."""
@@ -438,7 +436,11 @@ class BSTConfig(PreTrainedConfig):
             self.layer_types = list(self.layer_types)
         else:
             given.setdefault("bst", list(DEFAULT_BST_LAYER_INDICES))
-            indices = {kind: _checked_indices(LAYER_INDEX_FIELDS[kind], given.get(kind, []), n) for kind in given}
+            indices = {  # in LAYER_INDEX_FIELDS order, so that an overlap names the fields in that order
+                kind: _checked_indices(field, given[kind], n)
+                for kind, field in LAYER_INDEX_FIELDS.items()
+                if kind in given
+            }
             self.layer_types = _assign_indices(["block"] * n, indices)
         if self.logit_scale is None:
             # One number for every reader of the config (a config.json written before stored null: the same value).
