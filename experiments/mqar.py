@@ -148,6 +148,9 @@ STEPS, BATCH = 6000, 32
 LR, WEIGHT_DECAY = 1e-2, 0.0
 HIDDEN, LAYERS, BLOCK_LEN = 64, 2, 32
 NUM_KEYS = NUM_VALUES = 32
+# The SSM parameters' learning rate when the config leaves it to the main one (BSTConfig.ssm_lr None, its default
+# since issue #33): 1e-3, the config default every recorded run used; ``--set ssm_lr=...`` overrides it.
+MQAR_SSM_LR = 1e-3
 CHECKPOINT_EVERY = 100
 # BSTConfig fields ``build_config`` sets from the protocol's own flags (``--set`` refuses them, naming the flag)
 PROTOCOL_FIELDS = {
@@ -361,6 +364,8 @@ def parameter_groups(model, lr: float, weight_decay: float) -> list[dict]:
     weight decay; the rest with it. Checkpoints index the AdamW state in this order: keep it."""
     if hasattr(model, "ssm_parameter_names"):
         ssm, ssm_lr = None, getattr(model.config, "ssm_lr", lr)
+        if ssm_lr is None:  # the config default since issue #33 (the main lr); the recorded runs used 1e-3
+            ssm_lr = MQAR_SSM_LR
     else:
         ssm = {n for n, _ in model.named_parameters() if n.endswith(("A_log", ".D", "dt_proj.bias"))}
         ssm_lr = lr

@@ -34,8 +34,11 @@ SSM_INPUTS = ("normed", "raw")
 # One entry per layer: a plain Block-Transformer ("Slide") layer, a BST layer (SSM + context cross-attention), a
 # Block-Recurrent Transformer layer, or a Gated State Space layer.
 LAYER_TYPES = ("block", "bst", "recurrent", "gss")
-# The per-kind index fields, still accepted, and what config.json stores: each lists the layers of one type.
+# The per-type index fields: keyword arguments of ``BSTConfig`` and keys of config.json (what it stores, see
+# ``BSTConfig.to_dict``), read-only views of ``layer_types`` otherwise. Each lists the layers of one type.
 LAYER_INDEX_FIELDS = {"bst": "bst_layer_indices", "recurrent": "recurrent_layer_indices", "gss": "gss_layer_indices"}
+# The fields that describe the layers, set together by ``BSTConfig.update_layers``.
+LAYER_FIELDS = ("num_hidden_layers", "layer_types", *LAYER_INDEX_FIELDS.values())
 # ``bst_layer_indices`` when neither it nor ``layer_types`` is given.
 DEFAULT_BST_LAYER_INDICES = (0, 7, 9)
 
@@ -107,6 +110,83 @@ def _layer_type_entries(value):
         raise ValueError(f"entries must be in {LAYER_TYPES}, got {list(value)!r}.")
 
 
+# -- layer types: ``layer_types`` is the one record; the index fields are converted to it and derived from it --------
+def _indices_of(layer_types, kind) -> list[int]:
+    """The layers of one type, ascending: what the index field of ``kind`` reads."""
+    return [i for i, t in enumerate(layer_types or ()) if t == kind]
+
+
+def _checked_indices(name, value, num_layers) -> list[int]:
+    """An index field's value as a sorted list: distinct layer indices in [0, num_layers); else a [`BSTConfigError`]
+    naming the field."""
+    if value is None:
+        raise BSTConfigError(
+            f"BSTConfig.{name} must be a list of layer indices (None selects the default only when the config is "
+            "made); use [] for no such layers."
+        )
+    if not isinstance(value, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise BSTConfigError(f"BSTConfig.{name} must be a list of layer indices (int), got {value!r}.")
+    try:
+        _layer_indices(value)
+    except ValueError as e:
+        raise BSTConfigError(f"BSTConfig.{name} {e}") from None
+    bad = [i for i in value if i >= num_layers]
+    if bad:
+        raise BSTConfigError(
+            f"BSTConfig.{name} entries must be in [0, num_hidden_layers={num_layers}), got out-of-range {bad}."
+        )
+    return sorted(value)
+
+
+def _assign_indices(layer_types, indices: dict) -> list[str]:
+    """``layer_types`` with the layers of ``indices`` (type -> checked index list) set to those types; they must be
+    ``"block"`` layers of ``layer_types`` (and not claimed twice), else a [`BSTConfigError`] naming both fields."""
+    types = list(layer_types)
+    for kind, layers in indices.items():
+        taken = {}
+        for i in layers:
+            if types[i] != "block":
+                taken.setdefault(types[i], []).append(i)
+            types[i] = kind
+        if taken:
+            other, overlap = next(iter(taken.items()))
+            raise BSTConfigError(
+                f"BSTConfig: layers {overlap} are in both {LAYER_INDEX_FIELDS[other]} and {LAYER_INDEX_FIELDS[kind]}; "
+                "a layer has one type."
+            )
+    return types
+
+
+def _check_agreement(layer_types, given: dict, num_layers):
+    """Index fields given together with ``layer_types`` must list exactly its layers of their type."""
+    for kind, value in given.items():
+        field = LAYER_INDEX_FIELDS[kind]
+        if _checked_indices(field, value, num_layers) != _indices_of(layer_types, kind):
+            raise BSTConfigError(
+                f"BSTConfig: {field}={list(value)} disagrees with layer_types={list(layer_types)}; give one of them "
+                f"(layer_types lists {kind!r} at {_indices_of(layer_types, kind)})."
+            )
+
+
+def _index_view(kind):
+    """The read-only view ``<kind>_layer_indices`` of ``layer_types``; assigning it goes through ``update_layers``."""
+    field = LAYER_INDEX_FIELDS[kind]
+
+    def fget(self) -> list[int]:
+        return _indices_of(self.__dict__.get("layer_types"), kind)
+
+    def fset(self, value):
+        self.update_layers(**{field: value})
+
+    doc = (
+        f"The layers whose type is {kind!r}, ascending: derived from ``layer_types`` on every read (a new list; "
+        f"changing it changes nothing). Assigning it is ``update_layers({field}=...)``: exactly the listed layers "
+        f'become {kind!r} layers, the other {kind!r} layers become ``"block"``; a listed layer of another non-block '
+        "type raises a [`BSTConfigError`] naming both fields."
+    )
+    return property(fget, fset, doc=doc)
+
+
 def _checked(validator, default):
     return validated_field(validator, default=default)
 
@@ -133,16 +213,26 @@ def _errors_name_the_field(cls):
     strict_setattr, strict_validate = cls.__setattr__, cls.validate
     annotations = {f.name: f.type for f in fields(cls)}
 
+    def naming_the_field(cause, name, value):
+        if isinstance(cause, TypeError):
+            message = f"{cls.__name__}.{name} must be {_describe(annotations.get(name))}, got {value!r}."
+        else:
+            message = f"{cls.__name__}.{name} {cause}"
+        return BSTConfigError(message)
+
     def __setattr__(self, name, value):
         try:
             strict_setattr(self, name, value)
         except StrictDataclassFieldValidationError as e:
-            cause = e.__cause__
-            if isinstance(cause, TypeError):
-                message = f"{cls.__name__}.{name} must be {_describe(annotations.get(name))}, got {value!r}."
-            else:
-                message = f"{cls.__name__}.{name} {cause}"
-            raise BSTConfigError(message) from cause
+            raise naming_the_field(e.__cause__, name, value) from e.__cause__
+
+    def _check_field(self, name, value):
+        """Run the checks that assigning ``value`` to the field ``name`` runs (type, own range), setting nothing."""
+        for validator in self.__validators__.get(name, []):
+            try:
+                validator(value)
+            except (ValueError, TypeError) as cause:
+                raise naming_the_field(cause, name, value) from cause
 
     def validate(self):
         """Run the class validators (``validate_*``); raise [`BSTConfigError`] naming the field."""
@@ -152,7 +242,7 @@ def _errors_name_the_field(cls):
             raise BSTConfigError(str(e.__cause__)) from e.__cause__
 
     validate.__is_defined_by_strict_decorator__ = True  # a subclass may be ``@strict`` again
-    cls.__setattr__, cls.validate = __setattr__, validate
+    cls.__setattr__, cls.validate, cls._check_field = __setattr__, validate, _check_field
     return cls
 
 
@@ -166,6 +256,24 @@ def _default_logit_scale(vocab_size) -> float | None:
 class BSTConfig(PreTrainedConfig):
     r"""Configuration for [`BSTModel`], [`BSTForCausalLM`] and [`BSTForSequenceClassification`].
 
+    Layer types (issue #33): ``layer_types`` is the one record of which layer is of which type. The index fields
+    ``bst_layer_indices``, ``recurrent_layer_indices`` and ``gss_layer_indices`` are accepted as keyword arguments
+    and in config.json (earlier files have only them, or both) and converted to ``layer_types`` at construction;
+    afterwards they are read-only views computed from it (properties, no stored copy). Given together, they must
+    agree with ``layer_types`` (else a [`BSTConfigError`] naming both). Assigning an index field after construction
+    updates ``layer_types`` (exactly the listed layers get that type, its other layers become ``"block"``; a listed
+    layer of another non-block type raises naming both fields), as does ``num_hidden_layers`` (new layers are
+    ``"block"``; dropping a non-block layer raises). [`~BSTConfig.update_layers`] sets several of these fields as
+    one change, in any order (``from_pretrained`` keyword overrides, ``update()`` and the training CLI's
+    ``--model_overrides`` go through it).
+
+    config.json (``to_dict``) stores the three index fields, not ``layer_types``: transformers' generic
+    ``PreTrainedConfig`` rejects layer types other than its attention kinds, and ``AutoTokenizer.from_pretrained``
+    falls back to it for a model folder whose config class it cannot load (no ``trust_remote_code``), so a
+    ``layer_types`` of BST kinds in config.json would break loading the tokenizer of a BST repository; and package
+    versions before ``layer_types`` existed (issue #12) read only the index fields. The index fields say the same
+    thing as ``layer_types`` (all three are always written), so nothing is lost.
+
     Args:
         vocab_size (`int`, defaults to 32000): vocabulary size (tied input/output embedding).
         hidden_size (`int`, defaults to 1024): model width D.
@@ -177,12 +285,12 @@ class BSTConfig(PreTrainedConfig):
             ``unstruct`` filters exist only up to this length.
         block_len (`int`, defaults to 512): block / window length W.
         layer_types (`list[str]`, *optional*): the type of every layer, one of ``"block"`` (Slide layer), ``"bst"``
-            (SSM + cross-attention to context states), ``"recurrent"`` (BRecT) and ``"gss"``. Default: from the index
-            fields below. The index fields and ``layer_types`` are two views of one thing: setting either updates the
-            other, so a layer has exactly one type. config.json stores the index fields (transformers' generic config
-            loader rejects non-attention ``layer_types``).
+            (SSM + cross-attention to context states), ``"recurrent"`` (BRecT) and ``"gss"``: the one record of the
+            layer types. Default: from the index fields below (see "Layer types" above).
         bst_layer_indices (`list[int]`, defaults to `[0, 7, 9]`): 0-based indices of BST layers (SSM + cross-attention
-            to context states). Empty list = the Slide baseline.
+            to context states). Empty list = the Slide baseline. A keyword argument converted to ``layer_types``,
+            then a read-only view of it, as are ``recurrent_layer_indices`` and ``gss_layer_indices`` (default
+            ``[]``); the default ``[0, 7, 9]`` applies only when neither it nor ``layer_types`` is given.
         context_mode (`str`, defaults to `"sh"`): ``"sh"`` single-head, ``"mh"`` multi-head, ``"mf"`` multi-filter.
         ssm_kind (`str`, defaults to `"s4"`): ``"s4"`` (diagonal S4D kernel) or ``"unstruct"`` (Hyena-style filter).
         ssm_state_size (`int`, defaults to 16): S4D state size N (N/2 complex-conjugate modes per channel).
@@ -198,7 +306,10 @@ class BSTConfig(PreTrainedConfig):
         ssm_hidden_size (`int`, *optional*): SSM channel width D_s after down-projection. Default D/4 (SH, MH), D/8 (MF).
         ssm_init (`str`, defaults to `"lin"`): S4D initialisation of the state matrix, ``"lin"`` or ``"inv"``.
         ssm_dt_min / ssm_dt_max (`float`, defaults to 1e-3 / 1e-1): range of the log-uniform step size init.
-        ssm_lr (`float`, defaults to 1e-3): learning rate of SSM parameters (Lambda, B, dt, filter MLP), wd 0.
+        ssm_lr (`float`, *optional*): learning rate of the SSM parameters (Lambda, B, dt, filter MLP), which train
+            without weight decay. None (the default): the main learning rate, as the paper trains ("the same
+            learning rate for all layers", Sec. 4.1); before issue #33 the default was 1e-3, which configs written
+            then store.
         ssm_input (`str`, defaults to `"normed"`): what a BST layer's SSM reads (through its down-projection):
             ``"normed"`` the layer's RMS-normed input, as its attention does (meliad, Listing 1 of the paper);
             ``"raw"`` the layer's input before the norm (the embeddings for a first-layer BST), whose scale grows
@@ -258,6 +369,7 @@ class BSTConfig(PreTrainedConfig):
 
     model_type = "bst"
     keys_to_ignore_at_inference = ["past_key_values"]
+    layer_fields = LAYER_FIELDS  # what ``update_layers`` sets as one change (a class attribute, not a field)
 
     vocab_size: int = _checked(_positive, 32000)
     hidden_size: int = _checked(_positive, 1024)
@@ -268,20 +380,18 @@ class BSTConfig(PreTrainedConfig):
     intermediate_size: int = _checked(_positive, 4096)
     max_position_embeddings: int = _checked(_positive, 4096)
     block_len: int = _checked(_positive, 512)
-    bst_layer_indices: list[int] | tuple[int, ...] | None = _checked(_layer_indices, None)
     context_mode: Literal[CONTEXT_MODES] = "sh"
     ssm_kind: Literal[SSM_KINDS] = "s4"
     ssm_state_size: int = _checked(_positive_even, 16)
     num_context_states: int = _checked(_positive, 32)
     mf_independent_filters: bool = False
-    recurrent_layer_indices: list[int] | tuple[int, ...] | None = _checked(_layer_indices, None)
     num_recurrent_states: int = _checked(_positive, 512)
     bidirectional: bool = False
     ssm_hidden_size: int | None = _checked(_positive_or_none, None)
     ssm_init: Literal[SSM_INITS] = "lin"
     ssm_dt_min: float | int = 1e-3
     ssm_dt_max: float | int = 1e-1
-    ssm_lr: float | int = 1e-3
+    ssm_lr: float | int | None = None
     ssm_input: Literal[SSM_INPUTS] = "normed"
     unstruct_emb_dim: int = _checked(_odd_at_least_3, 33)
     unstruct_order: int = _checked(_positive, 64)
@@ -311,109 +421,141 @@ class BSTConfig(PreTrainedConfig):
     use_cache: bool = True
     tie_word_embeddings: bool = True
     num_s4_head_layers: int = _checked(_non_negative, 0)
-    gss_layer_indices: list[int] | tuple[int, ...] | None = _checked(_layer_indices, None)
     gss_expansion: int = _checked(_positive, 3)
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
 
     def __post_init__(self, **kwargs):
-        """Resolve ``layer_types`` and the index fields into one assignment, then the base class's handling of the
-        remaining keyword arguments (``num_labels``, ``dtype``, unknown keys kept as attributes)."""
-        given = {kind: getattr(self, field) for kind, field in LAYER_INDEX_FIELDS.items()}
+        """Convert the index fields (keyword arguments, keys of config.json) to ``layer_types``, then the base
+        class's handling of the remaining keyword arguments (``num_labels``, ``dtype``, unknown keys kept as
+        attributes)."""
+        given = {
+            kind: kwargs.pop(field) for kind, field in LAYER_INDEX_FIELDS.items() if kwargs.get(field) is not None
+        }
+        for field in LAYER_INDEX_FIELDS.values():
+            kwargs.pop(field, None)  # None: the default
+        n = self.num_hidden_layers
         if self.layer_types is not None:
-            if len(self.layer_types) != self.num_hidden_layers:
+            if len(self.layer_types) != n:
                 raise BSTConfigError(
-                    f"BSTConfig.layer_types must have num_hidden_layers={self.num_hidden_layers} entries, got "
-                    f"{len(self.layer_types)}: {list(self.layer_types)}."
+                    f"BSTConfig.layer_types must have num_hidden_layers={n} entries, got {len(self.layer_types)}: "
+                    f"{list(self.layer_types)}."
                 )
-            indices = self._indices_from_types(self.layer_types)
-            for kind, field in LAYER_INDEX_FIELDS.items():
-                if given[kind] is not None and sorted(given[kind]) != indices[kind]:
-                    raise BSTConfigError(
-                        f"BSTConfig: {field}={list(given[kind])} disagrees with layer_types="
-                        f"{list(self.layer_types)}; give one of them."
-                    )
-                setattr(self, field, indices[kind])
+            _check_agreement(self.layer_types, given, n)
+            self.layer_types = list(self.layer_types)
         else:
-            for kind, field in LAYER_INDEX_FIELDS.items():
-                if given[kind] is None:
-                    setattr(self, field, list(DEFAULT_BST_LAYER_INDICES) if kind == "bst" else [])
-            # None while the index fields are invalid (out of range, overlapping): ``validate_bst`` names the field.
-            self.layer_types = self._types_from_indices()
+            given.setdefault("bst", list(DEFAULT_BST_LAYER_INDICES))
+            indices = {  # in LAYER_INDEX_FIELDS order, so that an overlap names the fields in that order
+                kind: _checked_indices(field, given[kind], n)
+                for kind, field in LAYER_INDEX_FIELDS.items()
+                if kind in given
+            }
+            self.layer_types = _assign_indices(["block"] * n, indices)
         if self.logit_scale is None:
             # One number for every reader of the config (a config.json written before stored null: the same value).
             self.logit_scale = _default_logit_scale(self.vocab_size)
-        super().__post_init__(**kwargs)
+        super().__post_init__(**kwargs)  # sets ``_post_init_done``: assignments from here on are checked as changes
         # Entries already present (a loaded config.json; on the Hub "org/name--module.Class") are kept.
         self.auto_map = {**AUTO_MAP, **(getattr(self, "auto_map", None) or {})}
-        # From here on, setting ``layer_types`` or an index field updates the other view (``__setattr__``).
-        self.__dict__["_layer_views_ready"] = True
 
-    # -- layer types: ``layer_types`` and the index fields stay two views of one assignment ---------------------------
-    @staticmethod
-    def _indices_from_types(layer_types) -> dict:
-        return {kind: [i for i, t in enumerate(layer_types) if t == kind] for kind in LAYER_INDEX_FIELDS}
+    # -- layer types: ``layer_types`` is the record, the index fields are views of it -------------------------------
+    bst_layer_indices = _index_view("bst")
+    recurrent_layer_indices = _index_view("recurrent")
+    gss_layer_indices = _index_view("gss")
 
-    def _types_from_indices(self):
-        """``layer_types`` from the index fields; None while they are invalid (``validate_bst`` names the field)."""
-        types = ["block"] * self.num_hidden_layers
-        for kind, field in LAYER_INDEX_FIELDS.items():
-            for i in getattr(self, field) or ():
-                if not 0 <= i < len(types) or types[i] != "block":
-                    return None
-                types[i] = kind
-        return types
+    def update_layers(self, **fields):
+        """Set any of ``num_hidden_layers``, ``layer_types`` and the index fields as one change; nothing changes
+        if it raises.
+
+        With ``layer_types``: it must have ``num_hidden_layers`` entries, and index fields given with it must agree
+        with it (as at construction). Without: each given index field's type is cleared (its layers become
+        ``"block"``), the layers are cut or extended (with ``"block"``) to ``num_hidden_layers``, then the listed
+        layers get their field's type. A listed layer of another non-block type, or a non-block layer cut off by a
+        smaller ``num_hidden_layers``, raises a [`BSTConfigError`] naming the fields. So
+        ``update_layers(num_hidden_layers=4, bst_layer_indices=[0, 2])`` works on a 12-layer ``[0, 7, 9]`` config,
+        in either order of the keywords, where assigning the fields one by one would stop at the first."""
+        unknown = sorted(set(fields) - set(LAYER_FIELDS))
+        if unknown:
+            raise TypeError(f"BSTConfig.update_layers takes {', '.join(LAYER_FIELDS)}; got {', '.join(unknown)}.")
+        n = fields.get("num_hidden_layers", self.num_hidden_layers)
+        if "num_hidden_layers" in fields:
+            self._check_field("num_hidden_layers", n)
+        given = {kind: fields[field] for kind, field in LAYER_INDEX_FIELDS.items() if field in fields}
+        if "layer_types" in fields:
+            types = fields["layer_types"]
+            if types is None:
+                raise BSTConfigError(
+                    "BSTConfig.layer_types must be a list of layer types (None selects the index fields only when "
+                    "the config is made)."
+                )
+            self._check_field("layer_types", types)
+            types = list(types)
+            if len(types) != n:
+                raise BSTConfigError(
+                    f"BSTConfig.layer_types must have num_hidden_layers={n} entries, got {len(types)}: {types}."
+                )
+            _check_agreement(types, given, n)
+        else:
+            indices = {kind: _checked_indices(LAYER_INDEX_FIELDS[kind], value, n) for kind, value in given.items()}
+            kept = ["block" if t in indices else t for t in self.layer_types]
+            cut = {i: t for i, t in enumerate(kept[n:], start=n) if t != "block"}
+            if cut:
+                fields_cut = sorted({LAYER_INDEX_FIELDS[t] for t in cut.values()})
+                raise BSTConfigError(
+                    f"BSTConfig.num_hidden_layers={n} would drop layers {sorted(cut)} of types "
+                    f"{sorted(set(cut.values()))} ({', '.join(fields_cut)}); set layer_types (or those fields) in the "
+                    "same change: config.update_layers(num_hidden_layers=..., layer_types=[...]), one "
+                    "from_pretrained(...) or one --model_overrides."
+                )
+            types = _assign_indices(kept[:n] + ["block"] * (n - len(kept)), indices)
+        if "num_hidden_layers" in fields:
+            PreTrainedConfig.__setattr__(self, "num_hidden_layers", n)
+        PreTrainedConfig.__setattr__(self, "layer_types", types)
 
     def __setattr__(self, name, value):
         # Runs after ``@strict`` has checked the value against the field's annotation and validators.
-        if name == "layer_types" or name in LAYER_INDEX_FIELDS.values():
-            if isinstance(value, tuple):
+        if not self.__dict__.get("_post_init_done"):  # in __init__: __post_init__ converts the index fields
+            if name == "layer_types" and isinstance(value, tuple):
                 value = list(value)
-            if value is None and name != "layer_types" and self.__dict__.get("_layer_views_ready"):
-                raise BSTConfigError(
-                    f"BSTConfig.{name} must be a list of layer indices (None selects the default only when the "
-                    "config is made); use [] for no such layers."
-                )
-        if not self.__dict__.get("_layer_views_ready"):  # still in __init__: __post_init__ reconciles the views
             super().__setattr__(name, value)
             return
-        if name == "layer_types":
-            if value is None:  # as at construction: the types follow the index fields
-                value = self._types_from_indices()
-            elif len(value) != self.num_hidden_layers:
-                raise BSTConfigError(
-                    f"BSTConfig.layer_types must have num_hidden_layers={self.num_hidden_layers} entries, got "
-                    f"{len(value)}: {value}."
-                )
-            super().__setattr__(name, value)
-            if value is not None:
-                for kind, indices in self._indices_from_types(value).items():
-                    super().__setattr__(LAYER_INDEX_FIELDS[kind], indices)
+        if name in ("num_hidden_layers", "layer_types"):  # the index fields' setters call update_layers too
+            self.update_layers(**{name: value})
             return
         if name == "vocab_size" and self.logit_scale == _default_logit_scale(self.vocab_size):
             # The default scale follows the vocabulary (a preset given the tokenizer's size); a model's
             # ``resize_token_embeddings`` keeps its trained scale instead (``BSTPreTrainedModel``).
             super().__setattr__("logit_scale", _default_logit_scale(value))
         super().__setattr__(name, value)
-        if name in LAYER_INDEX_FIELDS.values() or name == "num_hidden_layers":
-            super().__setattr__("layer_types", self._types_from_indices())
+
+    def update(self, config_dict):
+        """transformers' ``update``, with the layer fields of ``config_dict`` set as one change (``update_layers``)."""
+        layers = {key: value for key, value in config_dict.items() if key in LAYER_FIELDS}
+        super().update({key: value for key, value in config_dict.items() if key not in layers})
+        if layers:
+            self.update_layers(**layers)
 
     def to_dict(self):
-        """As transformers writes it, without ``layer_types``: config.json keeps the index fields (every reader of
-        ``config.json``, transformers' own ``PreTrainedConfig`` included, accepts them; its ``validate_layer_type``
-        rejects BST's layer types), and ``layer_types`` is rebuilt from them on load."""
+        """As transformers writes it, with the index fields in place of ``layer_types`` (all three, always; see the
+        class docstring for why config.json does not store ``layer_types``). Loading converts them back."""
         output = super().to_dict()
-        output.pop("layer_types", None)
-        output.pop("_layer_views_ready", None)
+        types = output.pop("layer_types", None)
+        for kind, field in LAYER_INDEX_FIELDS.items():
+            output[field] = _indices_of(types, kind)
         return output
 
     @classmethod
     def from_dict(cls, config_dict, **kwargs):
-        """transformers' ``from_dict`` (also behind ``from_pretrained``), then ``validate()``: keyword overrides
-        such as ``from_pretrained(path, bst_layer_indices=[7])`` are set after construction and checked here."""
+        """transformers' ``from_dict`` (also behind ``from_pretrained``), then ``validate()``. Keyword overrides are
+        set after construction and checked here; the layer fields among them (``from_pretrained(path,
+        num_hidden_layers=4, bst_layer_indices=[0, 2])``) as one change, by ``update_layers``."""
+        layers = {key: kwargs.pop(key) for key in LAYER_FIELDS if key in kwargs}
         result = super().from_dict(config_dict, **kwargs)
-        (result[0] if isinstance(result, tuple) else result).validate()
+        config = result[0] if isinstance(result, tuple) else result
+        if layers:
+            config.update_layers(**layers)
+        config.validate()
         return result
 
     # Derived values. Properties, so they never go stale and are not written into config.json.
@@ -484,21 +626,6 @@ class BSTConfig(PreTrainedConfig):
                 "BSTConfig.mf_independent_filters=True needs context_mode='mf' and ssm_kind='s4' (unstruct filters "
                 f"are independent already), got context_mode={self.context_mode!r}, ssm_kind={self.ssm_kind!r}."
             )
-        for name in LAYER_INDEX_FIELDS.values():
-            bad = [i for i in getattr(self, name) if not 0 <= i < self.num_hidden_layers]
-            if bad:
-                raise ValueError(
-                    f"BSTConfig.{name} entries must be in [0, num_hidden_layers={self.num_hidden_layers}), "
-                    f"got out-of-range {bad}."
-                )
-        names = list(LAYER_INDEX_FIELDS.values())
-        for i, first in enumerate(names):
-            for second in names[i + 1 :]:
-                overlap = sorted(set(getattr(self, first)) & set(getattr(self, second)))
-                if overlap:
-                    raise ValueError(
-                        f"BSTConfig: layers {overlap} are in both {first} and {second}; a layer has one kind."
-                    )
         self.validate_layer_type()
         if self.bidirectional and self.recurrent_layer_indices:
             raise ValueError(
@@ -506,4 +633,4 @@ class BSTConfig(PreTrainedConfig):
             )
 
 
-__all__ = ["AUTO_MAP", "BSTConfig", "BSTConfigError", "LAYER_TYPES"]
+__all__ = ["AUTO_MAP", "BSTConfig", "BSTConfigError", "LAYER_INDEX_FIELDS", "LAYER_TYPES"]

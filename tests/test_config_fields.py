@@ -22,7 +22,8 @@ from training import train as T
 TINY_TRAIN_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "train" / "tiny.yaml")
 
 # The keyword arguments of BSTConfig.__init__ before the dataclass conversion, with their defaults (None for the
-# index fields means "from the other view, else the default": [0, 7, 9] for bst_layer_indices, [] for the others).
+# index fields means "from layer_types, else the default": [0, 7, 9] for bst_layer_indices, [] for the others). The
+# index fields are keyword arguments still, but no longer fields: read-only views of layer_types (issue #33 item 5).
 EARLIER_INIT_DEFAULTS = dict(
     vocab_size=32000,
     hidden_size=1024,
@@ -46,7 +47,7 @@ EARLIER_INIT_DEFAULTS = dict(
     ssm_init="lin",
     ssm_dt_min=0.001,
     ssm_dt_max=0.1,
-    ssm_lr=0.001,
+    ssm_lr=None,  # 1e-3 until issue #33 item 7b: the paper trains all layers at one learning rate
     ssm_input="normed",
     unstruct_emb_dim=33,
     unstruct_order=64,
@@ -89,9 +90,9 @@ BOOKKEEPING = {
     "_name_or_path",
     "_output_attentions",
     "_post_init_done",
-    "_layer_views_ready",
     "auto_map",
 }
+INDEX_FIELDS = {"bst_layer_indices", "recurrent_layer_indices", "gss_layer_indices"}
 
 
 def _types_in(annotation):
@@ -103,7 +104,10 @@ def _types_in(annotation):
 
 def test_every_field_is_annotated_and_defaulted_as_before():
     own = {f.name: f for f in fields(BSTConfig) if f.name not in {g.name for g in fields(PreTrainedConfig)}}
-    assert set(own) == set(EARLIER_INIT_DEFAULTS)
+    assert set(own) == set(EARLIER_INIT_DEFAULTS) - INDEX_FIELDS
+    for name in INDEX_FIELDS:  # keyword arguments (None: the default) and read-only views of layer_types
+        assert isinstance(getattr(BSTConfig, name), property), name
+        assert BSTConfig(**{name: None}) == BSTConfig(), name
     for name, f in own.items():
         # a real annotation (a type, not a string that @strict would skip) and a default, the earlier one
         assert not isinstance(f.type, str), name
@@ -111,9 +115,9 @@ def test_every_field_is_annotated_and_defaulted_as_before():
         assert f.kw_only, name
     # Floats accept ints (JSON and YAML write 0 for 0.0), as transformers' own configs do (``int | float``).
     for name, value in EARLIER_INIT_DEFAULTS.items():
-        if isinstance(value, float):
+        if isinstance(value, float) and name not in INDEX_FIELDS:
             assert {float, int} <= set(_types_in(own[name].type)), name
-    # No attribute is set outside the annotated fields but transformers' and the layer views' bookkeeping.
+    # No attribute is set outside the annotated fields but transformers' bookkeeping (no copy of the index fields).
     config = BSTConfig()
     assert set(config.__dict__) - {f.name for f in fields(BSTConfig)} == BOOKKEEPING
     assert (config.bst_layer_indices, config.recurrent_layer_indices, config.gss_layer_indices) == ([0, 7, 9], [], [])
@@ -190,7 +194,7 @@ def test_ints_are_accepted_where_floats_are_and_json_round_trips(tmp_path):
     assert config.dropout == 0 and config.ssm_lr == 1
     config.save_pretrained(tmp_path)
     data = json.loads((tmp_path / "config.json").read_text())
-    assert "layer_types" not in data and "_layer_views_ready" not in data
+    assert "layer_types" not in data and data["bst_layer_indices"] == [0, 2]
     loaded = BSTConfig.from_pretrained(tmp_path)
     assert loaded.to_dict() == config.to_dict()
     assert loaded.layer_types == config.layer_types == ["bst", "block", "bst"]
@@ -203,9 +207,17 @@ def test_tuples_are_stored_as_lists_and_none_is_only_a_construction_default():
     assert config.bst_layer_indices == [0, 2] and config.layer_types == ["bst", "recurrent", "bst"]
     config.layer_types = ("block", "gss", "bst")
     assert config.layer_types == ["block", "gss", "bst"] and config.gss_layer_indices == [1]
+    assert tiny_config(layer_types=("bst", "block", "bst"), bst_layer_indices=None).layer_types == [
+        "bst",
+        "block",
+        "bst",
+    ]
+    config.bst_layer_indices = (0, 2)
+    assert config.layer_types == ["bst", "gss", "bst"]
     with _raises_naming("BSTConfig.gss_layer_indices must be a list of layer indices"):
         config.gss_layer_indices = None
-    config.layer_types = None  # the types follow the index fields, as at construction
-    assert config.layer_types == ["block", "gss", "bst"]
+    with _raises_naming("BSTConfig.layer_types must be a list of layer types"):
+        config.layer_types = None  # None selects the index fields only when the config is made
     with _raises_naming("BSTConfig.layer_types must have num_hidden_layers=3 entries"):
         config.layer_types = ["bst"]
+    assert config.layer_types == ["bst", "gss", "bst"]

@@ -15,6 +15,7 @@ from modeling_bst import BSTForSequenceClassification
 from training import listops
 from training import train as T
 from training.listops import PaddingCollator
+from training.optim import parameter_groups
 
 
 TINY_RECIPE = "configs/train/listops-tiny.yaml"
@@ -196,6 +197,9 @@ def test_recipe_optimizer_groups_and_schedule(tmp_path):
     lr = [2e-3 * lambdas(step) for step in range(100)]
     assert lr[0] == pytest.approx(1e-7) and lr[9] == pytest.approx(2e-3) and lr[-1] == pytest.approx(1e-7)
     assert all(a < b for a, b in zip(lr[:9], lr[1:10])) and all(a >= b for a, b in zip(lr[10:], lr[11:]))
+    # No ssm_lr anywhere (config.ssm_lr's default is None): the SSM parameters train at the main learning rate.
+    groups = {g["name"]: g for g in parameter_groups(model, 2e-3, 0.05, None)}
+    assert groups["ssm"]["lr"] == 2e-3 and groups["ssm"]["weight_decay"] == 0.0
 
 
 _TINY_MODEL = {

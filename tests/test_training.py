@@ -14,6 +14,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from modeling_bst import BSTForCausalLM
 from training import data as D
 from training import evaluate as E
 from training import train as T
@@ -124,6 +125,13 @@ def test_paper_recipes_follow_the_paper():
         assert data_args.dataset == kind
         if "trsf-xl" in path or "brect" in path:
             assert data_args.stream_segments
+        # "the same learning rate for all layers" (Sec. 4.1): the SSM parameters follow --learning_rate
+        assert model_args.ssm_lr is None and config.ssm_lr is None, path
+        small = {**TINY_MODEL, "vocab_size": 64, "layer_types": ["bst", "block"]}
+        del small["bst_layer_indices"]
+        model = BSTForCausalLM(T.apply_model_overrides(config, small))
+        groups = parameter_groups(model, train_args.learning_rate, train_args.weight_decay, config.ssm_lr)
+        assert {g["lr"] for g in groups} == {train_args.learning_rate}, path
 
 
 def test_command_line_overrides_win(tmp_path):

@@ -115,7 +115,9 @@ class ModelArguments:
     )
     tokenizer_vocab_size: int = field(default=8192, metadata={"help": "vocabulary size when tokenizer == 'bpe'"})
     tokenizer_train_docs: int | None = field(default=None, metadata={"help": "train the BPE on the first N docs"})
-    ssm_lr: float | None = field(default=None, metadata={"help": "lr of SSM parameters (default: config.ssm_lr)"})
+    ssm_lr: float | None = field(
+        default=None, metadata={"help": "lr of SSM parameters (default: config.ssm_lr; None there: the lr)"}
+    )
     ssm_weight_decay: float = field(default=0.0, metadata={"help": "weight decay of SSM parameters"})
 
 
@@ -304,9 +306,15 @@ def apply_model_overrides(config, overrides: dict, source: str = "--model_overri
         if accepted and not (isinstance(value, accepted) and (bool in accepted or not isinstance(value, bool))):
             names = " or ".join("null" if t is type(None) else t.__name__ for t in accepted)
             raise ValueError(f"{source}: {type(config).__name__}.{name} must be {names}, got {value!r}")
+    # The layer fields (num_hidden_layers, layer_types, the index fields) go in as one change, in any order
+    # (BSTConfig.update_layers): {"num_hidden_layers": 4, "bst_layer_indices": [0, 2]} on a 12-layer preset.
+    layers = {name: value for name, value in overrides.items() if name in getattr(config, "layer_fields", ())}
     try:
         for name, value in overrides.items():
-            setattr(config, name, value)  # a strict config checks each field's own range here
+            if name not in layers:
+                setattr(config, name, value)  # a strict config checks each field's own range here
+        if layers:
+            config.update_layers(**layers)
         if hasattr(config, "validate_bst"):
             config.validate_bst()
         config.validate()
