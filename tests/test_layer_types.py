@@ -191,7 +191,7 @@ def test_round_trip_through_every_serialisation(tmp_path):
 def _earlier_config_json(tmp_path, **layer_fields):
     """A config.json as versions before ``layer_types`` (issue #12) wrote it: the index fields only (the oldest
     without ``gss_layer_indices``), none of the fields added since."""
-    data = json.loads((FIXTURES / "brect" / "config.json").read_text())
+    data = json.loads((FIXTURES / "layout1" / "brect" / "config.json").read_text())
     for field in ("gss_layer_indices", "gss_expansion", "num_s4_head_layers", "layer_types"):
         data.pop(field, None)
     data.update(layer_fields)
@@ -222,13 +222,13 @@ def test_a_checkpoint_with_an_earlier_config_json_gives_identical_logits(name, t
     """The committed fixtures' weights under a config.json of the earliest layout (index fields only)."""
     folder = tmp_path / name
     folder.mkdir()
-    data = json.loads((FIXTURES / name / "config.json").read_text())
+    data = json.loads((FIXTURES / "layout3" / name / "config.json").read_text())
     if not data["gss_layer_indices"]:
         del data["gss_layer_indices"]
     (folder / "config.json").write_text(json.dumps(data))
-    (folder / "model.safetensors").symlink_to(FIXTURES / name / "model.safetensors")
+    (folder / "model.safetensors").symlink_to(FIXTURES / "layout3" / name / "model.safetensors")
     model = BSTForCausalLM.from_pretrained(folder).eval()
-    expected = load_file(str(FIXTURES / name / "expected.safetensors"))
+    expected = load_file(str(FIXTURES / "layout3" / name / "expected.safetensors"))
     with torch.no_grad():
         logits = model.double()(expected["input_ids"]).logits
     torch.testing.assert_close(logits, expected["logits"], atol=1e-12, rtol=1e-12)
