@@ -400,9 +400,10 @@ def segmented_models(variant, chunk=4):
         for m in model.modules():
             if isinstance(m, S4DKernel):
                 m.chunk_len = chunk
-            if isinstance(m, TokenContextStates):
-                m.segment_len = seg
-                assert m.use_segments() == bool(seg)
+        for layer in model.model.layers:
+            if isinstance(getattr(layer, "context", None), TokenContextStates):
+                layer.context.segment_len = seg
+                assert layer.context.use_segments(layer.ssm) == bool(seg)
         models.append(model)
     return models
 
