@@ -1,7 +1,7 @@
 """Optimizer parameter groups for BST language models (the paper: Adam; S4 practice for the SSM parameters).
 
 The one home of the groups: the language-model Trainer (``training/train.py``), the LRA trainer
-(``training/train_lra.py``) and the experiments (``experiments/mqar.py``, ``experiments/long_range_recall.py``) all
+(``training/train_lra.py``) and the experiments (``research/mqar.py``, ``research/long_range_recall.py``) all
 build them with :func:`parameter_groups`.
 
 Three groups: weights with weight decay; one-dimensional parameters (biases, norm scales, per-head scales) and

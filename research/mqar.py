@@ -57,15 +57,15 @@ accuracy as an uninterrupted run: ``tests/test_mqar.py``) and deletes the checkp
 256: ~2.3 s per step on a loaded Intel Xeon core, ~4 h per run) has its checkpoint committed when it stops (0.9-1.8
 MB; a safetensors file of tensors only, nothing unpickled), so that a fresh clone continues it with the same
 command; the commit that adds the run's JSON deletes it. One run per (model, length, pairs, budget, seed) writes
-``docs/results/mqar/<model>-L<length>-N<pairs>-<steps>x<batch>-s<seed>.json`` with the command, git commit and a
+``research/results/mqar/<model>-L<length>-N<pairs>-<steps>x<batch>-s<seed>.json`` with the command, git commit and a
 SHA-256 of the final weights. Runs whose JSON exists are skipped, so the same command resumes or extends a grid::
 
-    python -m experiments.mqar                               # --grid first: L = 256, N = 8, every model, then the report
-    python -m experiments.mqar --grid sweep                  # lengths 256-2048 at N = 8 and N = 4-32 at L = 256
-    python -m experiments.mqar --models attention slide bst-sh-s4 --deadline-minutes 170   # part of a grid per sitting
-    python -m experiments.mqar --report-only                 # tables + plot into docs/results.md (``mqar``)
-    python -m experiments.mqar --models bst-sh-unstruct --set unstruct_sin_freq=1   # an ablation: its own row
-    python -m experiments.mqar --models bst-sh-s4 --lengths 2048 --curriculum 256 1500   # short sequences first
+    python -m research.mqar                               # --grid first: L = 256, N = 8, every model, then the report
+    python -m research.mqar --grid sweep                  # lengths 256-2048 at N = 8 and N = 4-32 at L = 256
+    python -m research.mqar --models attention slide bst-sh-s4 --deadline-minutes 170   # part of a grid per sitting
+    python -m research.mqar --report-only                 # tables + plot into docs/results.md (``mqar``)
+    python -m research.mqar --models bst-sh-unstruct --set unstruct_sin_freq=1   # an ablation: its own row
+    python -m research.mqar --models bst-sh-s4 --lengths 2048 --curriculum 256 1500   # short sequences first
 
 ``--curriculum LENGTH STEPS`` trains the first STEPS steps on sequences of LENGTH (the same pairs and gap, so the
 queries lie closer to their pairs) and the rest at the run's length; like an ablation, it is a run, a name
@@ -81,12 +81,12 @@ are refused, as are fields BSTConfig does not have and HF Mamba (whose config is
 Records name their machine (``settings.device`` and ``device_name``: the GPU's name on CUDA). Run names do not say
 the machine or the number of keys, so another protocol keeps its records in its own folder and its report in its own
 section: ``--section NAME`` writes the report into section NAME of ``--docs`` (default docs/results.md) and the plot
-to ``results/NAME.png`` beside it. The accelerator protocol, ``bash experiments/gpu_quality.sh --mqar``, runs the ``gpu``
+to ``results/NAME.png`` beside it. The accelerator protocol, ``bash research/gpu_quality.sh --mqar``, runs the ``gpu``
 grid (lengths 256-2048 at N = 8, N = 4-64 at L = 512, 64 keys and 64 values, every model) on one GPU into
-``docs/results/mqar_gpu/`` and section ``mqar_gpu``::
+``research/results/mqar_gpu/`` and section ``mqar_gpu``::
 
-    python -m experiments.mqar --grid gpu --num-keys 64 --num-values 64 --device cuda \\
-        --output docs/results/mqar_gpu --section mqar_gpu      # what gpu_quality.sh --mqar runs
+    python -m research.mqar --grid gpu --num-keys 64 --num-values 64 --device cuda \\
+        --output research/results/mqar_gpu --section mqar_gpu      # what gpu_quality.sh --mqar runs
 """
 
 from __future__ import annotations
@@ -105,17 +105,19 @@ from pathlib import Path
 
 import torch
 
+from research import common
 from training import optim
 
 
-ROOT = Path(__file__).resolve().parent.parent
-DOCS = ROOT / "docs" / "results.md"
-# The CPU protocol's records, docs/results.md section and plot (docs/results/<section>.png); the accelerator
-# protocol's (`bash experiments/gpu_quality.sh --mqar`) have their own: run names do not say num_keys or the machine.
+ROOT = common.ROOT
+DOCS = common.DOCS
+# The CPU protocol's records (research/results/<section>/), docs/results.md section and plot
+# (docs/results/<section>.png); the accelerator protocol's (`bash research/gpu_quality.sh --mqar`) have their own:
+# run names do not say num_keys or the machine.
 SECTION, GPU_SECTION = "mqar", "mqar_gpu"
-RESULTS = ROOT / "docs" / "results" / SECTION
-GPU_RESULTS = ROOT / "docs" / "results" / GPU_SECTION
-PNG = ROOT / "docs" / "results" / f"{SECTION}.png"
+RESULTS = common.RESULTS / SECTION
+GPU_RESULTS = common.RESULTS / GPU_SECTION
+PNG = common.PLOTS / f"{SECTION}.png"
 PRESETS = ROOT / "configs" / "models"
 
 FILLER = 0
@@ -671,7 +673,7 @@ def budget_of(record: dict) -> str:
 
 def git_commit() -> str | None:
     """HEAD, or ``$BST_SOURCE_COMMIT`` where it is set (a tree copied to an accelerator machine may carry stale or
-    no git metadata; experiments/lm_long.py does the same)."""
+    no git metadata; research/lm_long.py does the same)."""
     if os.environ.get("BST_SOURCE_COMMIT"):
         return os.environ["BST_SOURCE_COMMIT"]
     try:
@@ -681,7 +683,7 @@ def git_commit() -> str | None:
         return None
 
 
-def uncommitted(paths=("modeling_bst", "experiments/mqar.py")) -> list[str]:
+def uncommitted(paths=("modeling_bst", "research/mqar.py")) -> list[str]:
     """Files under ``paths`` that differ from the recorded commit (the run used the working tree)."""
     try:
         out = subprocess.run(
@@ -865,7 +867,7 @@ def _budget_table(mine: list[dict], budget: str, at_length: int, at_pairs: int) 
 
 
 def _folder(path: Path) -> str:
-    """``path`` as the report names it: relative to the repository when inside it (``docs/results/mqar/``)."""
+    """``path`` as the report names it: relative to the repository when inside it (``research/results/mqar/``)."""
     path = Path(path).resolve()
     return (path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.as_posix()) + "/"
 
@@ -901,12 +903,12 @@ def _mamba_scan(records: list[dict]) -> str:
 def _how_to_extend(records: list[dict], section: str) -> list[str]:
     if section == SECTION:
         how = [
-            "at `--deadline-minutes` continues exactly from its checkpoint): `python -m experiments.mqar` runs the",
+            "at `--deadline-minutes` continues exactly from its checkpoint): `python -m research.mqar` runs the",
             "first cell (L = 256, N = 8) for every model, `--grid sweep` the lengths and pair counts around it.",
         ]
     else:
         if section == GPU_SECTION:
-            command = "`bash experiments/gpu_quality.sh --mqar` runs the whole grid on one GPU"
+            command = "`bash research/gpu_quality.sh --mqar` runs the whole grid on one GPU"
         else:
             commands = [r["command"] for r in records if r.get("command")]
             command = f"`{max(commands, key=commands.count)}` wrote most of these runs" if commands else "-"
@@ -971,7 +973,7 @@ def report(
     check_section(section)
     records = load_results(results_dir)
     if not records:
-        raise SystemExit(f"no results under {results_dir}; run `python -m experiments.mqar` first")
+        raise SystemExit(f"no results under {results_dir}; run `python -m research.mqar` first")
     tables = []
     for budget in _budgets(records):
         mine = [r for r in records if budget_of(r) == budget]
@@ -994,8 +996,8 @@ def report(
     text = "\n".join(
         [
             "Multi-query associative recall (MQAR, after Zoology) with every query beyond the attention window of",
-            "its pair (`python -m experiments.mqar`; format, scoring, defaults and their reasons in",
-            "`experiments/mqar.py`, one JSON per run with its command, commit and weights digest in",
+            "its pair (`python -m research.mqar`; format, scoring, defaults and their reasons in",
+            "`research/mqar.py`, one JSON per run with its command, commit and weights digest in",
             f"`{_folder(results_dir)}`). A sequence is N key-value pairs, a gap of filler as long as the Slide stack's",
             "receptive field (layers x W), then the N keys queried once each in random order at random positions;",
             "only the value after each queried key is scored. Models: the tiny presets (their layer layout scaled to",
@@ -1021,7 +1023,7 @@ def report(
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags that shape a model as ``build_config`` builds it (shared with ``experiments.filter_shape``)."""
+    """The flags that shape a model as ``build_config`` builds it (shared with ``research.filter_shape``)."""
     p.add_argument("--hidden", type=int, default=HIDDEN)
     p.add_argument("--layers", type=int, default=LAYERS)
     p.add_argument("--block-len", type=int, default=BLOCK_LEN, help="W of every model but the reference (W = L)")
@@ -1179,7 +1181,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{len(todo)} runs to do" + (f", {args.jobs} at a time" if args.jobs > 1 else ""), flush=True)
         started = time.time()
         deadline = None if args.deadline_minutes is None else started + 60 * args.deadline_minutes
-        command = "python -m experiments.mqar " + " ".join(sys.argv[1:] if argv is None else argv)
+        command = "python -m research.mqar " + " ".join(sys.argv[1:] if argv is None else argv)
         common = dict(
             steps=args.steps, batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
             hidden=args.hidden, layers=args.layers, block_len=args.block_len, gap=args.gap, num_keys=args.num_keys,

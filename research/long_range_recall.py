@@ -1,7 +1,7 @@
 """Long-range recall: a key at the start of a sequence must be recalled at its end, more than 2W tokens later.
 
 Block attention sees at most the W previous tokens (two blocks), so a Slide model cannot solve it; a BST layer's
-SSM carries the key to the end through the context states. Run ``python -m experiments.long_range_recall`` for a
+SSM carries the key to the end through the context states. Run ``python -m research.long_range_recall`` for a
 table over distances; ``tests/test_recall.py`` runs one small case.
 """
 
@@ -74,7 +74,7 @@ def main():
     parser.add_argument("--block-len", type=int, default=8)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seeds", type=int, default=2)
-    parser.add_argument("--output", default="docs/results/long_range_recall.json")
+    parser.add_argument("--output", default="research/results/long_range_recall.json")
     args = parser.parse_args()
     rows = []
     print(f"{'length':>6} {'distance/2W':>11} {'model':>6} {'seed':>4} {'accuracy':>8} {'seconds':>7}")
