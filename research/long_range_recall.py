@@ -13,7 +13,7 @@ import torch
 
 import modeling_bst  # noqa: F401
 from modeling_bst import BSTConfig, BSTForCausalLM
-from training.optim import parameter_groups
+from training.optim import decay_everything, parameter_groups
 
 
 NUM_KEYS, NUM_FILLERS = 8, 8
@@ -52,7 +52,7 @@ def train_and_eval(bst: bool, length: int = 48, block_len: int = 8, steps: int =
     )
     model = BSTForCausalLM(config)
     # SSM parameters without weight decay, everything else (1-D parameters included) with AdamW's default 0.01; one lr
-    groups = parameter_groups(model, lr, 0.01, ssm_lr=lr, no_decay=lambda name, p: False)
+    groups = parameter_groups(model, lr, 0.01, ssm_lr=lr, no_decay=decay_everything)
     optimizer = torch.optim.AdamW(groups, lr=lr)
     generator = torch.Generator().manual_seed(seed)
     for _ in range(steps):

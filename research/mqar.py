@@ -357,22 +357,6 @@ def build_model(config: dict, model: str):
     return BSTForCausalLM(BSTConfig(**cfg))
 
 
-def parameter_groups(model, lr: float, weight_decay: float) -> list[dict]:
-    """AdamW groups (``training.optim.parameter_groups``): SSM parameters (BST's ``ssm_parameter_names``; Mamba's
-    A_log, D, dt bias as in its paper) at ``ssm_lr`` without weight decay; biases, norms and embeddings without
-    weight decay; the rest with it. Checkpoints index the AdamW state in this order: keep it."""
-    if hasattr(model, "ssm_parameter_names"):
-        ssm, ssm_lr = None, getattr(model.config, "ssm_lr", lr)
-    else:
-        ssm = {n for n, _ in model.named_parameters() if n.endswith(("A_log", ".D", "dt_proj.bias"))}
-        ssm_lr = lr
-
-    def no_decay(name: str, p: torch.Tensor) -> bool:
-        return p.ndim < 2 or "norm" in name or "embed" in name
-
-    return optim.parameter_groups(model, lr, weight_decay, ssm_lr, ssm_names=ssm, no_decay=no_decay)
-
-
 def layout(config: dict, model: str) -> str:
     """A run's layer layout, one letter per layer: A (block) attention, B BST, R BRecT, G GSS, M Mamba."""
     if MODELS[model][1] is None:
@@ -552,7 +536,12 @@ def train_and_eval(
     config = build_config(model, hidden, layers, block_len, length, vocab, overrides=overrides)
     net = build_model(config, model).to(device)
     net.train()
-    optimizer = torch.optim.AdamW(parameter_groups(net, lr, weight_decay), betas=(0.9, 0.98))
+    # SSM parameters (BST's ssm_parameter_names, HF Mamba's A_log, D, dt bias) at the config's ssm_lr without weight
+    # decay; biases, norms and embeddings without weight decay (checkpoints index the AdamW state in this order)
+    groups = optim.parameter_groups(
+        net, lr, weight_decay, getattr(net.config, "ssm_lr", None), no_decay=optim.norms_and_embeddings
+    )
+    optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.98))
     base = [g["lr"] for g in optimizer.param_groups]
 
     def schedule(step: int) -> float:
