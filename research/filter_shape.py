@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     mqar.add_model_arguments(p)
     p.add_argument("--from-lag", type=int, default=None, help="first lag looked at (default: layers x W)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint", type=Path, default=None, help="an research.mqar run checkpoint (one model)")
+    p.add_argument("--checkpoint", type=Path, default=None, help="a research.mqar run checkpoint (one model)")
     p.add_argument("--pairs", type=int, default=8, help="key-value pairs of the gradient batch")
     p.add_argument("--batch-size", type=int, default=mqar.BATCH, help="sequences of the gradient batch")
     args = p.parse_args(argv)

@@ -5,7 +5,9 @@ MQAR (the "Zoology" study of attention vs gated convolutions / SSMs) asks a mode
 seen earlier in the sequence. Here every query lies beyond the receptive field of the Slide stack from its pair, so
 block attention alone cannot solve it; the SSM / recurrent / GSS paths must carry the pairs.
 
-Sequence format (``make_batch``; length L, N pairs, gap G; vocabulary ``[FILLER, keys..., values...]``)::
+Sequence format (``training.tasks.mqar``: the generator ``make_batch`` and the scorer, which
+``python -m training.evaluate --task mqar`` uses on a saved model; length L, N pairs, gap G; vocabulary
+``[FILLER, keys..., values...]``)::
 
     position  0 .. 2N-1       : k_1 v_1 k_2 v_2 ... k_N v_N      (N distinct keys, values drawn with replacement)
     position  2N .. 2N+G-1    : FILLER                           (the gap)
@@ -107,6 +109,14 @@ import torch
 
 from research import common
 from training import optim
+from training.tasks.mqar import (  # noqa: F401  (the task's generator and scorer, read from here by older callers)
+    FILLER,
+    check_layout,
+    held_out_generator,
+    make_batch,
+    vocab_size,
+)
+from training.tasks.mqar import score as evaluate
 
 
 ROOT = common.ROOT
@@ -119,8 +129,6 @@ RESULTS = common.RESULTS / SECTION
 GPU_RESULTS = common.RESULTS / GPU_SECTION
 PNG = common.PLOTS / f"{SECTION}.png"
 PRESETS = ROOT / "configs" / "models"
-
-FILLER = 0
 
 # name -> (label, preset under configs/models/ or None for HF Mamba); the reference first
 REFERENCE = "attention"  # the Slide preset with block_len = the sequence length: full causal attention
@@ -163,57 +171,6 @@ PROTOCOL_FIELDS = {
     "model_type": "--models",
     "architectures": "--models",
 }
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Data
-# --------------------------------------------------------------------------------------------------------------------
-def vocab_size(num_keys: int, num_values: int) -> int:
-    return 1 + num_keys + num_values
-
-
-def check_layout(length: int, num_pairs: int, gap: int, num_keys: int) -> None:
-    """ValueError unless ``num_pairs`` pairs, the gap and ``num_pairs`` query slots fit in ``length`` tokens."""
-    if num_pairs > num_keys:
-        raise ValueError(f"{num_pairs} pairs need at least as many keys (num_keys={num_keys})")
-    if (length - 2 * num_pairs - gap) // 2 < num_pairs:
-        raise ValueError(
-            f"length {length} too short for {num_pairs} pairs with gap {gap}: needs {4 * num_pairs + gap} tokens"
-        )
-
-
-def make_batch(
-    batch_size: int,
-    length: int,
-    num_pairs: int,
-    gap: int,
-    generator: torch.Generator,
-    num_keys: int = 64,
-    num_values: int = 64,
-):
-    """``(ids, labels, query_pos)``: MQAR sequences in the format of the module docstring.
-
-    ``query_pos`` `(B, N)` are the positions of the queried keys (their value follows at ``query_pos + 1``; the
-    pair of the key at ``query_pos[b, j]`` sits at positions ``2 i, 2 i + 1`` with ``ids[b, 2 i] == ids[b, q]``).
-    """
-    check_layout(length, num_pairs, gap, num_keys)
-    start = 2 * num_pairs + gap
-    slots = (length - start) // 2
-    b = batch_size
-    keys = torch.rand(b, num_keys, generator=generator).argsort(-1)[:, :num_pairs] + 1  # distinct per row
-    values = torch.randint(0, num_values, (b, num_pairs), generator=generator) + 1 + num_keys
-    ids = torch.full((b, length), FILLER, dtype=torch.long)
-    ids[:, 0 : 2 * num_pairs : 2] = keys
-    ids[:, 1 : 2 * num_pairs : 2] = values
-    slot = torch.rand(b, slots, generator=generator).argsort(-1)[:, :num_pairs]  # distinct slots per row
-    query_pos = start + 2 * slot
-    which = torch.rand(b, num_pairs, generator=generator).argsort(-1)  # the pair each slot asks for
-    rows = torch.arange(b)[:, None]
-    ids[rows, query_pos] = keys.gather(1, which)
-    ids[rows, query_pos + 1] = values.gather(1, which)
-    labels = torch.full_like(ids, -100)
-    labels[rows, query_pos + 1] = ids[rows, query_pos + 1]
-    return ids, labels, query_pos
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -459,25 +416,6 @@ def load_checkpoint(path: Path, net, optimizer, data: torch.Generator, identity:
 # --------------------------------------------------------------------------------------------------------------------
 # Training and evaluation
 # --------------------------------------------------------------------------------------------------------------------
-@torch.no_grad()
-def evaluate(model, ids: torch.Tensor, labels: torch.Tensor, batch_size: int = 32) -> tuple[float, float]:
-    """(accuracy, loss) over the scored positions: exact argmax match of every queried value."""
-    model.eval()
-    correct = total = 0
-    loss_sum = 0.0
-    for i in range(0, len(ids), batch_size):
-        x, y = ids[i : i + batch_size], labels[i : i + batch_size]
-        logits = model(x).logits[:, :-1].float()
-        target = y[:, 1:]
-        mask = target != -100
-        pred = logits.argmax(-1)
-        correct += (pred[mask] == target[mask]).sum().item()
-        total += mask.sum().item()
-        loss_sum += torch.nn.functional.cross_entropy(logits[mask], target[mask], reduction="sum").item()
-    model.train()
-    return correct / total, loss_sum / total
-
-
 def train_and_eval(
     model: str,
     length: int,
@@ -612,7 +550,7 @@ def train_and_eval(
             if (step + 1) % checkpoint_every == 0:
                 save(step + 1, seconds_before + time.perf_counter() - t0)
     train_seconds = seconds_before + time.perf_counter() - t0
-    held_out = torch.Generator().manual_seed(1_000_003 + seed)  # never the training stream
+    held_out = held_out_generator(seed)  # never the training stream (training.tasks.mqar)
     ids, labels, _ = make_batch(eval_examples, generator=held_out, **batch)
     accuracy, eval_loss = evaluate(net, ids.to(device), labels.to(device))
     tail = losses[-max(1, steps // 10) :]
