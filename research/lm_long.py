@@ -627,23 +627,35 @@ def plot(records: list[dict], path: Path, proto: Protocol = CPU) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    from research import plots
 
     selected = [r for r in records if r.get("validation_curve")]
     fig, axes = plt.subplots(1, 3 if selected else 2, figsize=(16.5 if selected else 11, 4.2))
     ax1, ax2 = axes[0], axes[1]
-    colours = {}
+    seeds: dict[str, list[int]] = {}
+    for r in records:
+        seeds.setdefault(r["model"], []).append(r["seed"])
     for r in sorted(records, key=lambda r: (r["model"], r["seed"])):
-        c = colours.setdefault(r["model"], f"C{len(colours)}")
-        style = "-" if r["model"].startswith("bst") else "--"
-        name = f"{r['label']} s{r['seed']}"
+        model = r["model"]
+        c, style = plots.colour(model), plots.linestyle(model)
+        first = r["seed"] == min(seeds[model])  # one legend entry per model, its seeds in one colour
+        n = len(seeds[model])
+        name = (
+            (f"{label(model, proto)} ({n} seeds)" if n > 1 else f"{label(model, proto)} s{r['seed']}")
+            if first
+            else None
+        )
+        alpha = 1.0 if first else 0.6
         per_step = r["tokens"] / r["steps"]  # records before train_tokens existed: from the step
         pts = [(p["step"] * per_step / 1e6, p["bits_per_byte"]) for p in r["learning_curve"]]
-        ax1.plot(*zip(*pts), style, color=c, marker=".", label=name, alpha=1.0 if r["seed"] == 0 else 0.6)
+        ax1.plot(*zip(*pts), style, color=c, marker=".", label=name, alpha=alpha)
         gen = [(n, _bpb(r, n)) for n in proto.lengths if _bpb(r, n) is not None]
-        ax2.plot(*zip(*gen), style, color=c, marker="o", label=name, alpha=1.0 if r["seed"] == 0 else 0.6)
+        ax2.plot(*zip(*gen), style, color=c, marker=plots.marker(model), label=name, alpha=alpha)
         if r.get("validation_curve"):
             val = [(p["step"] * per_step / 1e6, p["bits_per_byte"]) for p in r["validation_curve"]]
-            axes[2].plot(*zip(*val), style, color=c, marker=".", alpha=1.0 if r["seed"] == 0 else 0.6)
+            axes[2].plot(*zip(*val), style, color=c, marker=".", alpha=alpha)
             best = next(p for p in r["validation_curve"] if p["step"] == r["selected_step"])
             axes[2].plot(best["step"] * per_step / 1e6, best["bits_per_byte"], "*", color=c, markersize=11)
     if selected:
@@ -660,14 +672,16 @@ def plot(records: list[dict], path: Path, proto: Protocol = CPU) -> None:
     hi = max(p["bits_per_byte"] for r in records for p in r["learning_curve"][len(r["learning_curve"]) // 3 :])
     ax1.set_ylim(lo - 0.02, hi + 0.05)  # the last two thirds of training, where the models separate
     ax2.set_xscale("log", base=2)
+    ax2.xaxis.set_major_locator(FixedLocator(list(proto.lengths)))
+    ax2.xaxis.set_minor_locator(NullLocator())
+    ax2.set_xticklabels([str(n) for n in proto.lengths])
     ax2.set_xlabel(f"evaluation length (tokens; trained at {proto.seq_len})")
     ax2.set_ylabel("test bits per byte")
     ax2.set_title("length generalisation (paper Fig. 5)")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
-    # One legend for all panels, right of them, so that it never covers a curve (there are ~20 runs).
-    handles, labels = ax2.get_legend_handles_labels()
-    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=7, frameon=False)
+    # One legend for all panels, right of them, so that it never covers a curve (there are ~20 models).
+    plots.figure_legend(fig, [ax1, ax2])
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")

@@ -156,10 +156,15 @@ def load_results(results_dir: Path = RESULTS) -> dict[tuple[str, str], dict]:
 
 
 def plot(results: dict, path: Path) -> None:
+    """Test bits per byte against evaluation length, one panel per corpus; one colour per model
+    (``research.plots``) and one legend for the figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    from research import plots
 
     fig, axes = plt.subplots(1, len(CORPORA), figsize=(5 * len(CORPORA), 4), sharex=True)
     for ax, corpus in zip(axes, CORPORA):
@@ -168,17 +173,20 @@ def plot(results: dict, path: Path) -> None:
             if r is None:
                 continue
             pts = [(row["length"], row["bits_per_byte"]) for row in r["results"] if "bits_per_byte" in row]
-            style = "-" if model.startswith("bst") else "--"
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=LABELS[model])
+            style = dict(color=plots.colour(model), linestyle=plots.linestyle(model), marker=plots.marker(model))
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=LABELS[model], **style)
         ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_locator(FixedLocator(list(LENGTHS)))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xticklabels([str(n) for n in LENGTHS])
         ax.set_title(f"{corpus} (trained at L=512)")
         ax.set_xlabel("evaluation length (tokens)")
         ax.set_ylabel("bits per byte (test)")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    plots.figure_legend(fig, axes)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 

@@ -691,47 +691,86 @@ def plot(
     records: list[dict], path: Path, length_for_pairs: int | None = None, pairs_at_lengths: int | None = None
 ) -> None:
     """Accuracy against length (at ``pairs_at_lengths`` pairs) and against pairs (at ``length_for_pairs``), one
-    row of panels per budget, largest first (None: each budget's own grid, see ``_axes``)."""
+    row of panels per budget, largest first (None: each budget's own grid, see ``_axes``); a budget with one cell
+    gets one panel of bars. One colour per model (``research.plots``), one legend for the figure, y axes fitted to
+    the accuracies (and twice chance: below it a run has not learned)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    from research import plots
 
     budgets = _budgets(records)
-    fig, axes = plt.subplots(len(budgets), 2, figsize=(11, 4 * len(budgets)), squeeze=False)
-    for row, budget in zip(axes, budgets):
+    one_cell = [len({(r["length"], r["num_pairs"]) for r in records if budget_of(r) == b}) == 1 for b in budgets]
+    fig = plt.figure(figsize=(11, sum(3 if one else 4 for one in one_cell)))
+    grid_spec = fig.add_gridspec(len(budgets), 2, height_ratios=[3 if one else 4 for one in one_cell])
+    panels = []
+    for i, budget in enumerate(budgets):
         mine = [r for r in records if budget_of(r) == budget]
         at_length, at_pairs = _axes(mine, length_for_pairs, pairs_at_lengths)
         chance = 100 * mine[0]["chance"]
-        for model, (tag, label) in ((m, v) for m in MODELS for v in _variants(mine, model=m)):
-            style = ":" if model == REFERENCE else "-" if model.startswith("bst") else "--"
-            color = "black" if model == REFERENCE else None
-            marker = "s" if tag else "o"  # an ablation (--set) in squares
+        note = " (too small: all at chance)" if _too_small(mine) else ""
+        variants = [(m, tag, label) for m in MODELS for tag, label in _variants(mine, model=m)]
+        cells = {(r["length"], r["num_pairs"]) for r in mine}
+        drawn = []
+        if len(cells) == 1:  # one cell: a bar per model
+            ax = fig.add_subplot(grid_spec[i, :])
+            (length, pairs), x = next(iter(cells)), 0
+            for model, tag, label in variants:
+                acc = 100 * _mean(_select(mine, model, length, pairs, tag))
+                name = model + tag
+                ax.bar(
+                    x, acc, 0.6, color=plots.colour(name), label=label, hatch="//" if plots.is_variant(name) else None
+                )
+                ax.annotate(f"{acc:.1f}", (x, acc), textcoords="offset points", xytext=(0, 2), ha="center", fontsize=8)
+                drawn.append(acc)
+                x += 1
+            ax.set_xticks(range(x), [label for _, _, label in variants], rotation=20, ha="right", fontsize=8)
+            ax.axhline(chance, color="grey", lw=0.8, ls=":", label="chance")
+            ax.set_ylabel("MQAR accuracy (%)")
+            ax.set_title(f"L = {length}, N = {pairs} pairs, budget {budget}{note}", fontsize=10)
+            ax.set_ylim(*plots.fitted_ylim(drawn, 2 * chance, 100))
+            ax.grid(alpha=0.3, axis="y")
+            panels.append(ax)
+            continue
+        row = [fig.add_subplot(grid_spec[i, 0]), fig.add_subplot(grid_spec[i, 1])]
+        for model, tag, _label in variants:
+            name, label = model + tag, _label
             ours = [r for r in mine if r["model"] == model and _variant(r) == tag]
+            style = dict(color=plots.colour(name), linestyle=plots.linestyle(name), marker=plots.marker(name))
             lengths = sorted({r["length"] for r in ours if r["num_pairs"] == at_pairs})
             pts = [(n, 100 * _mean(_select(mine, model, n, at_pairs, tag))) for n in lengths]
             if pts:
-                row[0].plot(*zip(*pts), style, marker=marker, label=label, color=color)
+                row[0].plot(*zip(*pts), label=label, **style)
             pairs = sorted({r["num_pairs"] for r in ours if r["length"] == at_length})
-            pts = [(q, 100 * _mean(_select(mine, model, at_length, q, tag))) for q in pairs]
-            if pts:
-                row[1].plot(*zip(*pts), style, marker=marker, label=label, color=color)
-        note = " (too small: all at chance)" if _too_small(mine) else ""
-        for ax, xlabel, title in (
-            (row[0], "sequence length L", f"N = {at_pairs} pairs"),
-            (row[1], "number of key-value pairs N", f"L = {at_length}"),
+            pts2 = [(q, 100 * _mean(_select(mine, model, at_length, q, tag))) for q in pairs]
+            if pts2:
+                row[1].plot(*zip(*pts2), label=label, **style)
+            drawn += [y for _, y in pts + pts2]
+        xs = (sorted({n for n, q in cells if q == at_pairs}), sorted({q for n, q in cells if n == at_length}))
+        for ax, ticks, xlabel, title in (
+            (row[0], xs[0], "sequence length L", f"N = {at_pairs} pairs"),
+            (row[1], xs[1], "number of key-value pairs N", f"L = {at_length}"),
         ):
             ax.axhline(chance, color="grey", lw=0.8, ls=":", label="chance")
             ax.set_xscale("log", base=2)
+            if ticks:  # the grid's values, written out
+                ax.xaxis.set_major_locator(FixedLocator(ticks))
+                ax.xaxis.set_minor_locator(NullLocator())
+                ax.set_xticklabels([str(t) for t in ticks])
+                ax.set_xlim(ticks[0] / 1.25, ticks[-1] * 1.25)
             ax.set_xlabel(xlabel)
             ax.set_ylabel("MQAR accuracy (%)")
-            ax.set_ylim(-2, 102)
+            ax.set_ylim(*plots.fitted_ylim(drawn, 2 * chance, 100))
             ax.set_title(f"{title}, budget {budget}{note}", fontsize=10)
             ax.grid(alpha=0.3)
-        row[0].legend(fontsize=7)
+        panels += row
+    plots.figure_legend(fig, panels)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
