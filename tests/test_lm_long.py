@@ -236,7 +236,7 @@ def test_gpu_protocol_dry_run_on_cpu():
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     folder = out.stdout.strip().splitlines()[-1].split("dry run complete: ")[1]
-    record = json.loads((L.Path(folder) / "docs" / "results" / "lm_long_gpu" / "bst-sh-s4-s0.json").read_text())
+    record = json.loads((L.Path(folder) / "research" / "results" / "lm_long_gpu" / "bst-sh-s4-s0.json").read_text())
     assert record["protocol"] == "gpu" and record["steps"] == 2 and record["parameters"] > 20e6
     assert [r["length"] for r in record["results"]] == list(L.GPU.lengths)
     assert record["learning_curve"][-1]["step"] == 2

@@ -341,14 +341,14 @@ def test_report_names_its_section_folder_and_machine(tmp_path, monkeypatch):
 def test_gpu_protocol_mqar_dry_run():
     """`bash research/gpu_quality.sh --mqar --dry-run`: the accelerator protocol's MQAR sweep on the CPU at 2 steps
     of 2 sequences (3 models and the BST:SH:unstruct ablation, 3 tiny cells) into a temporary folder: records, section
-    and plot there, docs/ untouched."""
+    and plot there, docs/ and research/results/ untouched."""
     import shutil
     import subprocess
 
-    docs = mqar.ROOT / "docs"
+    watched = (mqar.ROOT / "docs", mqar.ROOT / "research" / "results")
 
     def snapshot():
-        return {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in docs.rglob("*")}
+        return {p: (p.stat().st_mtime_ns, p.stat().st_size) for d in watched for p in d.rglob("*")}
 
     before = snapshot()
     out = subprocess.run(
@@ -359,11 +359,11 @@ def test_gpu_protocol_mqar_dry_run():
     folder = mqar.Path(out.stdout.strip().splitlines()[-1].split("dry run complete: ")[1])
     try:
         assert not folder.resolve().is_relative_to(mqar.ROOT)  # a temporary folder outside the repository
-        records = sorted(p.name for p in (folder / "docs" / "results" / "mqar_gpu").glob("*.json"))
+        records = sorted(p.name for p in (folder / "research" / "results" / "mqar_gpu").glob("*.json"))
         cells = ("L128-N4", "L128-N8", "L256-N4")
         models = ("attention", "bst-sh-s4", "bst-sh-unstruct+unstruct_decay_target=0.5+unstruct_sin_freq=1", "slide")
         assert records == [f"{m}-{c}-2x2-s0.json" for m in models for c in cells]
-        record = json.loads((folder / "docs" / "results" / "mqar_gpu" / records[0]).read_text())
+        record = json.loads((folder / "research" / "results" / "mqar_gpu" / records[0]).read_text())
         assert record["settings"]["steps"] == 2 and record["settings"]["num_keys"] == 64
         assert record["command"].startswith("python -m research.mqar --grid gpu")
         assert "<!-- mqar_gpu:start -->" in (folder / "docs" / "results.md").read_text()
