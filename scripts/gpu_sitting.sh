@@ -14,14 +14,14 @@
 #     --models/--seeds: the LM runs (two at a time; a finished run's record is skipped); --deadline: seconds for
 #     them (an unfinished run is lost: its checkpoints are too large to bring back); --bench: gpu_suite parts run after
 #     them in the time left of --total (default 545 s). Each finished model's per-token losses on the held-out books
-#     (experiments/token_losses.py, at L and 16L) come back as token_losses.tgz. Results: $OUT/results.tgz (records,
+#     (research/token_losses.py, at L and 16L) come back as token_losses.tgz. Results: $OUT/results.tgz (records,
 #     report, logs, suite), or
 #     gpu_sitting/results.tgz in the repository without $OUT. Set BST_SOURCE_COMMIT to the commit the tree was sent
 #     from. --dry-run: the same sitting on the CPU with the scripts' own dry runs (tiny sizes, a temporary folder).
 #   bash scripts/gpu_sitting.sh --mqar 8
-#     instead of the LM runs and benchmarks: the GPU MQAR grid (experiments/gpu_quality.sh --mqar, 13 runs at a time)
+#     instead of the LM runs and benchmarks: the GPU MQAR grid (research/gpu_quality.sh --mqar, 13 runs at a time)
 #     for 8 minutes beside the `gpu` tests. Runs stopped at the deadline keep their state in
-#     docs/results/mqar_gpu/*.ckpt.safetensors; they come back as mqar_ckpt.tgz.part-NN (split below the device
+#     research/results/mqar_gpu/*.ckpt.safetensors; they come back as mqar_ckpt.tgz.part-NN (split below the device
 #     tool's 16 MiB per file; here: `cat mqar_ckpt.tgz.part-* | tar xzf -` in the repository), the records, report and
 #     plot inside results.tgz. Commit both: the next sitting's same command continues every stopped run exactly.
 set -uo pipefail
@@ -51,7 +51,7 @@ if [ "$prepare" = 1 ]; then
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
         $(python -c 'from importlib.metadata import version as v
 print(*(f"{n}=={v(n)}" for n in ("transformers", "datasets", "dill", "multiprocess", "mambapy")))')
-    HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 python -m experiments.lm_quality prepare --corpora allbooks
+    HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 python -m research.lm_quality prepare --corpora allbooks
     git check-ignore -q .whl || echo "note: .whl is not ignored; add /.whl/ to .git/info/exclude" >&2
     ls -la .whl
     exit 0
@@ -75,12 +75,12 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHO
 pack() {
     cd "$REPO" || return
     tar czf "$out/results.tgz" --exclude='checkpoint-*' --exclude='final' --exclude='*.safetensors' \
-        docs/results/lm_long_gpu docs/results/lm_long_gpu.png docs/results/mqar_gpu docs/results/mqar_gpu.png \
+        research/results/lm_long_gpu docs/results/lm_long_gpu.png research/results/mqar_gpu docs/results/mqar_gpu.png \
         docs/results.md runs/lm_quality/logs runs/lm_quality/long-gpu /tmp/gpu_sitting_tests /tmp/gpu_sitting_bench \
         2>/dev/null
     [ -d runs/lm_quality/token_losses ] && tar czf "$out/token_losses.tgz" runs/lm_quality/token_losses
     # MQAR runs stopped at their deadline: their checkpoints, in parts below the 16 MiB a returned file may have
-    local ckpts=(docs/results/mqar_gpu/*.ckpt.safetensors)
+    local ckpts=(research/results/mqar_gpu/*.ckpt.safetensors)
     if [ -e "${ckpts[0]}" ]; then
         tar czf - "${ckpts[@]}" | split -b 15M -d - "$out/mqar_ckpt.tgz.part-"
     fi
@@ -98,11 +98,11 @@ cat "$out/env.txt"
 # deadline leaves behind is killed through the same group below, nothing else on the machine.
 if [ -n "$mqar" ]; then
     # the runs stop themselves at --deadline-minutes (saving their state); timeout is the backstop
-    timeout $(( mqar * 60 + 120 )) bash experiments/gpu_quality.sh --mqar "${dry[@]}" --deadline-minutes "$mqar" \
+    timeout $(( mqar * 60 + 120 )) bash research/gpu_quality.sh --mqar "${dry[@]}" --deadline-minutes "$mqar" \
         > "$out/mqar.log" 2>&1 &
 else
     # shellcheck disable=SC2086  # models and seeds are word lists
-    timeout "$deadline" bash experiments/gpu_quality.sh "${dry[@]}" --models $models --seeds $seeds --jobs 2 --threads 6 \
+    timeout "$deadline" bash research/gpu_quality.sh "${dry[@]}" --models $models --seeds $seeds --jobs 2 --threads 6 \
         > "$out/lm.log" 2>&1 &
 fi
 lm=$!
@@ -120,7 +120,7 @@ if [ -n "$mqar" ]; then
 fi
 echo "lm rc $rc at $(elapsed) s" >> "$out/lm.log"
 echo "lm done at $(elapsed) s"
-# Every held-out token's loss under each finished model, at the training length and 16x (experiments/token_losses.py;
+# Every held-out token's loss under each finished model, at the training length and 16x (research/token_losses.py;
 # ~0.5 MB a book, where the models themselves are too large to bring back).
 # Each dump gets at most 120 s and never more than what --total leaves (less 15 s to pack the results): a sitting
 # killed from outside brings nothing back.
@@ -130,7 +130,7 @@ for final in runs/lm_quality/long-gpu/allbooks/*/final; do
     room=$(( total - $(elapsed) - 15 ))
     [ "$room" -gt 120 ] && room=120
     [ "$room" -ge 20 ] || { echo "no time left for token losses of $name" >> "$out/lm.log"; continue; }
-    timeout "$room" python3 -m experiments.token_losses dump "$final" --corpus allbooks --length 1024 16384 --device cuda \
+    timeout "$room" python3 -m research.token_losses dump "$final" --corpus allbooks --length 1024 16384 --device cuda \
         --out "runs/lm_quality/token_losses/$name-L{length}.safetensors" >> "$out/lm.log" 2>&1
 done
 echo "token losses done at $(elapsed) s"

@@ -1,4 +1,4 @@
-"""experiments/context_use.py: the context-state ablation swaps or zeroes exactly the BST layers' context states, and
+"""research/context_use.py: the context-state ablation swaps or zeroes exactly the BST layers' context states, and
 leaves the model as it was afterwards."""
 
 import json
@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import make_model
 
-from experiments import context_use as C
+from research import context_use as C
 
 
 def _logits(model, ids):

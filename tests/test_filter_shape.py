@@ -1,9 +1,9 @@
-"""experiments/filter_shape.py: the filter statistics behind the explanation of BST:SH:unstruct on MQAR."""
+"""research/filter_shape.py: the filter statistics behind the explanation of BST:SH:unstruct on MQAR."""
 
 import pytest
 import torch
 
-from experiments import filter_shape, mqar
+from research import filter_shape, mqar
 
 
 def test_shape_stats_of_known_filters():

@@ -1,4 +1,4 @@
-"""experiments/lm_long.py: every model of the long-run comparison (CPU and accelerator protocols) gets the same tokens
+"""research/lm_long.py: every model of the long-run comparison (CPU and accelerator protocols) gets the same tokens
 from the shared recipe with valid settings, and the report computes means and seed spreads from the run records
 (fabricated here; the real runs take hours)."""
 
@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from experiments import lm_long as L
+from research import common
+from research import lm_long as L
 from training import train as T
 
 
@@ -41,7 +42,7 @@ def test_every_model_gets_the_same_tokens_and_a_valid_config(proto, model, tmp_p
     assert max(proto.lengths) == 16 * proto.seq_len and min(proto.lengths) * 8 == proto.seq_len
     if proto.name == "gpu":
         assert config.hidden_size == 512 and config.num_hidden_layers == 8
-        preset = json.loads((L.ROOT / "configs" / "models" / f"{L.Q.MODELS[model][0]}.json").read_text())
+        preset = json.loads((L.ROOT / "configs" / "models" / f"{L.LM.MODELS[model][0]}.json").read_text())
         for key in L.LAYER_INDEX_FIELDS:  # the tiny layouts, spread over twice the layers
             assert list(getattr(config, key, None) or []) == [2 * i for i in preset.get(key) or []]
     else:
@@ -54,7 +55,7 @@ def _record(model, seed, bpb, proto=L.CPU):
     rows = [{"length": n, "bits_per_byte": bpb + 0.01 * i, "ppl_token": 2**bpb} for i, n in enumerate(proto.lengths)]
     curve = [{"step": s, "tokens": s * 2048, "bits_per_byte": bpb + 1.0 / s} for s in (500, 1000, 1500)]
     return {
-        "corpus": L.CORPUS, "model": model, "label": L.Q.LABELS[model], "seed": seed, "steps": 1500,
+        "corpus": L.CORPUS, "model": model, "label": L.LM.LABELS[model], "seed": seed, "steps": 1500,
         "tokens": 1500 * 2048, "parameters": 1_300_000, "final_train_loss": 4.5 + seed, "learning_curve": curve,
         "results": rows, "dataset": {"documents": 2, "max_tokens_per_doc": 65536},
     }  # fmt: skip
@@ -145,7 +146,7 @@ def _held_out_fixture(tmp_path, monkeypatch):
         (data / name).mkdir(parents=True, exist_ok=True)
         rows = [json.dumps({"title": t, "text": f"text of {t}"}) for t in titles]
         (data / name / f"{split}.jsonl").write_text("\n".join(rows) + "\n")
-    monkeypatch.setattr(L.Q, "WORK", tmp_path / "work")
+    monkeypatch.setattr(L.LM, "WORK", tmp_path / "work")
     scored = []
 
     class _Model:
@@ -225,17 +226,17 @@ def test_protocol_folders_stay_apart(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_protocol_dry_run_on_cpu():
-    """`bash experiments/gpu_quality.sh --dry-run`: the accelerator protocol end to end on the CPU at 2 steps (one model
+    """`bash research/gpu_quality.sh --dry-run`: the accelerator protocol end to end on the CPU at 2 steps (one model
     here; the script's default dry run also covers Transformer-XL): training, learning curve, evaluation, record, report."""
     import subprocess
 
     out = subprocess.run(
-        ["bash", str(L.ROOT / "experiments" / "gpu_quality.sh"), "--dry-run", "--models", "bst-sh-s4"],
+        ["bash", str(L.ROOT / "research" / "gpu_quality.sh"), "--dry-run", "--models", "bst-sh-s4"],
         capture_output=True, text=True, timeout=3000,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     folder = out.stdout.strip().splitlines()[-1].split("dry run complete: ")[1]
-    record = json.loads((L.Path(folder) / "docs" / "results" / "lm_long_gpu" / "bst-sh-s4-s0.json").read_text())
+    record = json.loads((L.Path(folder) / "research" / "results" / "lm_long_gpu" / "bst-sh-s4-s0.json").read_text())
     assert record["protocol"] == "gpu" and record["steps"] == 2 and record["parameters"] > 20e6
     assert [r["length"] for r in record["results"]] == list(L.GPU.lengths)
     assert record["learning_curve"][-1]["step"] == 2
@@ -252,9 +253,9 @@ def test_a_stated_source_commit_names_the_records_commit(monkeypatch):
     """A tree copied to an accelerator machine may carry stale git metadata (the device tool's copy reported the
     session's first commit): BST_SOURCE_COMMIT, where set, is what the records name."""
     monkeypatch.setenv("BST_SOURCE_COMMIT", "0123abc")
-    assert L._commit() == "0123abc"
+    assert common.source_commit() == "0123abc"
     monkeypatch.delenv("BST_SOURCE_COMMIT")
-    assert L._commit() != "0123abc"
+    assert common.source_commit() != "0123abc"
 
 
 def test_the_selected_final_checkpoint_reuses_the_final_evaluation(tmp_path):
@@ -301,7 +302,7 @@ def test_gpu_sitting_dry_run_packs_its_results_and_kills_only_its_own_runs(tmp_p
     import subprocess
     import tarfile
 
-    bystander = subprocess.Popen(["bash", "-c", "exec -a 'python -m experiments.lm_quality bystander' sleep 600"])
+    bystander = subprocess.Popen(["bash", "-c", "exec -a 'python -m research.lm_quality bystander' sleep 600"])
     try:
         out = subprocess.run(
             ["bash", str(L.ROOT / "scripts" / "gpu_sitting.sh"), "--dry-run", "--models", "bst-sh-s4",

@@ -1,4 +1,4 @@
-"""experiments/lm_quality.py: every model of the comparison trains from the shared recipe, and the report computes
+"""research/lm_quality.py: every model of the comparison trains from the shared recipe, and the report computes
 its table from the run JSONs (fabricated here; the real runs take about an hour)."""
 
 import json
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from experiments import lm_quality as Q
+from research import lm_quality as Q
 from training import train as T
 
 

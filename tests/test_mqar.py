@@ -1,4 +1,4 @@
-"""MQAR (experiments/mqar.py): the generator's format, that the queries really lie beyond a Slide stack's reach (and
+"""MQAR (research/mqar.py): the generator's format, that the queries really lie beyond a Slide stack's reach (and
 within the full-attention reference's), exact resume from checkpoints, and the whole pipeline (runs -> JSON records
 -> report section) at toy size."""
 
@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from experiments import mqar
+from research import mqar
 
 
 @pytest.mark.parametrize("length,pairs,gap", [(64, 4, 16), (256, 16, 128), (512, 64, 128), (40, 8, 8)])
@@ -110,7 +110,7 @@ def test_pipeline_at_toy_size(tmp_path):
     files = sorted(p.name for p in out.glob("*.json"))
     assert files == [f"{m}-L64-N{n}-3x2-s0.json" for m in ("bst-sh-s4", "slide") for n in (2, 4)]
     record = json.loads((out / "slide-L64-N4-3x2-s0.json").read_text())
-    assert record["command"].startswith("python -m experiments.mqar --models slide bst-sh-s4")
+    assert record["command"].startswith("python -m research.mqar --models slide bst-sh-s4")
     assert 0.0 <= record["accuracy"] <= 1.0 and record["settings"]["gap"] == 16
     assert record["settings"]["examples"] == 6 and len(record["train_losses"]) == 1
     # Resumable: a second invocation finds every run done and trains nothing.
@@ -217,9 +217,9 @@ def test_a_run_stopped_at_its_deadline_resumes_bitwise(tmp_path):
         mqar.train_and_eval("bst-sh-s4", 48, 4, **dict(kw, lr=1e-3), checkpoint=ckpt)
 
 
-# Runs longer than one sitting commit their checkpoint (experiments/mqar.py, "Runs span sessions"): each must be one
+# Runs longer than one sitting commit their checkpoint (research/mqar.py, "Runs span sessions"): each must be one
 # that the command of its folder continues on a fresh clone, with today's code: the default command for the CPU
-# grid's folder, the accelerator grid's (`experiments/gpu_quality.sh --mqar`: 64 keys and 64 values) for its folder.
+# grid's folder, the accelerator grid's (`research/gpu_quality.sh --mqar`: 64 keys and 64 values) for its folder.
 GRID_SETTINGS = {mqar.RESULTS: {}, mqar.GPU_RESULTS: dict(num_keys=64, num_values=64)}
 COMMITTED = sorted(p for folder in GRID_SETTINGS for p in folder.glob("*.ckpt.safetensors"))
 
@@ -305,7 +305,7 @@ def test_report_names_its_section_folder_and_machine(tmp_path, monkeypatch):
     assert (tmp_path / "docs" / "results" / "mqar_gpu.png").stat().st_size > 0
     assert "![MQAR accuracy](results/mqar_gpu.png)" in section and f"`{out.as_posix()}/`" in section
     assert f"Machine: {cpu_name()}, one thread per run" in section and "other runs" not in section
-    assert "docs/results/mqar/" not in section and "gpu_quality.sh --mqar" in section
+    assert "research/results/mqar/" not in section and "gpu_quality.sh --mqar" in section
 
     # the same records as if run on a GPU: the report names the GPU, not this machine's CPU
     for path in out.glob("*.json"):
@@ -326,8 +326,8 @@ def test_report_names_its_section_folder_and_machine(tmp_path, monkeypatch):
     text = mqar.report(out, None)
     machine = "Machine: Some CPU, one thread per run unless a run's settings say otherwise, each run sharing the\n"
     assert machine + "2-core CPU with one or two other runs" in text
-    assert "`python -m experiments.mqar` runs the\nfirst cell" in text and "50 x 8, is kept" in text
-    assert mqar._folder(mqar.RESULTS) == "docs/results/mqar/" and mqar._folder(mqar.GPU_RESULTS).endswith("_gpu/")
+    assert "`python -m research.mqar` runs the\nfirst cell" in text and "50 x 8, is kept" in text
+    assert mqar._folder(mqar.RESULTS) == "research/results/mqar/" and mqar._folder(mqar.GPU_RESULTS).endswith("_gpu/")
     with pytest.raises(ValueError, match="section must be"):
         mqar.report(out, docs, section="bad name")
     with pytest.raises(SystemExit):
@@ -339,33 +339,33 @@ def test_report_names_its_section_folder_and_machine(tmp_path, monkeypatch):
     reason="gpu_quality.sh runs in the repository's .venv (without one it would create it: scripts/setup.sh)",
 )
 def test_gpu_protocol_mqar_dry_run():
-    """`bash experiments/gpu_quality.sh --mqar --dry-run`: the accelerator protocol's MQAR sweep on the CPU at 2 steps
+    """`bash research/gpu_quality.sh --mqar --dry-run`: the accelerator protocol's MQAR sweep on the CPU at 2 steps
     of 2 sequences (3 models and the BST:SH:unstruct ablation, 3 tiny cells) into a temporary folder: records, section
-    and plot there, docs/ untouched."""
+    and plot there, docs/ and research/results/ untouched."""
     import shutil
     import subprocess
 
-    docs = mqar.ROOT / "docs"
+    watched = (mqar.ROOT / "docs", mqar.ROOT / "research" / "results")
 
     def snapshot():
-        return {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in docs.rglob("*")}
+        return {p: (p.stat().st_mtime_ns, p.stat().st_size) for d in watched for p in d.rglob("*")}
 
     before = snapshot()
     out = subprocess.run(
-        ["bash", str(mqar.ROOT / "experiments" / "gpu_quality.sh"), "--mqar", "--dry-run"],
+        ["bash", str(mqar.ROOT / "research" / "gpu_quality.sh"), "--mqar", "--dry-run"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     folder = mqar.Path(out.stdout.strip().splitlines()[-1].split("dry run complete: ")[1])
     try:
         assert not folder.resolve().is_relative_to(mqar.ROOT)  # a temporary folder outside the repository
-        records = sorted(p.name for p in (folder / "docs" / "results" / "mqar_gpu").glob("*.json"))
+        records = sorted(p.name for p in (folder / "research" / "results" / "mqar_gpu").glob("*.json"))
         cells = ("L128-N4", "L128-N8", "L256-N4")
         models = ("attention", "bst-sh-s4", "bst-sh-unstruct+unstruct_decay_target=0.5+unstruct_sin_freq=1", "slide")
         assert records == [f"{m}-{c}-2x2-s0.json" for m in models for c in cells]
-        record = json.loads((folder / "docs" / "results" / "mqar_gpu" / records[0]).read_text())
+        record = json.loads((folder / "research" / "results" / "mqar_gpu" / records[0]).read_text())
         assert record["settings"]["steps"] == 2 and record["settings"]["num_keys"] == 64
-        assert record["command"].startswith("python -m experiments.mqar --grid gpu")
+        assert record["command"].startswith("python -m research.mqar --grid gpu")
         assert "<!-- mqar_gpu:start -->" in (folder / "docs" / "results.md").read_text()
         assert (folder / "docs" / "results" / "mqar_gpu.png").exists()
         assert not list(folder.rglob("*.safetensors"))

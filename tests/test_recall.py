@@ -1,6 +1,6 @@
 """Long-range recall beyond the attention window: BST solves it, Slide cannot (chance is 1/8)."""
 
-from experiments.long_range_recall import train_and_eval
+from research.long_range_recall import train_and_eval
 
 
 def test_bst_recalls_beyond_two_blocks_and_slide_does_not():

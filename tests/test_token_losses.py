@@ -1,4 +1,4 @@
-"""experiments/token_losses.py: per-token losses that add up to training.evaluate's numbers, and a comparison whose
+"""research/token_losses.py: per-token losses that add up to training.evaluate's numbers, and a comparison whose
 token classes split the whole difference between two models."""
 
 import json
@@ -9,9 +9,9 @@ import torch
 from conftest import tiny_config
 from safetensors.torch import save_file
 
-from experiments import lm_long
-from experiments import token_losses as TL
 from modeling_bst import BSTForCausalLM
+from research import lm_long
+from research import token_losses as TL
 from training import data as D
 from training import evaluate as E
 

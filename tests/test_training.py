@@ -189,6 +189,27 @@ def test_parameter_groups_ssm_own_lr_no_decay(preset, overrides):
     assert in_group["ssm"] == expected
 
 
+def test_parameter_groups_rules_for_mamba_and_the_research_scripts():
+    """The rules the research scripts pick live in training.optim: HF Mamba's SSM parameters (A_log, D, dt_proj.bias),
+    no decay for norms and embeddings (MQAR), decay for everything outside the SSM group (long-range recall)."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    from training import optim
+
+    mamba = MambaForCausalLM(MambaConfig(vocab_size=16, hidden_size=8, num_hidden_layers=2, state_size=4))
+    ssm = optim.ssm_parameter_names(mamba)
+    assert ssm == {n for n, _ in mamba.named_parameters() if n.endswith(("A_log", ".D", "dt_proj.bias"))}
+    assert len(ssm) == 6
+    names = {id(p): n for n, p in mamba.named_parameters()}
+    groups = {g["name"]: g for g in parameter_groups(mamba, 1e-2, 0.1, no_decay=optim.norms_and_embeddings)}
+    in_group = {k: [names[id(p)] for p in g["params"]] for k, g in groups.items()}
+    assert set(in_group["ssm"]) == ssm and groups["ssm"]["lr"] == 1e-2
+    assert "backbone.embeddings.weight" in in_group["no_decay"]
+    assert all("norm" not in n and "embed" not in n for n in in_group["decay"])
+    everything = {g["name"]: g for g in parameter_groups(mamba, 1e-2, 0.1, no_decay=optim.decay_everything)}
+    assert list(everything) == ["decay", "ssm"]
+
+
 # ---------------------------------------------------------------------------------------------------- training
 @pytest.fixture(scope="module")
 def trained(corpus, tmp_path_factory):

@@ -1,8 +1,14 @@
-"""Perplexity and bits per byte over whole documents at several evaluation lengths (length generalisation).
+"""Perplexity and bits per byte over whole documents at several evaluation lengths (length generalisation), or another
+evaluation task (``--task``: ``lm``, the default, or ``mqar``).
 
     python -m training.evaluate --model outputs/tiny/final --lengths 512 4096 16384 65536 --output eval.json
     python -m training.evaluate --model A B --lengths 512 4096 --dataset pg19 --dataset_path pg19/ --split test \
         --output eval.json --plot eval.png
+    python -m training.evaluate --task mqar --model MODEL_DIR --lengths 256 512 --num_pairs 8 --output mqar.json
+
+``--task mqar`` scores a model trained on multi-query associative recall on held-out sequences of each (length,
+pairs) cell (``training.tasks.mqar``: the format, the gap, the accuracy); the model folder needs no tokenizer, the
+``--dataset`` flags are not used and no plot is drawn.
 
 At evaluation length ``L`` each document (``[bos] + tokens(text)``) is cut into consecutive windows of ``L`` input
 tokens; window ``w`` predicts tokens ``w*L+1 .. (w+1)*L``, so every text token is scored exactly once, with a context
@@ -34,6 +40,8 @@ import torch
 from tqdm.auto import tqdm
 
 from training import data as D
+from training.tasks import TASKS
+from training.tasks import mqar as MQ
 
 
 def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -241,8 +249,9 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
+    p.add_argument("--task", default="lm", choices=TASKS, help="lm (default): perplexity and bits per byte; mqar")
     p.add_argument("--model", nargs="+", required=True, help="saved model folder(s) with their tokenizer")
-    p.add_argument("--lengths", nargs="+", type=int, default=[512, 4096, 16384, 65536])
+    p.add_argument("--lengths", nargs="+", type=int, default=None, help="lm default: 512 4096 16384 65536; mqar: 256")
     p.add_argument("--output", required=True, help="JSON file")
     p.add_argument("--plot", default=None, help="PNG file (default: the JSON path with .png)")
     p.add_argument("--dataset", default="embedded", choices=D.DATASET_KINDS)
@@ -256,10 +265,21 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max_tokens_per_doc", type=int, default=None)
     p.add_argument("--chunk_size", type=int, default=0, help="feed windows in chunks of this many tokens (0: whole)")
     p.add_argument("--carry_state", action="store_true", help="carry the cache across windows of a document")
-    p.add_argument("--batch_size", type=int, default=1)
+    p.add_argument("--batch_size", type=int, default=None, help="windows (lm, default 1) or sequences (mqar, 32)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    mqar = p.add_argument_group("--task mqar (training.tasks.mqar)")
+    mqar.add_argument("--num_pairs", nargs="+", type=int, default=[8], help="key-value pairs per sequence")
+    mqar.add_argument("--gap", type=int, default=None, help="filler after the pairs (default: layers x block_len)")
+    mqar.add_argument("--num_keys", type=int, default=MQ.NUM_KEYS)
+    mqar.add_argument("--num_values", type=int, default=MQ.NUM_VALUES)
+    mqar.add_argument("--examples", type=int, default=MQ.EXAMPLES, help="held-out sequences per cell")
+    mqar.add_argument("--seed", type=int, default=0, help="held-out stream (never a training stream's seed)")
     args = p.parse_args(argv)
+    if args.task == "mqar":
+        return main_mqar(args)
+    args.lengths = args.lengths or [512, 4096, 16384, 65536]
+    args.batch_size = args.batch_size or 1
 
     docs = D.load_documents(
         args.dataset,
@@ -318,6 +338,51 @@ def main(argv: list[str] | None = None) -> dict:
     report["plot"] = plot(report, png)
     out.write_text(json.dumps(report, indent=1))
     print(f"evaluation: {out}  plot: {png}")
+    return report
+
+
+def main_mqar(args: argparse.Namespace) -> dict:
+    """``--task mqar``: each model's accuracy and loss per (length, pairs) cell, into ``--output``."""
+    from transformers import AutoModelForCausalLM
+
+    import modeling_bst  # noqa: F401  (registers model_type "bst")
+
+    lengths = args.lengths or [256]
+    batch_size = args.batch_size or 32
+    report = {
+        "task": "mqar",
+        "settings": {
+            "lengths": lengths,
+            "num_pairs": args.num_pairs,
+            "gap": args.gap,
+            "num_keys": args.num_keys,
+            "num_values": args.num_values,
+            "examples": args.examples,
+            "seed": args.seed,
+            "dtype": args.dtype,
+            "device": args.device,
+        },
+        "models": [],
+    }
+    for path in args.model:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).to(args.device)
+        results = MQ.evaluate_model(
+            model, lengths, args.num_pairs, args.gap, args.num_keys, args.num_values, args.examples, args.seed,
+            batch_size,
+        )  # fmt: skip
+        for row in results:
+            shown = f"accuracy {row['accuracy']:.4f}  loss {row['loss']:.4f}" if "accuracy" in row else row["error"]
+            print(f"{path}: L={row['length']} N={row['num_pairs']} gap {row['gap']}: {shown}")
+        name = Path(path).name if Path(path).name != "final" else Path(path).parent.name
+        report["models"].append(
+            {"name": name, "path": str(path), "parameters": sum(p.numel() for p in model.parameters()),
+             "results": results}
+        )  # fmt: skip
+        del model
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"evaluation: {out}")
     return report
 
 

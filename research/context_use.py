@@ -1,6 +1,6 @@
 """How much a trained BST uses its SSM context states (issue #13: explaining where a variant departs from the paper).
 
-    python -m experiments.context_use RUN_DIR [RUN_DIR ...] --corpus books --length 2048
+    python -m research.context_use RUN_DIR [RUN_DIR ...] --corpus books --length 2048
 
 Each run's final model scores the test books (the first ``--eval_tokens`` of each, in windows of ``--length`` tokens)
 four times:
@@ -33,10 +33,11 @@ from pathlib import Path
 
 import torch
 
-from experiments import lm_quality as Q
+from research import common
+from research import lm_common as LM
 
 
-ROOT = Q.ROOT
+ROOT = common.ROOT
 MODES = ("normal", "shuffled", "other_book", "zeroed")
 
 
@@ -132,7 +133,7 @@ def measure(run_dir: Path, corpus: str, length: int, batch: int, eval_tokens: in
     model = BSTForCausalLM.from_pretrained(model_dir).eval()
     tokenizer = D.load_tokenizer(str(model_dir))
     books = [(r.get("title") or f"book {i}", r["text"]) for i, r in enumerate(
-        D.load_documents("pg19", "test", path=str(Q.WORK / "data" / corpus)))]  # fmt: skip
+        D.load_documents("pg19", "test", path=str(LM.WORK / "data" / corpus)))]  # fmt: skip
     windows = _windows(tokenizer, books, length, eval_tokens)
     if len({len(w) for _, w in windows.values()}) > 1:
         raise ValueError(f"the test books give different window counts {[len(w) for _, w in windows.values()]}; "
@@ -183,7 +184,7 @@ def report(record: dict, docs: Path | None) -> str:
         f"{record['eval_tokens']} tokens of each) in windows of L={record['length']}, {record['batch']} consecutive "
         "windows a batch, with every BST layer's context states as trained, taken from the next window of the same book "
         "(shuffled), from a window of the other test book (other book), or with zero values (zeroed). Record: "
-        f"`{record['out']}`, with the exact command; `python -m experiments.context_use RUN_DIR ...` reruns it.",
+        f"`{record['out']}`, with the exact command; `python -m research.context_use RUN_DIR ...` reruns it.",
         "",
     ]
     rows = [r for r in record["rows"] if r.get("bst_layers")]
@@ -221,8 +222,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--length", type=int, default=2048)
     p.add_argument("--batch", type=int, default=4, help="windows a batch (shuffled mode rolls the states over it)")
     p.add_argument("--eval_tokens", type=int, default=65536, help="scored tokens per test book")
-    p.add_argument("--out", default=str(ROOT / "docs" / "results" / "context_use_books.json"))
-    p.add_argument("--docs", default=str(ROOT / "docs" / "results.md"), help="'' to skip the docs section")
+    p.add_argument("--out", default=str(common.RESULTS / "context_use_books.json"))
+    p.add_argument("--docs", default=str(common.DOCS), help="'' to skip the docs section")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument(
         "--replace",
@@ -242,12 +243,11 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(measure(d, args.corpus, args.length, args.batch, args.eval_tokens))
     out = Path(args.out)
     rel = out.resolve().relative_to(ROOT).as_posix() if out.resolve().is_relative_to(ROOT) else str(out)
-    from experiments.lm_long import _commit
 
-    command = "python -m experiments.context_use " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m research.context_use " + " ".join(sys.argv[1:] if argv is None else argv)
     record = {
         "corpus": args.corpus, "length": args.length, "batch": args.batch, "eval_tokens": args.eval_tokens,
-        "command": command, "commit": _commit(), "out": rel, "rows": rows,
+        "command": command, "commit": common.source_commit(), "out": rel, "rows": rows,
     }  # fmt: skip
     if out.exists() and not args.replace:
         try:

@@ -1,7 +1,7 @@
 """Long-range recall: a key at the start of a sequence must be recalled at its end, more than 2W tokens later.
 
 Block attention sees at most the W previous tokens (two blocks), so a Slide model cannot solve it; a BST layer's
-SSM carries the key to the end through the context states. Run ``python -m experiments.long_range_recall`` for a
+SSM carries the key to the end through the context states. Run ``python -m research.long_range_recall`` for a
 table over distances; ``tests/test_recall.py`` runs one small case.
 """
 
@@ -13,7 +13,7 @@ import torch
 
 import modeling_bst  # noqa: F401
 from modeling_bst import BSTConfig, BSTForCausalLM
-from training.optim import parameter_groups
+from training.optim import decay_everything, parameter_groups
 
 
 NUM_KEYS, NUM_FILLERS = 8, 8
@@ -52,7 +52,7 @@ def train_and_eval(bst: bool, length: int = 48, block_len: int = 8, steps: int =
     )
     model = BSTForCausalLM(config)
     # SSM parameters without weight decay, everything else (1-D parameters included) with AdamW's default 0.01; one lr
-    groups = parameter_groups(model, lr, 0.01, ssm_lr=lr, no_decay=lambda name, p: False)
+    groups = parameter_groups(model, lr, 0.01, ssm_lr=lr, no_decay=decay_everything)
     optimizer = torch.optim.AdamW(groups, lr=lr)
     generator = torch.Generator().manual_seed(seed)
     for _ in range(steps):
@@ -74,7 +74,7 @@ def main():
     parser.add_argument("--block-len", type=int, default=8)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seeds", type=int, default=2)
-    parser.add_argument("--output", default="docs/results/long_range_recall.json")
+    parser.add_argument("--output", default="research/results/long_range_recall.json")
     args = parser.parse_args()
     rows = []
     print(f"{'length':>6} {'distance/2W':>11} {'model':>6} {'seed':>4} {'accuracy':>8} {'seconds':>7}")

@@ -1,15 +1,15 @@
 """How an SSM's filters look beyond the attention window (issue #13: why BST:SH:unstruct stays at chance on MQAR).
 
-    python -m experiments.filter_shape                                   # MQAR's BST models at initialisation
-    python -m experiments.filter_shape --models bst-sh-unstruct --set unstruct_sin_freq=1
-    python -m experiments.filter_shape --checkpoint RUN.ckpt.safetensors --models bst-sh-unstruct --set ...
+    python -m research.filter_shape                                   # MQAR's BST models at initialisation
+    python -m research.filter_shape --models bst-sh-unstruct --set unstruct_sin_freq=1
+    python -m research.filter_shape --checkpoint RUN.ckpt.safetensors --models bst-sh-unstruct --set ...
 
 A BST layer's context state at a block boundary is the SSM output there: ``sum_l k[c, l] * z[t - l]`` per channel
 ``c``. For a model to read a key-value pair from ``l`` tokens back, where the query's distance to its pair varies from
 sequence to sequence, the filter ``k[c, l]`` must weigh the pair alike over the range of distances: a filter that
 changes sign from one lag to the next adds the pair with a sign that depends on where the query happens to fall.
 
-For every BST layer of each model (built as ``experiments.mqar`` builds it: width, depth, W, length, vocabulary and
+For every BST layer of each model (built as ``research.mqar`` builds it: width, depth, W, length, vocabulary and
 ``--set`` overrides), this prints per layer the median over its filter channels, over lags ``--from-lag`` .. L-1
 (default: the Slide receptive field ``layers x W``, where MQAR's pairs lie):
 
@@ -32,7 +32,7 @@ For every BST layer of each model (built as ``experiments.mqar`` builds it: widt
   query slots (filler up to each query's read position): what the read position alone accounts for.
 
 Weights are those at initialisation (seed ``--seed``: the seed MQAR's runs use), or those of an MQAR checkpoint
-(``--checkpoint``, a ``<run>.ckpt.safetensors`` that ``experiments.mqar`` keeps while a run is in progress; its one
+(``--checkpoint``, a ``<run>.ckpt.safetensors`` that ``research.mqar`` keeps while a run is in progress; its one
 model must be given with the run's ``--set``).
 """
 
@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from experiments import mqar
+from research import mqar
 
 
 def layer_taps(module: torch.nn.Module, length: int) -> torch.Tensor:
@@ -168,7 +168,7 @@ def position_share(net, ids: torch.Tensor, query_pos: torch.Tensor, num_pairs: i
 
 
 def load_weights(net, checkpoint: Path) -> None:
-    """The model weights of an ``experiments.mqar`` checkpoint (saved under ``model.``) into ``net``."""
+    """The model weights of an ``research.mqar`` checkpoint (saved under ``model.``) into ``net``."""
     from safetensors import safe_open
 
     from training.convert_checkpoint import current_name
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     mqar.add_model_arguments(p)
     p.add_argument("--from-lag", type=int, default=None, help="first lag looked at (default: layers x W)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint", type=Path, default=None, help="an experiments.mqar run checkpoint (one model)")
+    p.add_argument("--checkpoint", type=Path, default=None, help="a research.mqar run checkpoint (one model)")
     p.add_argument("--pairs", type=int, default=8, help="key-value pairs of the gradient batch")
     p.add_argument("--batch-size", type=int, default=mqar.BATCH, help="sequences of the gradient batch")
     args = p.parse_args(argv)

@@ -1,7 +1,7 @@
 """Where one language model beats another, token by token (issue #13: is BST's gain on *Sherlock Holmes* about the
 book's layout, its content, or both?).
 
-``dump`` scores a trained model on the held-out books of a corpus exactly as ``experiments.lm_long books`` does (each
+``dump`` scores a trained model on the held-out books of a corpus exactly as ``research.lm_long books`` does (each
 book's first ``--eval_tokens`` tokens, non-overlapping windows of ``--length`` tokens, the first token of each window
 with no context but the window) and keeps every token's loss: a small safetensors file (int32 ids and float32 losses
 per book, ~0.5 MB per book at 65,536 tokens) that travels back from an accelerator machine where the models cannot.
@@ -18,8 +18,8 @@ the sum over the classes of each split is the whole difference:
 Bits per byte use each book's UTF-8 bytes, as ``training.evaluate`` does; per-class numbers are nats per token and
 each class's share of the whole difference.
 
-    python -m experiments.token_losses dump RUN/final --corpus books --length 512 8192 --out slide-L{length}.safetensors
-    python -m experiments.token_losses compare slide.safetensors bst.safetensors --book sherlock-holmes
+    python -m research.token_losses dump RUN/final --corpus books --length 512 8192 --out slide-L{length}.safetensors
+    python -m research.token_losses compare slide.safetensors bst.safetensors --book sherlock-holmes
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from research import common
 
 
 FORMAT = "bst-token-losses-1"
@@ -75,8 +77,8 @@ def dump(model_dir: Path, corpus: str, lengths: list[int], eval_tokens: int, out
     per byte)."""
     from safetensors.torch import save_file
 
-    from experiments import lm_long
     from modeling_bst import BSTForCausalLM
+    from research import lm_long
     from training import data as D
     from training.evaluate import scored_document
 
@@ -105,7 +107,7 @@ def dump(model_dir: Path, corpus: str, lengths: list[int], eval_tokens: int, out
             "eval_tokens": eval_tokens,
             "block_len": model.config.block_len,
             "layer_types": list(model.config.layer_types),
-            "commit": lm_long._commit(),
+            "commit": common.source_commit(),
             "books": rows,
         }
         path = Path(out.format(length=length))

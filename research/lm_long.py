@@ -1,19 +1,19 @@
 """The long-run language-modelling comparison (issue #13): every model family on every public-domain book, 10M tokens.
 
-The same recipe as ``experiments.lm_quality`` (``configs/train/quality-cpu.yaml``: D=128, 4 layers, W=64, L=512, so
+The same recipe as ``research.lm_quality`` (``configs/train/quality-cpu.yaml``: D=128, 4 layers, W=64, L=512, so
 L/W = 8 as in the paper; 4 x 512 tokens a step, lr 5e-3 cosine) trained for 5,000 steps = 10.24M tokens on the
 ``allbooks`` corpus (every book in ``../shared/data/books`` and ``more-books``; held-out whole books for test), with
 checkpoints every 500 steps that serve both exact resumption and the learning curve (test bits per byte at the
 training length against tokens seen). Transformer-XL trains on segments of its window (256 tokens, 8 a step: the
 same tokens per step) with the previous segment's cache detached; BRecT streams 512-token segments.
 
-    python -m experiments.lm_quality prepare --corpora allbooks
-    python -m experiments.lm_quality long --models slide bst-sh-s4 --seeds 0 1 --jobs 2
-    python -m experiments.lm_quality long-report
-    python -m experiments.lm_quality long-select   # early stopping + per-book scores for records made before them
+    python -m research.lm_quality prepare --corpora allbooks
+    python -m research.lm_quality long --models slide bst-sh-s4 --seeds 0 1 --jobs 2
+    python -m research.lm_quality long-report
+    python -m research.lm_quality long-select   # early stopping + per-book scores for records made before them
 
 A run is a folder ``runs/lm_quality/long/allbooks/<model>-s<seed>`` (gitignored; killed runs resume from their last
-complete checkpoint when started again) and, once evaluated, a record ``docs/results/lm_long/<model>-s<seed>.json``
+complete checkpoint when started again) and, once evaluated, a record ``research/results/lm_long/<model>-s<seed>.json``
 (commands, commit, training curve, learning curve, length generalisation) that the report reads.
 """
 
@@ -31,10 +31,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from experiments import lm_quality as Q
+from research import common
+from research import lm_common as LM
 
 
-ROOT = Q.ROOT
+ROOT = common.ROOT
 CORPUS = "allbooks"
 # bst-mf-s4-indep is the paper's BST:MF with one change, one SSM per filter (mf_independent_filters=True): at CPU
 # scale two of its three seeds beat Slide and the third trailed it (docs/results.md, issue #13); the accelerator
@@ -60,7 +61,7 @@ class Protocol:
     layer_stride: int = 1  # layer i of a 4-layer tiny preset becomes layer i * stride
     xl_window: int = 256  # Transformer-XL trains on segments of its window (its block_len)
     description: str = ""
-    out: Path | None = None  # somewhere else than the repository's docs/ and runs/ (dry runs)
+    out: Path | None = None  # somewhere else than the repository's research/results/, docs/ and runs/ (dry runs)
     corpus: str = CORPUS  # "books" (without the Treasury of David): the corpus ablation
 
     @property
@@ -73,16 +74,15 @@ class Protocol:
 
     @property
     def results(self) -> Path:
-        docs = self.out / "docs" if self.out is not None else ROOT / "docs"
-        return docs / "results" / self.section
+        return (self.out if self.out is not None else ROOT) / "research" / "results" / self.section
 
     @property
     def docs(self) -> Path:
-        return (self.out / "docs" if self.out is not None else ROOT / "docs") / "results.md"
+        return self.out / "docs" / "results.md" if self.out is not None else common.DOCS
 
     @property
     def work(self) -> Path:
-        work = self.out / "runs" if self.out is not None else Q.WORK
+        work = self.out / "runs" if self.out is not None else LM.WORK
         return work / ("long" if self.name == "cpu" else f"long-{self.name}") / self.corpus
 
     @property
@@ -94,7 +94,7 @@ class Protocol:
         """Config overrides turning the model's tiny preset into this scale's model."""
         if not self.size and model != "trsf-xl":
             return {}
-        preset = json.loads((ROOT / "configs" / "models" / f"{Q.MODELS[model][0]}.json").read_text())
+        preset = json.loads((ROOT / "configs" / "models" / f"{LM.MODELS[model][0]}.json").read_text())
         out = dict(self.size)
         n = out.get("num_hidden_layers", preset["num_hidden_layers"])
         for key in LAYER_INDEX_FIELDS:
@@ -112,7 +112,7 @@ class Protocol:
 
 
 # The CPU protocol: the tiny presets (D=128, 4 layers, W=64) at L=512 (L/W = 8 as in the paper), 4 x 512 tokens a
-# step, 5,000 steps = 10.24M tokens; its records are docs/results/lm_long/*.json.
+# step, 5,000 steps = 10.24M tokens; its records are research/results/lm_long/*.json.
 CPU = Protocol(
     name="cpu",
     steps=5000,
@@ -126,7 +126,7 @@ CPU = Protocol(
 )
 # The accelerator protocol (issue #13 part 3): D=512, 8 layers, W=128 (~25-30M parameters with the 4,096-token BPE),
 # L=1024 (L/W = 8), 16 x 1024 tokens a step, 2,000 steps = 33M tokens (~5 passes over the 6.3M-token training split),
-# bf16; Transformer-XL with a 512-token window. Its records are docs/results/lm_long_gpu/*.json.
+# bf16; Transformer-XL with a 512-token window. Its records are research/results/lm_long_gpu/*.json.
 GPU = Protocol(
     name="gpu",
     steps=2000,
@@ -159,7 +159,7 @@ CURVE_LENGTH, EVAL_TOKENS, RESULTS, WORK = CPU.curve_length, CPU.eval_tokens, CP
 def label(model: str, proto: Protocol = CPU) -> str:
     """The model's name in tables, with this protocol's depth (the tiny presets' Slide:4L is Slide:8L at GPU scale)."""
     layers = proto.size.get("num_hidden_layers")
-    return Q.LABELS[model].replace(":4L", f":{layers}L") if layers else Q.LABELS[model]
+    return LM.LABELS[model].replace(":4L", f":{layers}L") if layers else LM.LABELS[model]
 
 
 def run_dir(model: str, seed: int, proto: Protocol = CPU) -> Path:
@@ -168,21 +168,6 @@ def run_dir(model: str, seed: int, proto: Protocol = CPU) -> Path:
 
 def record_path(model: str, seed: int, proto: Protocol = CPU) -> Path:
     return proto.results / f"{model}-s{seed}.json"
-
-
-def _commit() -> str:
-    """The source commit (``+dirty`` with local changes to the code), or ``$BST_SOURCE_COMMIT`` where it is set: a
-    copy of the tree sent to an accelerator machine may carry no git metadata, or stale metadata (the device tool's
-    copy reported the session's first commit with the later commits' changes as local edits)."""
-    if os.environ.get("BST_SOURCE_COMMIT"):
-        return os.environ["BST_SOURCE_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "modeling_bst", "training", "experiments"],
-                               cwd=ROOT, capture_output=True, text=True).stdout.strip()  # fmt: skip
-        return out.stdout.strip() + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _cpu() -> str:
@@ -194,7 +179,7 @@ def _cpu() -> str:
 def train_command(
     model: str, seed: int, steps: int, bf16: bool, proto: Protocol = CPU, device: str | None = None
 ) -> list[str]:
-    preset, extra = Q.MODELS[model]
+    preset, extra = LM.MODELS[model]
     extra = list(extra)
     for flag in ("--seq_len", "--per_device_train_batch_size"):  # this protocol sets the segment shape
         if flag in extra:
@@ -212,9 +197,9 @@ def train_command(
     else:
         seq_len, batch = proto.seq_len, proto.batch
     cmd = [
-        sys.executable, "-m", "training.train", "--config", str(Q.RECIPE), "--model_config", preset,
-        "--tokenizer", str(Q.WORK / "tokenizers" / proto.corpus), "--dataset", Q.KIND[proto.corpus],
-        "--dataset_path", str(Q.WORK / "data" / proto.corpus), "--output_dir", str(run_dir(model, seed, proto)),
+        sys.executable, "-m", "training.train", "--config", str(LM.RECIPE), "--model_config", preset,
+        "--tokenizer", str(LM.WORK / "tokenizers" / proto.corpus), "--dataset", LM.KIND[proto.corpus],
+        "--dataset_path", str(LM.WORK / "data" / proto.corpus), "--output_dir", str(run_dir(model, seed, proto)),
         "--seed", str(seed), "--max_steps", str(steps), "--seq_len", str(seq_len),
         "--per_device_train_batch_size", str(batch), "--save_strategy", "steps",
         "--save_steps", str(min(proto.save_every, steps)), "--logging_steps", str(min(100, steps)),
@@ -243,7 +228,7 @@ def eval_command(
     d = run or run_dir(model, seed, proto)
     cmd = [
         sys.executable, "-m", "training.evaluate", "--model", str(checkpoint or d / "final"),
-        "--dataset", Q.KIND[proto.corpus], "--dataset_path", str(Q.WORK / "data" / proto.corpus), "--split", "test",
+        "--dataset", LM.KIND[proto.corpus], "--dataset_path", str(LM.WORK / "data" / proto.corpus), "--split", "test",
         "--max_tokens_per_doc", str(eval_tokens or proto.eval_tokens), "--lengths", *map(str, proto.lengths),
         "--output", str(d / output),
     ]  # fmt: skip
@@ -272,7 +257,7 @@ def learning_curve(
     torch.set_num_threads(1)
     cache_path = model_dir / ("curve.json" if split == "test" else f"curve_{split}.json")
     points = {p["step"]: p for p in json.loads(cache_path.read_text())} if cache_path.exists() else {}
-    texts = list(D.texts_of(D.load_documents("pg19", split, path=str(Q.WORK / "data" / corpus))))
+    texts = list(D.texts_of(D.load_documents("pg19", split, path=str(LM.WORK / "data" / corpus))))
     summary = json.loads((model_dir / "train_summary.json").read_text())
     tokens_per_step = summary["seq_len"] * summary["train_batch_size"]
     for ckpt in complete_checkpoints(str(model_dir)):
@@ -374,7 +359,7 @@ def select_checkpoint(
     ``per_book``, ``selection_commands`` and ``selection_commit``. Each step is cached in the run folder."""
     d = run or run_dir(model, seed, proto)
     n_val = validation_tokens(eval_tokens or proto.eval_tokens)
-    curve_cmd = [sys.executable, "-m", "experiments.lm_long", "curve", str(d), "--split", "validation",
+    curve_cmd = [sys.executable, "-m", "research.lm_long", "curve", str(d), "--split", "validation",
                  "--length", str(proto.curve_length), "--eval_tokens", str(n_val), "--device", device,
                  "--corpus", proto.corpus]  # fmt: skip
 
@@ -398,7 +383,7 @@ def select_checkpoint(
             call(eval_cmd)
     entry = json.loads(out.read_text())["models"][0]
     books_out = d / "per_book.json"
-    books_cmd = [sys.executable, "-m", "experiments.lm_long", "books", str(ckpt), "--output", str(books_out),
+    books_cmd = [sys.executable, "-m", "research.lm_long", "books", str(ckpt), "--output", str(books_out),
                  "--lengths", str(proto.seq_len), str(max(proto.lengths)), "--eval_tokens",
                  str(eval_tokens or proto.eval_tokens), "--device", device, "--corpus", proto.corpus]  # fmt: skip
     call(books_cmd)  # scores only the books that per_book.json lacks for this checkpoint
@@ -408,7 +393,7 @@ def select_checkpoint(
         "selected_results": entry["results"],
         "per_book": json.loads(books_out.read_text())["books"],
         "selection_commands": [" ".join(c[1:]) for c in (curve_cmd, eval_cmd, books_cmd)],
-        "selection_commit": _commit(),
+        "selection_commit": common.source_commit(),
     }
 
 
@@ -424,10 +409,10 @@ def _scored_books(corpus: str):
     from training import data as D
 
     def rows(name: str, split: str):
-        path = Q.WORK / "data" / name
+        path = LM.WORK / "data" / name
         if not path.is_dir():
             raise FileNotFoundError(
-                f"{path} is missing: build it with `python -m experiments.lm_quality prepare --corpora {name}`"
+                f"{path} is missing: build it with `python -m research.lm_quality prepare --corpora {name}`"
             )
         for row in D.load_documents("pg19", split, path=str(path)):
             yield row.get("title") or row.get("short_book_title"), row["text"]
@@ -532,7 +517,7 @@ def run_long(
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     train_cmd = train_command(model, seed, steps, bf16, proto, device) + list(train_args or [])
     eval_cmd = eval_command(model, seed, proto, device, eval_tokens)
-    curve_cmd = [sys.executable, "-m", "experiments.lm_long", "curve", str(d), "--length", str(proto.curve_length),
+    curve_cmd = [sys.executable, "-m", "research.lm_long", "curve", str(d), "--length", str(proto.curve_length),
                  "--eval_tokens", str(eval_tokens or proto.eval_tokens), "--device", device, "--corpus", proto.corpus]  # fmt: skip
     log_dir = proto.work.parent.parent / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -556,14 +541,14 @@ def run_long(
         "corpus": proto.corpus,
         "model": model,
         "label": label(model, proto),
-        "preset": Q.MODELS[model][0],
+        "preset": LM.MODELS[model][0],
         "seed": seed,
         "protocol": proto.name,
         "steps": steps,
         "tokens": steps * proto.tokens_per_step,
         "bf16": bf16,
         "device": torch.cuda.get_device_name() if device.startswith("cuda") else f"CPU ({_cpu()})",
-        "commit": _commit(),
+        "commit": common.source_commit(),
         "parameters": entry["parameters"],
         "vocab_size": entry["vocab_size"],
         "train_loss": train_losses,
@@ -608,7 +593,7 @@ def load_records(results_dir: Path = RESULTS) -> list[dict]:
 
 
 def _bpb(record: dict, length: int, key: str = "results") -> float | None:
-    return Q._at({"results": record.get(key) or []}, length, "bits_per_byte")
+    return LM.at({"results": record.get(key) or []}, length, "bits_per_byte")
 
 
 def summarise(records: list[dict], lengths=CPU.lengths, key: str = "results") -> dict[str, dict]:
@@ -625,7 +610,7 @@ def summarise(records: list[dict], lengths=CPU.lengths, key: str = "results") ->
         row["selected_steps"] = [r.get("selected_step") for r in sorted(rs, key=lambda r: r["seed"])]
         for n in lengths:
             vals = [v for v in (_bpb(r, n, key) for r in rs) if v is not None]
-            ppls = [v for v in (Q._at({"results": r[key]}, n, "ppl_token") for r in rs) if v is not None]
+            ppls = [v for v in (LM.at({"results": r[key]}, n, "ppl_token") for r in rs) if v is not None]
             if vals:
                 row["lengths"][n] = {
                     "bpb_mean": sum(vals) / len(vals),
@@ -642,23 +627,35 @@ def plot(records: list[dict], path: Path, proto: Protocol = CPU) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    from research import plots
 
     selected = [r for r in records if r.get("validation_curve")]
     fig, axes = plt.subplots(1, 3 if selected else 2, figsize=(16.5 if selected else 11, 4.2))
     ax1, ax2 = axes[0], axes[1]
-    colours = {}
+    seeds: dict[str, list[int]] = {}
+    for r in records:
+        seeds.setdefault(r["model"], []).append(r["seed"])
     for r in sorted(records, key=lambda r: (r["model"], r["seed"])):
-        c = colours.setdefault(r["model"], f"C{len(colours)}")
-        style = "-" if r["model"].startswith("bst") else "--"
-        name = f"{r['label']} s{r['seed']}"
+        model = r["model"]
+        c, style = plots.colour(model), plots.linestyle(model)
+        first = r["seed"] == min(seeds[model])  # one legend entry per model, its seeds in one colour
+        n = len(seeds[model])
+        name = (
+            (f"{label(model, proto)} ({n} seeds)" if n > 1 else f"{label(model, proto)} s{r['seed']}")
+            if first
+            else None
+        )
+        alpha = 1.0 if first else 0.6
         per_step = r["tokens"] / r["steps"]  # records before train_tokens existed: from the step
         pts = [(p["step"] * per_step / 1e6, p["bits_per_byte"]) for p in r["learning_curve"]]
-        ax1.plot(*zip(*pts), style, color=c, marker=".", label=name, alpha=1.0 if r["seed"] == 0 else 0.6)
+        ax1.plot(*zip(*pts), style, color=c, marker=".", label=name, alpha=alpha)
         gen = [(n, _bpb(r, n)) for n in proto.lengths if _bpb(r, n) is not None]
-        ax2.plot(*zip(*gen), style, color=c, marker="o", label=name, alpha=1.0 if r["seed"] == 0 else 0.6)
+        ax2.plot(*zip(*gen), style, color=c, marker=plots.marker(model), label=name, alpha=alpha)
         if r.get("validation_curve"):
             val = [(p["step"] * per_step / 1e6, p["bits_per_byte"]) for p in r["validation_curve"]]
-            axes[2].plot(*zip(*val), style, color=c, marker=".", alpha=1.0 if r["seed"] == 0 else 0.6)
+            axes[2].plot(*zip(*val), style, color=c, marker=".", alpha=alpha)
             best = next(p for p in r["validation_curve"] if p["step"] == r["selected_step"])
             axes[2].plot(best["step"] * per_step / 1e6, best["bits_per_byte"], "*", color=c, markersize=11)
     if selected:
@@ -675,14 +672,16 @@ def plot(records: list[dict], path: Path, proto: Protocol = CPU) -> None:
     hi = max(p["bits_per_byte"] for r in records for p in r["learning_curve"][len(r["learning_curve"]) // 3 :])
     ax1.set_ylim(lo - 0.02, hi + 0.05)  # the last two thirds of training, where the models separate
     ax2.set_xscale("log", base=2)
+    ax2.xaxis.set_major_locator(FixedLocator(list(proto.lengths)))
+    ax2.xaxis.set_minor_locator(NullLocator())
+    ax2.set_xticklabels([str(n) for n in proto.lengths])
     ax2.set_xlabel(f"evaluation length (tokens; trained at {proto.seq_len})")
     ax2.set_ylabel("test bits per byte")
     ax2.set_title("length generalisation (paper Fig. 5)")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
-    # One legend for all panels, right of them, so that it never covers a curve (there are ~20 runs).
-    handles, labels = ax2.get_legend_handles_labels()
-    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=7, frameon=False)
+    # One legend for all panels, right of them, so that it never covers a curve (there are ~20 models).
+    plots.figure_legend(fig, [ax1, ax2])
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
@@ -727,7 +726,7 @@ def _table(summary: dict, lengths, L: int, steps: bool = False, proto: Protocol 
 def _book_bpb(record: dict, title: str, length: int) -> float | None:
     for book in record.get("per_book") or []:
         if book["title"] == title:
-            return Q._at(book, length, "bits_per_byte")
+            return LM.at(book, length, "bits_per_byte")
     return None
 
 
@@ -765,9 +764,9 @@ def report(results_dir: Path | None = None, docs: Path | None | str = "default",
     docs = proto.docs if docs == "default" else docs
     records = load_records(results_dir or proto.results)
     if not records:
-        raise SystemExit(f"no records under {results_dir}; run `python -m experiments.lm_quality long` first")
-    docs_dir = (docs or ROOT / "docs" / "results.md").parent
-    png = docs_dir / "results" / f"{proto.section}.png"
+        raise SystemExit(f"no records under {results_dir}; run `python -m research.lm_quality long` first")
+    docs_dir = (docs or common.DOCS).parent
+    png = common.plot_path(docs or common.DOCS, proto.section)
     if docs is not None:
         plot(records, png, proto)
     lengths, L, r0 = proto.lengths, proto.seq_len, records[0]
@@ -815,7 +814,7 @@ def report(results_dir: Path | None = None, docs: Path | None | str = "default",
             f"the `{proto.corpus}` corpus with `configs/train/quality-cpu.yaml`; test: {r0['dataset'].get('documents', '?')} "
             f"held-out books, first {r0['dataset'].get('max_tokens_per_doc')} tokens of each, scored in windows of L "
             f"tokens. Machine: {machine}. ± is half the spread between seeds; percentages compare the mean bits per "
-            f"byte with Slide's. Records (commands, commit, curves): `{res}/*.json`; rerun one with `python -m experiments.lm_quality {rerun} --models M --seeds S`.",
+            f"byte with Slide's. Records (commands, commit, curves): `{res}/*.json`; rerun one with `python -m research.lm_quality {rerun} --models M --seeds S`.",
             "",
             *lines,
             *(
@@ -824,7 +823,7 @@ def report(results_dir: Path | None = None, docs: Path | None | str = "default",
                     "The same runs at the checkpoint with the lowest validation bits per byte (early stopping: the "
                     f"validation book, first {n_val} tokens, at L={L}, every {proto.save_every} steps; "
                     "`selected steps` gives each seed's step), scored on the same test tokens "
-                    "(`python -m experiments.lm_quality long-select` adds this to finished records):",
+                    "(`python -m research.lm_quality long-select` adds this to finished records):",
                     "",
                     *selected_lines,
                 ]

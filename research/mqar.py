@@ -5,7 +5,9 @@ MQAR (the "Zoology" study of attention vs gated convolutions / SSMs) asks a mode
 seen earlier in the sequence. Here every query lies beyond the receptive field of the Slide stack from its pair, so
 block attention alone cannot solve it; the SSM / recurrent / GSS paths must carry the pairs.
 
-Sequence format (``make_batch``; length L, N pairs, gap G; vocabulary ``[FILLER, keys..., values...]``)::
+Sequence format (``training.tasks.mqar``: the generator ``make_batch`` and the scorer, which
+``python -m training.evaluate --task mqar`` uses on a saved model; length L, N pairs, gap G; vocabulary
+``[FILLER, keys..., values...]``)::
 
     position  0 .. 2N-1       : k_1 v_1 k_2 v_2 ... k_N v_N      (N distinct keys, values drawn with replacement)
     position  2N .. 2N+G-1    : FILLER                           (the gap)
@@ -57,15 +59,15 @@ accuracy as an uninterrupted run: ``tests/test_mqar.py``) and deletes the checkp
 256: ~2.3 s per step on a loaded Intel Xeon core, ~4 h per run) has its checkpoint committed when it stops (0.9-1.8
 MB; a safetensors file of tensors only, nothing unpickled), so that a fresh clone continues it with the same
 command; the commit that adds the run's JSON deletes it. One run per (model, length, pairs, budget, seed) writes
-``docs/results/mqar/<model>-L<length>-N<pairs>-<steps>x<batch>-s<seed>.json`` with the command, git commit and a
+``research/results/mqar/<model>-L<length>-N<pairs>-<steps>x<batch>-s<seed>.json`` with the command, git commit and a
 SHA-256 of the final weights. Runs whose JSON exists are skipped, so the same command resumes or extends a grid::
 
-    python -m experiments.mqar                               # --grid first: L = 256, N = 8, every model, then the report
-    python -m experiments.mqar --grid sweep                  # lengths 256-2048 at N = 8 and N = 4-32 at L = 256
-    python -m experiments.mqar --models attention slide bst-sh-s4 --deadline-minutes 170   # part of a grid per sitting
-    python -m experiments.mqar --report-only                 # tables + plot into docs/results.md (``mqar``)
-    python -m experiments.mqar --models bst-sh-unstruct --set unstruct_sin_freq=1   # an ablation: its own row
-    python -m experiments.mqar --models bst-sh-s4 --lengths 2048 --curriculum 256 1500   # short sequences first
+    python -m research.mqar                               # --grid first: L = 256, N = 8, every model, then the report
+    python -m research.mqar --grid sweep                  # lengths 256-2048 at N = 8 and N = 4-32 at L = 256
+    python -m research.mqar --models attention slide bst-sh-s4 --deadline-minutes 170   # part of a grid per sitting
+    python -m research.mqar --report-only                 # tables + plot into docs/results.md (``mqar``)
+    python -m research.mqar --models bst-sh-unstruct --set unstruct_sin_freq=1   # an ablation: its own row
+    python -m research.mqar --models bst-sh-s4 --lengths 2048 --curriculum 256 1500   # short sequences first
 
 ``--curriculum LENGTH STEPS`` trains the first STEPS steps on sequences of LENGTH (the same pairs and gap, so the
 queries lie closer to their pairs) and the rest at the run's length; like an ablation, it is a run, a name
@@ -81,12 +83,12 @@ are refused, as are fields BSTConfig does not have and HF Mamba (whose config is
 Records name their machine (``settings.device`` and ``device_name``: the GPU's name on CUDA). Run names do not say
 the machine or the number of keys, so another protocol keeps its records in its own folder and its report in its own
 section: ``--section NAME`` writes the report into section NAME of ``--docs`` (default docs/results.md) and the plot
-to ``results/NAME.png`` beside it. The accelerator protocol, ``bash experiments/gpu_quality.sh --mqar``, runs the ``gpu``
+to ``results/NAME.png`` beside it. The accelerator protocol, ``bash research/gpu_quality.sh --mqar``, runs the ``gpu``
 grid (lengths 256-2048 at N = 8, N = 4-64 at L = 512, 64 keys and 64 values, every model) on one GPU into
-``docs/results/mqar_gpu/`` and section ``mqar_gpu``::
+``research/results/mqar_gpu/`` and section ``mqar_gpu``::
 
-    python -m experiments.mqar --grid gpu --num-keys 64 --num-values 64 --device cuda \\
-        --output docs/results/mqar_gpu --section mqar_gpu      # what gpu_quality.sh --mqar runs
+    python -m research.mqar --grid gpu --num-keys 64 --num-values 64 --device cuda \\
+        --output research/results/mqar_gpu --section mqar_gpu      # what gpu_quality.sh --mqar runs
 """
 
 from __future__ import annotations
@@ -105,20 +107,28 @@ from pathlib import Path
 
 import torch
 
+from research import common
 from training import optim
+from training.tasks.mqar import (  # noqa: F401  (the task's generator and scorer, read from here by older callers)
+    FILLER,
+    check_layout,
+    held_out_generator,
+    make_batch,
+    vocab_size,
+)
+from training.tasks.mqar import score as evaluate
 
 
-ROOT = Path(__file__).resolve().parent.parent
-DOCS = ROOT / "docs" / "results.md"
-# The CPU protocol's records, docs/results.md section and plot (docs/results/<section>.png); the accelerator
-# protocol's (`bash experiments/gpu_quality.sh --mqar`) have their own: run names do not say num_keys or the machine.
+ROOT = common.ROOT
+DOCS = common.DOCS
+# The CPU protocol's records (research/results/<section>/), docs/results.md section and plot
+# (docs/results/<section>.png); the accelerator protocol's (`bash research/gpu_quality.sh --mqar`) have their own:
+# run names do not say num_keys or the machine.
 SECTION, GPU_SECTION = "mqar", "mqar_gpu"
-RESULTS = ROOT / "docs" / "results" / SECTION
-GPU_RESULTS = ROOT / "docs" / "results" / GPU_SECTION
-PNG = ROOT / "docs" / "results" / f"{SECTION}.png"
+RESULTS = common.RESULTS / SECTION
+GPU_RESULTS = common.RESULTS / GPU_SECTION
+PNG = common.PLOTS / f"{SECTION}.png"
 PRESETS = ROOT / "configs" / "models"
-
-FILLER = 0
 
 # name -> (label, preset under configs/models/ or None for HF Mamba); the reference first
 REFERENCE = "attention"  # the Slide preset with block_len = the sequence length: full causal attention
@@ -164,57 +174,6 @@ PROTOCOL_FIELDS = {
     "model_type": "--models",
     "architectures": "--models",
 }
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Data
-# --------------------------------------------------------------------------------------------------------------------
-def vocab_size(num_keys: int, num_values: int) -> int:
-    return 1 + num_keys + num_values
-
-
-def check_layout(length: int, num_pairs: int, gap: int, num_keys: int) -> None:
-    """ValueError unless ``num_pairs`` pairs, the gap and ``num_pairs`` query slots fit in ``length`` tokens."""
-    if num_pairs > num_keys:
-        raise ValueError(f"{num_pairs} pairs need at least as many keys (num_keys={num_keys})")
-    if (length - 2 * num_pairs - gap) // 2 < num_pairs:
-        raise ValueError(
-            f"length {length} too short for {num_pairs} pairs with gap {gap}: needs {4 * num_pairs + gap} tokens"
-        )
-
-
-def make_batch(
-    batch_size: int,
-    length: int,
-    num_pairs: int,
-    gap: int,
-    generator: torch.Generator,
-    num_keys: int = 64,
-    num_values: int = 64,
-):
-    """``(ids, labels, query_pos)``: MQAR sequences in the format of the module docstring.
-
-    ``query_pos`` `(B, N)` are the positions of the queried keys (their value follows at ``query_pos + 1``; the
-    pair of the key at ``query_pos[b, j]`` sits at positions ``2 i, 2 i + 1`` with ``ids[b, 2 i] == ids[b, q]``).
-    """
-    check_layout(length, num_pairs, gap, num_keys)
-    start = 2 * num_pairs + gap
-    slots = (length - start) // 2
-    b = batch_size
-    keys = torch.rand(b, num_keys, generator=generator).argsort(-1)[:, :num_pairs] + 1  # distinct per row
-    values = torch.randint(0, num_values, (b, num_pairs), generator=generator) + 1 + num_keys
-    ids = torch.full((b, length), FILLER, dtype=torch.long)
-    ids[:, 0 : 2 * num_pairs : 2] = keys
-    ids[:, 1 : 2 * num_pairs : 2] = values
-    slot = torch.rand(b, slots, generator=generator).argsort(-1)[:, :num_pairs]  # distinct slots per row
-    query_pos = start + 2 * slot
-    which = torch.rand(b, num_pairs, generator=generator).argsort(-1)  # the pair each slot asks for
-    rows = torch.arange(b)[:, None]
-    ids[rows, query_pos] = keys.gather(1, which)
-    ids[rows, query_pos + 1] = values.gather(1, which)
-    labels = torch.full_like(ids, -100)
-    labels[rows, query_pos + 1] = ids[rows, query_pos + 1]
-    return ids, labels, query_pos
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -358,24 +317,6 @@ def build_model(config: dict, model: str):
     return BSTForCausalLM(BSTConfig(**cfg))
 
 
-def parameter_groups(model, lr: float, weight_decay: float) -> list[dict]:
-    """AdamW groups (``training.optim.parameter_groups``): SSM parameters (BST's ``ssm_parameter_names``; Mamba's
-    A_log, D, dt bias as in its paper) at ``ssm_lr`` without weight decay; biases, norms and embeddings without
-    weight decay; the rest with it. Checkpoints index the AdamW state in this order: keep it."""
-    if hasattr(model, "ssm_parameter_names"):
-        ssm, ssm_lr = None, getattr(model.config, "ssm_lr", lr)
-        if ssm_lr is None:  # the config default since issue #33 (the main lr); the recorded runs used 1e-3
-            ssm_lr = MQAR_SSM_LR
-    else:
-        ssm = {n for n, _ in model.named_parameters() if n.endswith(("A_log", ".D", "dt_proj.bias"))}
-        ssm_lr = lr
-
-    def no_decay(name: str, p: torch.Tensor) -> bool:
-        return p.ndim < 2 or "norm" in name or "embed" in name
-
-    return optim.parameter_groups(model, lr, weight_decay, ssm_lr, ssm_names=ssm, no_decay=no_decay)
-
-
 def layout(config: dict, model: str) -> str:
     """A run's layer layout, one letter per layer: A (block) attention, B BST, R BRecT, G GSS, M Mamba."""
     if MODELS[model][1] is None:
@@ -478,25 +419,6 @@ def load_checkpoint(path: Path, net, optimizer, data: torch.Generator, identity:
 # --------------------------------------------------------------------------------------------------------------------
 # Training and evaluation
 # --------------------------------------------------------------------------------------------------------------------
-@torch.no_grad()
-def evaluate(model, ids: torch.Tensor, labels: torch.Tensor, batch_size: int = 32) -> tuple[float, float]:
-    """(accuracy, loss) over the scored positions: exact argmax match of every queried value."""
-    model.eval()
-    correct = total = 0
-    loss_sum = 0.0
-    for i in range(0, len(ids), batch_size):
-        x, y = ids[i : i + batch_size], labels[i : i + batch_size]
-        logits = model(x).logits[:, :-1].float()
-        target = y[:, 1:]
-        mask = target != -100
-        pred = logits.argmax(-1)
-        correct += (pred[mask] == target[mask]).sum().item()
-        total += mask.sum().item()
-        loss_sum += torch.nn.functional.cross_entropy(logits[mask], target[mask], reduction="sum").item()
-    model.train()
-    return correct / total, loss_sum / total
-
-
 def train_and_eval(
     model: str,
     length: int,
@@ -555,7 +477,13 @@ def train_and_eval(
     config = build_config(model, hidden, layers, block_len, length, vocab, overrides=overrides)
     net = build_model(config, model).to(device)
     net.train()
-    optimizer = torch.optim.AdamW(parameter_groups(net, lr, weight_decay), betas=(0.9, 0.98))
+    # SSM parameters (BST's ssm_parameter_names, HF Mamba's A_log, D, dt bias) at the config's ssm_lr without weight
+    # decay; biases, norms and embeddings without weight decay (checkpoints index the AdamW state in this order)
+    ssm_lr = getattr(net.config, "ssm_lr", None)
+    if ssm_lr is None and hasattr(net, "ssm_parameter_names"):
+        ssm_lr = MQAR_SSM_LR  # BST's config leaves it to the main lr; the recorded runs used 1e-3
+    groups = optim.parameter_groups(net, lr, weight_decay, ssm_lr, no_decay=optim.norms_and_embeddings)
+    optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.98))
     base = [g["lr"] for g in optimizer.param_groups]
 
     def schedule(step: int) -> float:
@@ -626,7 +554,7 @@ def train_and_eval(
             if (step + 1) % checkpoint_every == 0:
                 save(step + 1, seconds_before + time.perf_counter() - t0)
     train_seconds = seconds_before + time.perf_counter() - t0
-    held_out = torch.Generator().manual_seed(1_000_003 + seed)  # never the training stream
+    held_out = held_out_generator(seed)  # never the training stream (training.tasks.mqar)
     ids, labels, _ = make_batch(eval_examples, generator=held_out, **batch)
     accuracy, eval_loss = evaluate(net, ids.to(device), labels.to(device))
     tail = losses[-max(1, steps // 10) :]
@@ -676,7 +604,7 @@ def budget_of(record: dict) -> str:
 
 def git_commit() -> str | None:
     """HEAD, or ``$BST_SOURCE_COMMIT`` where it is set (a tree copied to an accelerator machine may carry stale or
-    no git metadata; experiments/lm_long.py does the same)."""
+    no git metadata; research/lm_long.py does the same)."""
     if os.environ.get("BST_SOURCE_COMMIT"):
         return os.environ["BST_SOURCE_COMMIT"]
     try:
@@ -686,7 +614,7 @@ def git_commit() -> str | None:
         return None
 
 
-def uncommitted(paths=("modeling_bst", "experiments/mqar.py")) -> list[str]:
+def uncommitted(paths=("modeling_bst", "research/mqar.py")) -> list[str]:
     """Files under ``paths`` that differ from the recorded commit (the run used the working tree)."""
     try:
         out = subprocess.run(
@@ -767,47 +695,86 @@ def plot(
     records: list[dict], path: Path, length_for_pairs: int | None = None, pairs_at_lengths: int | None = None
 ) -> None:
     """Accuracy against length (at ``pairs_at_lengths`` pairs) and against pairs (at ``length_for_pairs``), one
-    row of panels per budget, largest first (None: each budget's own grid, see ``_axes``)."""
+    row of panels per budget, largest first (None: each budget's own grid, see ``_axes``); a budget with one cell
+    gets one panel of bars. One colour per model (``research.plots``), one legend for the figure, y axes fitted to
+    the accuracies (and twice chance: below it a run has not learned)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    from research import plots
 
     budgets = _budgets(records)
-    fig, axes = plt.subplots(len(budgets), 2, figsize=(11, 4 * len(budgets)), squeeze=False)
-    for row, budget in zip(axes, budgets):
+    one_cell = [len({(r["length"], r["num_pairs"]) for r in records if budget_of(r) == b}) == 1 for b in budgets]
+    fig = plt.figure(figsize=(11, sum(3 if one else 4 for one in one_cell)))
+    grid_spec = fig.add_gridspec(len(budgets), 2, height_ratios=[3 if one else 4 for one in one_cell])
+    panels = []
+    for i, budget in enumerate(budgets):
         mine = [r for r in records if budget_of(r) == budget]
         at_length, at_pairs = _axes(mine, length_for_pairs, pairs_at_lengths)
         chance = 100 * mine[0]["chance"]
-        for model, (tag, label) in ((m, v) for m in MODELS for v in _variants(mine, model=m)):
-            style = ":" if model == REFERENCE else "-" if model.startswith("bst") else "--"
-            color = "black" if model == REFERENCE else None
-            marker = "s" if tag else "o"  # an ablation (--set) in squares
+        note = " (too small: all at chance)" if _too_small(mine) else ""
+        variants = [(m, tag, label) for m in MODELS for tag, label in _variants(mine, model=m)]
+        cells = {(r["length"], r["num_pairs"]) for r in mine}
+        drawn = []
+        if len(cells) == 1:  # one cell: a bar per model
+            ax = fig.add_subplot(grid_spec[i, :])
+            (length, pairs), x = next(iter(cells)), 0
+            for model, tag, label in variants:
+                acc = 100 * _mean(_select(mine, model, length, pairs, tag))
+                name = model + tag
+                ax.bar(
+                    x, acc, 0.6, color=plots.colour(name), label=label, hatch="//" if plots.is_variant(name) else None
+                )
+                ax.annotate(f"{acc:.1f}", (x, acc), textcoords="offset points", xytext=(0, 2), ha="center", fontsize=8)
+                drawn.append(acc)
+                x += 1
+            ax.set_xticks(range(x), [label for _, _, label in variants], rotation=20, ha="right", fontsize=8)
+            ax.axhline(chance, color="grey", lw=0.8, ls=":", label="chance")
+            ax.set_ylabel("MQAR accuracy (%)")
+            ax.set_title(f"L = {length}, N = {pairs} pairs, budget {budget}{note}", fontsize=10)
+            ax.set_ylim(*plots.fitted_ylim(drawn, 2 * chance, 100))
+            ax.grid(alpha=0.3, axis="y")
+            panels.append(ax)
+            continue
+        row = [fig.add_subplot(grid_spec[i, 0]), fig.add_subplot(grid_spec[i, 1])]
+        for model, tag, _label in variants:
+            name, label = model + tag, _label
             ours = [r for r in mine if r["model"] == model and _variant(r) == tag]
+            style = dict(color=plots.colour(name), linestyle=plots.linestyle(name), marker=plots.marker(name))
             lengths = sorted({r["length"] for r in ours if r["num_pairs"] == at_pairs})
             pts = [(n, 100 * _mean(_select(mine, model, n, at_pairs, tag))) for n in lengths]
             if pts:
-                row[0].plot(*zip(*pts), style, marker=marker, label=label, color=color)
+                row[0].plot(*zip(*pts), label=label, **style)
             pairs = sorted({r["num_pairs"] for r in ours if r["length"] == at_length})
-            pts = [(q, 100 * _mean(_select(mine, model, at_length, q, tag))) for q in pairs]
-            if pts:
-                row[1].plot(*zip(*pts), style, marker=marker, label=label, color=color)
-        note = " (too small: all at chance)" if _too_small(mine) else ""
-        for ax, xlabel, title in (
-            (row[0], "sequence length L", f"N = {at_pairs} pairs"),
-            (row[1], "number of key-value pairs N", f"L = {at_length}"),
+            pts2 = [(q, 100 * _mean(_select(mine, model, at_length, q, tag))) for q in pairs]
+            if pts2:
+                row[1].plot(*zip(*pts2), label=label, **style)
+            drawn += [y for _, y in pts + pts2]
+        xs = (sorted({n for n, q in cells if q == at_pairs}), sorted({q for n, q in cells if n == at_length}))
+        for ax, ticks, xlabel, title in (
+            (row[0], xs[0], "sequence length L", f"N = {at_pairs} pairs"),
+            (row[1], xs[1], "number of key-value pairs N", f"L = {at_length}"),
         ):
             ax.axhline(chance, color="grey", lw=0.8, ls=":", label="chance")
             ax.set_xscale("log", base=2)
+            if ticks:  # the grid's values, written out
+                ax.xaxis.set_major_locator(FixedLocator(ticks))
+                ax.xaxis.set_minor_locator(NullLocator())
+                ax.set_xticklabels([str(t) for t in ticks])
+                ax.set_xlim(ticks[0] / 1.25, ticks[-1] * 1.25)
             ax.set_xlabel(xlabel)
             ax.set_ylabel("MQAR accuracy (%)")
-            ax.set_ylim(-2, 102)
+            ax.set_ylim(*plots.fitted_ylim(drawn, 2 * chance, 100))
             ax.set_title(f"{title}, budget {budget}{note}", fontsize=10)
             ax.grid(alpha=0.3)
-        row[0].legend(fontsize=7)
+        panels += row
+    plots.figure_legend(fig, panels)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -870,7 +837,7 @@ def _budget_table(mine: list[dict], budget: str, at_length: int, at_pairs: int) 
 
 
 def _folder(path: Path) -> str:
-    """``path`` as the report names it: relative to the repository when inside it (``docs/results/mqar/``)."""
+    """``path`` as the report names it: relative to the repository when inside it (``research/results/mqar/``)."""
     path = Path(path).resolve()
     return (path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.as_posix()) + "/"
 
@@ -906,12 +873,12 @@ def _mamba_scan(records: list[dict]) -> str:
 def _how_to_extend(records: list[dict], section: str) -> list[str]:
     if section == SECTION:
         how = [
-            "at `--deadline-minutes` continues exactly from its checkpoint): `python -m experiments.mqar` runs the",
+            "at `--deadline-minutes` continues exactly from its checkpoint): `python -m research.mqar` runs the",
             "first cell (L = 256, N = 8) for every model, `--grid sweep` the lengths and pair counts around it.",
         ]
     else:
         if section == GPU_SECTION:
-            command = "`bash experiments/gpu_quality.sh --mqar` runs the whole grid on one GPU"
+            command = "`bash research/gpu_quality.sh --mqar` runs the whole grid on one GPU"
         else:
             commands = [r["command"] for r in records if r.get("command")]
             command = f"`{max(commands, key=commands.count)}` wrote most of these runs" if commands else "-"
@@ -976,7 +943,7 @@ def report(
     check_section(section)
     records = load_results(results_dir)
     if not records:
-        raise SystemExit(f"no results under {results_dir}; run `python -m experiments.mqar` first")
+        raise SystemExit(f"no results under {results_dir}; run `python -m research.mqar` first")
     tables = []
     for budget in _budgets(records):
         mine = [r for r in records if budget_of(r) == budget]
@@ -999,8 +966,8 @@ def report(
     text = "\n".join(
         [
             "Multi-query associative recall (MQAR, after Zoology) with every query beyond the attention window of",
-            "its pair (`python -m experiments.mqar`; format, scoring, defaults and their reasons in",
-            "`experiments/mqar.py`, one JSON per run with its command, commit and weights digest in",
+            "its pair (`python -m research.mqar`; format, scoring, defaults and their reasons in",
+            "`research/mqar.py`, one JSON per run with its command, commit and weights digest in",
             f"`{_folder(results_dir)}`). A sequence is N key-value pairs, a gap of filler as long as the Slide stack's",
             "receptive field (layers x W), then the N keys queried once each in random order at random positions;",
             "only the value after each queried key is scored. Models: the tiny presets (their layer layout scaled to",
@@ -1026,7 +993,7 @@ def report(
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags that shape a model as ``build_config`` builds it (shared with ``experiments.filter_shape``)."""
+    """The flags that shape a model as ``build_config`` builds it (shared with ``research.filter_shape``)."""
     p.add_argument("--hidden", type=int, default=HIDDEN)
     p.add_argument("--layers", type=int, default=LAYERS)
     p.add_argument("--block-len", type=int, default=BLOCK_LEN, help="W of every model but the reference (W = L)")
@@ -1184,7 +1151,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{len(todo)} runs to do" + (f", {args.jobs} at a time" if args.jobs > 1 else ""), flush=True)
         started = time.time()
         deadline = None if args.deadline_minutes is None else started + 60 * args.deadline_minutes
-        command = "python -m experiments.mqar " + " ".join(sys.argv[1:] if argv is None else argv)
+        command = "python -m research.mqar " + " ".join(sys.argv[1:] if argv is None else argv)
         common = dict(
             steps=args.steps, batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
             hidden=args.hidden, layers=args.layers, block_len=args.block_len, gap=args.gap, num_keys=args.num_keys,

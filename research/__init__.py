@@ -1,0 +1,1 @@
+"""The experiments behind docs/results.md (see research/README.md); not part of the installed package."""
