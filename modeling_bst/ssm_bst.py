@@ -14,6 +14,10 @@ S4D's state is the complex diagonal state `(B, Ds, N2)`; unstruct's is the input
 last; the filter has ``max_position_embeddings`` taps). An unstruct step that outputs at every position (SH, MH)
 can be given the chunk's pending outputs ([`UnstructFilter.pending_outputs`]): then it costs O(M), not O(seen).
 
+For ONNX export (no complex tensors, no FFT) the kernels have a real-arithmetic form of the same maps, taken while
+``torch.onnx.export`` traces or inside [`real_arithmetic`]: complex numbers as ``(re, im)`` pairs, the S4D state as a
+real `(B, Ds, N2, 2)` tensor, the long convolution as a direct one ([`direct_causal_conv`]).
+
 Shape legend: B batch, L length, C output channels per SSM channel (1 for SH, H for MH, S for MF),
 Ds SSM channels, N2 complex modes (ssm_state_size / 2), nb number of blocks, W block length.
 """
