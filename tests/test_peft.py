@@ -31,7 +31,7 @@ def test_lora_trains_merges_saves_and_loads(tmp_path):
     model = peft.get_peft_model(base, config)
     adapted_modules = {n.split(".lora_A.")[0] for n, _ in model.named_parameters() if ".lora_A." in n}
     assert {n.split(".")[-1] for n in adapted_modules} == set(TARGETS)
-    assert any("cross_attn.context.k_proj" in n for n in adapted_modules)  # the BST context projections too
+    assert any(n.endswith("context.k_proj") for n in adapted_modules)  # the BST context-state projections too
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     # A fresh adapter (B = 0) leaves the model as it was.
