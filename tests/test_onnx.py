@@ -94,9 +94,9 @@ def test_unstruct_direct_convolution_equals_the_fft(bidirectional):
             torch.testing.assert_close(filt(z, history), want_continued, **TOL)
 
 
-@pytest.mark.parametrize("variant", ["sh-s4", "mf-s4", "sh-unstruct", "bst-brect", "gss"])
+@pytest.mark.parametrize("variant", ["sh-s4", "mh-s4", "mf-s4", "sh-unstruct", "bst-brect", "gss"])
 def test_model_in_real_arithmetic_equals_the_complex_model_in_float64(variant):
-    """Forward, prefill and cached steps of whole float64 models, in both forms."""
+    """Forward, prefill, cached steps and a continued chunk of whole float64 models, in both forms."""
     extra = dict(bst_layer_indices=[], gss_layer_indices=[0, 2]) if variant == "gss" else {}
     model = make_model(None if variant == "gss" else variant, dtype=torch.float64, **extra)
     ids = torch.randint(1, 97, (2, 18), generator=torch.Generator().manual_seed(5))
@@ -104,6 +104,7 @@ def test_model_in_real_arithmetic_equals_the_complex_model_in_float64(variant):
         want = model(ids).logits
         prefill = model(ids[:, :9], use_cache=True)
         steps = [model(ids[:, t : t + 1], past_key_values=prefill.past_key_values).logits for t in range(9, 13)]
+        chunk = model(ids[:, 13:18], past_key_values=prefill.past_key_values).logits  # continued from the state
         with real_arithmetic():
             torch.testing.assert_close(model(ids).logits, want, **TOL)
             real_prefill = model(ids[:, :9], use_cache=True)
@@ -111,6 +112,8 @@ def test_model_in_real_arithmetic_equals_the_complex_model_in_float64(variant):
             for t, step in zip(range(9, 13), steps):
                 got = model(ids[:, t : t + 1], past_key_values=real_prefill.past_key_values).logits
                 torch.testing.assert_close(got, step, **TOL)
+            got = model(ids[:, 13:18], past_key_values=real_prefill.past_key_values).logits
+            torch.testing.assert_close(got, chunk, **TOL)
     # The real form's cache holds no complex tensor.
     assert not any(t.is_complex() for t in real_prefill.past_key_values.to_tensors().values())
 
