@@ -14,6 +14,10 @@ S4D's state is the complex diagonal state `(B, Ds, N2)`; unstruct's is the input
 last; the filter has ``max_position_embeddings`` taps). An unstruct step that outputs at every position (SH, MH)
 can be given the chunk's pending outputs ([`UnstructFilter.pending_outputs`]): then it costs O(M), not O(seen).
 
+For ONNX export (no complex tensors, no FFT) the kernels have a real-arithmetic form of the same maps, taken while
+``torch.onnx.export`` traces or inside [`real_arithmetic`]: complex numbers as ``(re, im)`` pairs, the S4D state as a
+real `(B, Ds, N2, 2)` tensor, the long convolution as a direct one ([`direct_causal_conv`]).
+
 Shape legend: B batch, L length, C output channels per SSM channel (1 for SH, H for MH, S for MF),
 Ds SSM channels, N2 complex modes (ssm_state_size / 2), nb number of blocks, W block length.
 """
@@ -140,6 +144,79 @@ def fft_bidirectional_conv(u: torch.Tensor, k_fwd: torch.Tensor, k_bwd: torch.Te
     Shapes as in [`fft_causal_conv`]; ``k_bwd`` has the same shape as ``k_fwd``.
     """
     return fft_conv(u, bidirectional_spectrum(k_fwd, k_bwd))
+
+
+# -- real arithmetic (ONNX export) ------------------------------------------------------------------------------------
+# ONNX has no complex tensors, and torch.fft does not export to it. Under ``torch.onnx.export`` (or inside
+# [`real_arithmetic`]) the SSM kernels therefore run an equivalent form in real arithmetic: a complex number is a pair
+# ``(re, im)`` of real tensors, powers of the state matrix are ``e^(t a) (cos(t b) + i sin(t b))``, the S4D state is a
+# real `(B, Ds, N2, 2)` tensor (``view_as_real`` layout) and the long convolution is a direct causal convolution
+# ([`direct_causal_conv`], O(L^2) instead of the FFT's O(L log L)). The same numbers as the complex / FFT form up to
+# rounding; the eager and training paths are unchanged.
+_REAL_ARITHMETIC = [False]
+
+
+class real_arithmetic:
+    """Context manager: the SSM kernels take their real-arithmetic form ([`use_real_arithmetic`]) inside it.
+
+    ``torch.onnx.export`` selects that form by itself; this is for running it eagerly (tests, a PyTorch reference of
+    an exported model, a prefill whose cache feeds an exported decode step)."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+
+    def __enter__(self):
+        self.previous = _REAL_ARITHMETIC[0]
+        _REAL_ARITHMETIC[0] = self.enabled
+        return self
+
+    def __exit__(self, *exc):
+        _REAL_ARITHMETIC[0] = self.previous
+
+
+def use_real_arithmetic() -> bool:
+    """Whether the SSM kernels run in real arithmetic: inside [`real_arithmetic`], or while ``torch.onnx.export``
+    traces the model (checked only while exporting: a compiled graph never branches on it)."""
+    if _REAL_ARITHMETIC[0]:
+        return True
+    return torch.compiler.is_exporting() and torch.onnx.is_in_onnx_export()
+
+
+def complex_pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(re, im)`` of a complex tensor or of a real one in ``view_as_real`` layout (`(..., 2)`)."""
+    if x.is_complex():
+        return x.real, x.imag
+    return x[..., 0], x[..., 1]
+
+
+def pair_mul(a, b):
+    """Product of two complex numbers given as ``(re, im)`` pairs."""
+    return a[0] * b[0] - a[1] * b[1], a[0] * b[1] + a[1] * b[0]
+
+
+def pair_powers(log_a, exponents: torch.Tensor):
+    """[`vandermonde_powers`] in real arithmetic: ``exp(log_a[..., None] * exponents)`` as a ``(re, im)`` pair of
+    `(Ds, N2, len)` tensors, ``log_a`` a pair of `(Ds, N2)`."""
+    exponents = exponents.to(log_a[0].dtype)
+    magnitude = torch.exp(log_a[0].unsqueeze(-1) * exponents)
+    phase = log_a[1].unsqueeze(-1) * exponents
+    return magnitude * torch.cos(phase), magnitude * torch.sin(phase)
+
+
+def direct_causal_conv(u: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """[`fft_causal_conv`] as a direct convolution (``conv1d``, no FFT): ``u`` `(B, Ds, L)`, ``k`` `(C, Ds, L)` ->
+    `(B, C, Ds, L)`. O(C Ds L^2): the export form, not for long sequences."""
+    out_channels, channels, length = k.shape
+    weight = k.flip(-1).transpose(0, 1).reshape(channels * out_channels, 1, length)  # channel-major groups
+    y = F.conv1d(F.pad(u, (length - 1, 0)), weight, groups=channels)  # (B, Ds * C, L)
+    return y.view(u.shape[0], channels, out_channels, length).transpose(1, 2)
+
+
+def direct_bidirectional_conv(u: torch.Tensor, k_fwd: torch.Tensor, k_bwd: torch.Tensor) -> torch.Tensor:
+    """[`fft_bidirectional_conv`] as two direct convolutions: the backward lags are a causal convolution of the
+    reversed input with ``k_bwd`` shifted by one lag."""
+    backward = direct_causal_conv(u.flip(-1), F.pad(k_bwd, (1, 0))[..., : k_bwd.shape[-1]]).flip(-1)
+    return direct_causal_conv(u, k_fwd) + backward
 
 
 # S4D full-sequence outputs beyond twice this length are computed chunk by chunk ([`S4DKernel.chunked_forward`]).
@@ -320,6 +397,8 @@ class S4DKernel(nn.Module):
         memory grow linearly in L also with many read-outs (MH: C = H) and in training, where nothing is memoised
         (measured at L = 4096, D_s = 512, one thread: SH forward + backward 202 -> 156 ms, MH 3.6 -> 2.0 s).
         """
+        if use_real_arithmetic() or (state is not None and not state.is_complex()):
+            return self.real_forward(z, state)
         with _no_autocast(z.device.type):
             z = z.to(compute_dtype(self.log_dt))
             length = z.shape[1]
@@ -370,6 +449,8 @@ class S4DKernel(nn.Module):
         with _no_autocast(z.device.type):
             dt_a, d_b = self.discretize()
             bsz, nc = z.shape[0], z.shape[1] // chunk
+            if state is not None and not state.is_complex():
+                state = torch.complex(*complex_pair(state))  # a state in the real form (eager real arithmetic)
             x0 = (state if state is not None else torch.zeros_like(d_b).expand(bsz, -1, -1)).unsqueeze(1)
             if nc > 1:
                 x0 = torch.cat([x0, self.block_states(z[:, : (nc - 1) * chunk], chunk, dt_a, d_b, state)], 1)
@@ -404,7 +485,10 @@ class S4DKernel(nn.Module):
         """State after the last token: ``x_T = Abar^T x0 + sum_j Abar^{T-1-j} Bbar z_j``. `(B, L, Ds)` -> `(B, Ds, N2)`.
 
         Rows must be left-aligned to the end (left padding with zeros leaves the state exactly zero).
+        In real arithmetic ([`use_real_arithmetic`], or ``state`` in the real form) the state is real `(B, Ds, N2, 2)`.
         """
+        if use_real_arithmetic() or (state is not None and not state.is_complex()):
+            return self.real_final_state(z, state)
         with _no_autocast(z.device.type):
             z = z.to(compute_dtype(self.log_dt))
             length = z.shape[1]
@@ -457,6 +541,8 @@ class S4DKernel(nn.Module):
         """
         if self.bidirectional:
             raise ValueError("block_end_outputs is the causal fast path; use forward() for a bidirectional kernel.")
+        if use_real_arithmetic() or (state is not None and not state.is_complex()):
+            return self.real_block_end_outputs(z, block_len, state)
         with _no_autocast(z.device.type):
             z = z.to(compute_dtype(self.log_dt))
             dt_a, d_b = self.discretize()
@@ -466,15 +552,143 @@ class S4DKernel(nn.Module):
             return y + self.D.to(z.dtype)[None, None] * z_end.unsqueeze(2)
 
     def empty_state(self, batch_size: int, device) -> torch.Tensor:
-        """The zero state `(B, Ds, N2)` (complex): no input yet."""
+        """The zero state `(B, Ds, N2)` (complex; real `(B, Ds, N2, 2)` in real arithmetic): no input yet."""
+        if use_real_arithmetic():
+            dtype = compute_dtype(self.log_dt)
+            return torch.zeros(batch_size, self.channels, self.n_modes, 2, dtype=dtype, device=device)
         dtype = torch.complex128 if compute_dtype(self.log_dt) == torch.float64 else torch.complex64
         return torch.zeros(batch_size, self.channels, self.n_modes, dtype=dtype, device=device)
 
     def step_constants(self):
-        """What a recurrent step needs from the parameters: ``(Abar, Bbar, 2 C, D)``, computed once per decode."""
+        """What a recurrent step needs from the parameters: ``(Abar, Bbar, 2 C, D)``, computed once per decode (in
+        real arithmetic the complex ones as real `(..., 2)` tensors)."""
+        if use_real_arithmetic():
+            return self.real_step_constants()
+        return self.complex_step_constants()
+
+    def complex_step_constants(self):
         with _no_autocast(self.log_dt.device.type):
             dt_a, d_b = self.discretize()
             return torch.exp(dt_a), d_b, 2 * self.output_matrix(), self.D.to(compute_dtype(self.log_dt))
+
+    # -- real arithmetic (ONNX export): the same maps with complex numbers as (re, im) pairs -------------------------
+    def real_discretize(self):
+        """[`discretize`] as ``(re, im)`` pairs: ``(dt Lambda, Bbar)``."""
+        dtype = compute_dtype(self.log_dt)
+        dt = torch.exp(self.log_dt.to(dtype)).unsqueeze(-1)
+        lam = -torch.exp(self.A_log_real.to(dtype)), -self.A_imag.to(dtype)
+        dt_a = lam[0] * dt, lam[1] * dt
+        # expm1(a + ib) = expm1(a) cos(b) - 2 sin^2(b / 2) + i e^a sin(b) (no cancellation for small dt)
+        e = (
+            torch.expm1(dt_a[0]) * torch.cos(dt_a[1]) - 2 * torch.sin(dt_a[1] / 2) ** 2,
+            torch.exp(dt_a[0]) * torch.sin(dt_a[1]),
+        )
+        norm = lam[0] ** 2 + lam[1] ** 2
+        ratio = (e[0] * lam[0] + e[1] * lam[1]) / norm, (e[1] * lam[0] - e[0] * lam[1]) / norm  # e / Lambda
+        return dt_a, pair_mul(complex_pair(self.B.to(dtype)), ratio)
+
+    def real_output_matrix(self, backward: bool = False):
+        param = self.C_backward if backward else self.C
+        return complex_pair(param.to(compute_dtype(param)))  # (C, Ds, N2) each
+
+    def real_kernel(self, length: int, dt_a, d_b, backward: bool = False) -> torch.Tensor:
+        """[`kernel`] in real arithmetic: ``2 Re(sum_n C Bbar Abar^l)`` `(C, Ds, length)`."""
+        coeff = pair_mul(self.real_output_matrix(backward), d_b)  # (C, Ds, N2)
+        powers = pair_powers(dt_a, torch.arange(length, device=dt_a[0].device))  # (Ds, N2, L)
+        return 2 * (
+            torch.einsum("chn,hnl->chl", coeff[0], powers[0]) - torch.einsum("chn,hnl->chl", coeff[1], powers[1])
+        )
+
+    def real_forward(self, z: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
+        """[`forward`] in real arithmetic with a direct convolution ([`direct_causal_conv`]); ``state`` complex or in
+        the real form."""
+        with _no_autocast(z.device.type):
+            z = z.to(compute_dtype(self.log_dt))
+            length = z.shape[1]
+            dt_a, d_b = self.real_discretize()
+            k = fold_skip(self.real_kernel(length, dt_a, d_b), self.D.to(z.dtype))
+            u = z.transpose(1, 2)  # (B, Ds, L)
+            if self.bidirectional:
+                y = direct_bidirectional_conv(u, k, self.real_kernel(length, dt_a, d_b, backward=True))
+            else:
+                y = direct_causal_conv(u, k)  # (B, C, Ds, L)
+            if state is not None:
+                # Free response to the carried state: 2 Re(C Abar^{t+1} x0).
+                c = self.real_output_matrix()
+                x0 = complex_pair(state.to(z.dtype) if not state.is_complex() else state)
+                coeff = pair_mul((c[0][None], c[1][None]), (x0[0][:, None], x0[1][:, None]))  # (B, C, Ds, N2)
+                powers = pair_powers(dt_a, torch.arange(1, length + 1, device=z.device))  # (Ds, N2, L)
+                y = y + 2 * (
+                    torch.einsum("bchn,hnl->bchl", coeff[0], powers[0].to(z.dtype))
+                    - torch.einsum("bchn,hnl->bchl", coeff[1], powers[1].to(z.dtype))
+                )
+            return y.permute(0, 3, 1, 2)  # (B, L, C, Ds)
+
+    def real_final_state(self, z: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
+        """[`final_state`] in real arithmetic: the state in the real form `(B, Ds, N2, 2)`."""
+        with _no_autocast(z.device.type):
+            z = z.to(compute_dtype(self.log_dt))
+            length = z.shape[1]
+            dt_a, d_b = self.real_discretize()
+            powers = pair_powers(dt_a, torch.arange(length - 1, -1, -1, device=z.device))  # (Ds, N2, L)
+            x = torch.einsum("blh,hnl->bhn", z, powers[0]), torch.einsum("blh,hnl->bhn", z, powers[1])
+            x = pair_mul(x, d_b)
+            if state is not None:
+                decay = pair_powers(dt_a, torch.tensor([length], device=z.device))
+                carried = pair_mul((decay[0][..., 0], decay[1][..., 0]), complex_pair(state))
+                x = x[0] + carried[0], x[1] + carried[1]
+            return torch.stack(x, -1)
+
+    def real_block_end_outputs(self, z: torch.Tensor, block_len: int, state: torch.Tensor | None = None):
+        """[`block_end_outputs`] in real arithmetic."""
+        with _no_autocast(z.device.type):
+            z = z.to(compute_dtype(self.log_dt))
+            bsz, length, _ = z.shape
+            nb = length // block_len
+            dt_a, d_b = self.real_discretize()
+            powers = pair_powers(dt_a, torch.arange(block_len - 1, -1, -1, device=z.device))  # (Ds, N2, W)
+            zb = z[:, : nb * block_len].reshape(bsz, nb, block_len, self.channels)
+            x = torch.einsum("bkwh,hnw->bkhn", zb, powers[0]), torch.einsum("bkwh,hnw->bkhn", zb, powers[1])
+            x = pair_mul(x, d_b)  # local block states (B, nb, Ds, N2)
+            decay = pair_powers(dt_a, torch.tensor([block_len], device=z.device))
+            decay = decay[0][..., 0], decay[1][..., 0]  # Abar^W
+            if state is not None:
+                carried = pair_mul(decay, complex_pair(state))
+                x = tuple(torch.cat([p[:, :1] + c.unsqueeze(1), p[:, 1:]], 1) for p, c in zip(x, carried))
+            shift = 1
+            while shift < nb:  # the scan of [`block_states`]
+                moved = pair_mul(decay, (x[0][:, :-shift], x[1][:, :-shift]))
+                x = tuple(torch.cat([p[:, :shift], p[:, shift:] + m], 1) for p, m in zip(x, moved))
+                decay = pair_mul(decay, decay)
+                shift *= 2
+            c = self.real_output_matrix()
+            y = 2 * (torch.einsum("chn,bkhn->bkch", c[0], x[0]) - torch.einsum("chn,bkhn->bkch", c[1], x[1]))
+            z_end = z[:, block_len - 1 :: block_len]  # (B, nb, Ds)
+            return y + self.D.to(z.dtype)[None, None] * z_end.unsqueeze(2)
+
+    def real_step_constants(self):
+        """[`step_constants`] in real arithmetic: ``(Abar, Bbar, 2 C)`` as real `(..., 2)` tensors, and ``D``."""
+        with _no_autocast(self.log_dt.device.type):
+            dt_a, d_b = self.real_discretize()
+            magnitude = torch.exp(dt_a[0])
+            a_bar = torch.stack([magnitude * torch.cos(dt_a[1]), magnitude * torch.sin(dt_a[1])], -1)
+            c = self.real_output_matrix()
+            c2 = torch.stack([2 * c[0], 2 * c[1]], -1)
+            return a_bar, torch.stack(d_b, -1), c2, self.D.to(compute_dtype(self.log_dt))
+
+    def real_step(self, z_t: torch.Tensor, state: torch.Tensor, constants=None):
+        """[`step`] with the state in the real form `(B, Ds, N2, 2)`."""
+        with _no_autocast(z_t.device.type):
+            if constants is None or constants[0].is_complex():
+                constants = self.real_step_constants()
+            a_bar, b_bar, c2, skip = constants
+            z_t = z_t.to(compute_dtype(self.log_dt))
+            x = pair_mul(complex_pair(a_bar), complex_pair(state))
+            b = complex_pair(b_bar)
+            x = x[0] + b[0] * z_t.unsqueeze(-1), x[1] + b[1] * z_t.unsqueeze(-1)
+            c = complex_pair(c2)
+            y = torch.einsum("chn,bhn->bch", c[0], x[0]) - torch.einsum("chn,bhn->bch", c[1], x[1])
+            return y + skip * z_t.unsqueeze(1), torch.stack(x, -1)
 
     def step(self, z_t: torch.Tensor, state: torch.Tensor, constants=None, seen: int | None = None):
         """Recurrent form for one token. ``z_t`` `(B, Ds)`, ``state`` `(B, Ds, N2)` complex -> ``y_t`` `(B, C, Ds)`
@@ -483,8 +697,12 @@ class S4DKernel(nn.Module):
         ``constants``: [`step_constants`] if already computed (they only change with the parameters). ``seen`` is
         not needed (the state has a fixed size).
         """
+        if not state.is_complex():
+            return self.real_step(z_t, state, constants)
         with _no_autocast(z_t.device.type):
-            a_bar, b_bar, c2, skip = constants if constants is not None else self.step_constants()
+            if constants is None or not constants[0].is_complex():
+                constants = self.complex_step_constants()
+            a_bar, b_bar, c2, skip = constants
             z_t = z_t.to(compute_dtype(self.log_dt))
             state = a_bar * state + b_bar * z_t.unsqueeze(-1)
             y = torch.einsum("chn,bhn->bch", c2, state).real
@@ -615,6 +833,17 @@ class UnstructFilter(nn.Module):
             return bidirectional_spectrum(fold_skip(h[0], bias), h[1])
         return causal_spectrum(fold_skip(h, bias))
 
+    def direct_conv(self, u: torch.Tensor) -> torch.Tensor:
+        """The convolution of [`forward`] without an FFT ([`direct_causal_conv`]): the real-arithmetic form
+        ([`use_real_arithmetic`], ONNX export). ``u`` `(B, Ds, L)` -> `(B, C, Ds, L)`."""
+        total = u.shape[-1]
+        h = self.filters(min(total, self.max_len))
+        h = F.pad(h, (0, total - h.shape[-1]))
+        bias = self.bias.to(h.dtype)
+        if self.bidirectional:
+            return direct_bidirectional_conv(u, fold_skip(h[0], bias), h[1])
+        return direct_causal_conv(u, fold_skip(h, bias))
+
     def forward(self, z: torch.Tensor, history: torch.Tensor | None = None) -> torch.Tensor:
         """``z`` `(B, L, Ds)` -> ``y`` `(B, L, C, Ds)`. ``history`` `(B, Ds, Lh)`: earlier inputs (continuation)."""
         with _no_autocast(z.device.type):
@@ -624,7 +853,11 @@ class UnstructFilter(nn.Module):
             if history is not None:
                 u = torch.cat([history.to(dtype), u], dim=-1)
             total = u.shape[-1]
-            y = fft_conv(u, memoised_spectrum(self, (total, dtype), lambda: self.spectrum(total)))  # (B, C, Ds, L')
+            if use_real_arithmetic():
+                y = self.direct_conv(u)
+            else:
+                spectrum = memoised_spectrum(self, (total, dtype), lambda: self.spectrum(total))
+                y = fft_conv(u, spectrum)  # (B, C, Ds, L')
             y = y[..., -length:]
             return y.permute(0, 3, 1, 2)
 

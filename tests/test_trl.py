@@ -1,6 +1,8 @@
 """Outside clients that compute log-probabilities from the hidden states and the LM head (TRL's fused LM head, used by
 its SFT, DPO, GRPO, KTO and distillation trainers) see the model's own logit scale (issue #36, point 1)."""
 
+import copy
+
 import pytest
 import torch
 from conftest import tiny_config
@@ -86,3 +88,51 @@ def test_sft_trainer_reports_the_models_own_loss(tmp_path):
     trainer.train()
     reported = next(entry["loss"] for entry in trainer.state.log_history if "loss" in entry)
     assert reported == pytest.approx(own, rel=1e-3), (reported, own)
+
+
+def test_dpo_trainer_log_probs_are_the_models(tmp_path):
+    """One DPO step: the chosen / rejected log-probabilities TRL logs (the sums over each completion's tokens, through
+    the fused LM head) equal those computed from the model's own logits on the same batch."""
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    config = tiny_config(vocab_size=len(tokenizer), dropout=0.0, attention_dropout=0.0)
+    config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    torch.manual_seed(0)
+    model = BSTForCausalLM(config)
+    dataset = Dataset.from_dict(
+        {
+            "prompt": ["The ship sailed", "In the morning the old"],
+            "chosen": [" into the harbour at dawn.", " man walked to the village."],
+            "rejected": [" away.", " house fell silent and grey and cold."],
+        }
+    )
+    args = trl.DPOConfig(
+        output_dir=str(tmp_path),
+        max_steps=1,
+        per_device_train_batch_size=2,
+        learning_rate=0.0,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        dataloader_num_workers=0,
+        max_length=None,
+    )
+    # The reference: a copy (TRL would otherwise load it from config.name_or_path, which a model built here has not).
+    reference = copy.deepcopy(model)
+    trainer = trl.DPOTrainer(
+        model=model, ref_model=reference, args=args, train_dataset=dataset, processing_class=tokenizer
+    )
+    batch = next(iter(trainer.get_train_dataloader()))
+    ids, completion = batch["input_ids"], batch["completion_mask"]
+    assert ids.shape[0] == 4  # the chosen rows, then the rejected rows
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=batch["attention_mask"]).logits
+    token_logps = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+    own = (token_logps * completion[:, 1:]).sum(1)
+    own_chosen, own_rejected = own.chunk(2)
+    trainer.train()
+    logged = next(entry for entry in trainer.state.log_history if "logps/chosen" in entry)
+    assert logged["logps/chosen"] == pytest.approx(own_chosen.mean().item(), rel=1e-4)
+    assert logged["logps/rejected"] == pytest.approx(own_rejected.mean().item(), rel=1e-4)
+    # The reference model is a copy: the implicit rewards beta (log p - log p_ref) are zero up to float32 rounding.
+    assert abs(logged["rewards/chosen"]) < 1e-3 and abs(logged["rewards/rejected"]) < 1e-3
