@@ -59,6 +59,7 @@ size per context, one colour per model) and the ``decode_throughput`` section of
 import argparse
 import copy
 import gc
+import json
 import platform
 import sys
 import time
@@ -70,7 +71,14 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 from transformers.generation.streamers import BaseStreamer
 
-from benchmarks.bench_common import RowLog, positive_float, positive_int, write_json_atomic
+from benchmarks.bench_common import (
+    RowLog,
+    existing_file,
+    positive_float,
+    positive_int,
+    read_partial,
+    write_json_atomic,
+)
 from benchmarks.docs_section import BENCHMARKS_MD, cpu_name, write_section
 from modeling_bst import BSTConfig, BSTForCausalLM
 from modeling_bst.modeling_bst import CACHE_NAME  # the installed transformers' name: `cache` (5.x) or past_key_values
@@ -205,10 +213,18 @@ class StepClock(BaseStreamer):
 
 
 @torch.no_grad()
-def prefill(name: str, model, ids):
-    """The batch-1 cache of ``ids`` (all but the last context token) and its seconds."""
+def prefill(name: str, model, ids, synthetic: bool = False):
+    """The batch-1 cache of ``ids`` (all but the last context token) and its seconds. ``synthetic`` (Llama only):
+    random keys/values of the prefill's shape instead of the prefill (see ``--synthetic-kv-from``)."""
     start = time.perf_counter()
-    if name.startswith("Llama"):
+    if name.startswith("Llama") and synthetic:
+        c = model.config
+        cache = DynamicCache(config=c)
+        gen = torch.Generator().manual_seed(ids.shape[1])
+        for i in range(c.num_hidden_layers):
+            k, v = (torch.randn(1, c.num_key_value_heads, ids.shape[1], c.head_dim, generator=gen) for _ in "kv")
+            cache.update(k, v, i)
+    elif name.startswith("Llama"):
         cache = DynamicCache(config=model.config)
         model(ids, use_cache=True, logits_to_keep=1, **{CACHE_NAME: cache})
     else:
@@ -295,8 +311,9 @@ def run(args, log: RowLog) -> list:
                 info[name] = dict(info[twin])
                 continue
             models[name] = build(name, args, context)
-            caches[name], seconds = prefill(name, models[name], ids[:, :-1])
-            info[name] = dict(prefill_s=seconds, cache1_bytes=cache_bytes(caches[name]))
+            synthetic = name.startswith("Llama") and context >= args.synthetic_kv_from
+            caches[name], seconds = prefill(name, models[name], ids[:, :-1], synthetic)
+            info[name] = dict(prefill_s=seconds, cache1_bytes=cache_bytes(caches[name]), synthetic_kv=synthetic)
             print(f"N={context} {name}: prefill {seconds:.2f} s, cache {info[name]['cache1_bytes'] / 2**20:.1f} MiB")
         for name in args.models:
             info[name]["flops_per_token"] = flops_per_token(name, models[name], context, args.new_tokens)
@@ -406,8 +423,8 @@ def plot(rows: list, path: Path):
     fig, axes = plt.subplots(1, len(contexts), figsize=(4.5 * len(contexts), 4), squeeze=False)
     for ax, context in zip(axes[0], contexts):
         for name in MODELS:
-            pts = [(r["batch"], r["tokens_per_s"]) for r in rows if r["context"] == context and r["model"] == name]
-            pts = [p for p in pts if p[1] is not None]
+            pts = [(r["batch"], r.get("tokens_per_s")) for r in rows if r["context"] == context and r["model"] == name]
+            pts = [p for p in pts if p[1] is not None]  # skipped cells have none
             if pts:
                 xs, ys = zip(*sorted(pts))
                 ax.plot(xs, ys, "o-", color=COLOURS[name], label=name)
@@ -442,6 +459,11 @@ def markdown(report: dict) -> list[str]:
         f"best of {a['repeats']} alternated tries. Memory: peak RSS above the start of the cell's try (the B-row "
         f"cache and generate's working memory). Cells estimated above {a['memory_budget_gib']:g} GiB or the time "
         "budget are skipped. Formulas and method: `benchmarks/decode_throughput.py`.",
+        *(
+            f"Rows marked with run {i} come from an earlier run with the same settings (`{m.get('argv', '')}`, "
+            f"{m.get('date', '')}, {m.get('machine', '')}), included with `--include {m['source']}`."
+            for i, m in enumerate(report.get("included_runs", []), 1)
+        ),
         "",
         "| context | batch | model | tokens/s | ms/step | peak memory | prefill (batch 1) |",
         "|---:|---:|---|---:|---:|---:|---:|",
@@ -451,7 +473,9 @@ def markdown(report: dict) -> list[str]:
             cells = f"skipped: {r['skipped']} | | |"
         else:
             cells = f"{r['tokens_per_s']:.1f} | {r['step_ms']:.1f} | {fmt_bytes(r['peak_rss_bytes'])} |"
-        lines.append(f"| {r['context']} | {r['batch']} | {r['model']} | {cells} {r['prefill_s']:.1f} s |")
+        prefill_s = "random KV" if r.get("synthetic_kv") else f"{r['prefill_s']:.1f} s"
+        run = f" (run {r['run']})" if "run" in r else ""
+        lines.append(f"| {r['context']} | {r['batch']} | {r['model']}{run} | {cells} {prefill_s} |")
     lines += [
         "",
         "Ratios of BST tokens/s to Llama's at the same cell, with the useful-FLOP bound (Llama FLOPs/token over "
@@ -468,6 +492,8 @@ def markdown(report: dict) -> list[str]:
             lines.append(
                 f"| {r['context']} | {r['batch']} | {r['model']} | {ref}{note} | {ratio} | {r['bound']:.2f} | {frac} |"
             )
+    if report["meta"].get("note"):
+        lines += ["", report["meta"]["note"]]
     g = report["goals"]
     fr = ", ".join(f"{f:.2f}" for f in g["fraction_of_bound_vs_static_from_16k"]) or "none measured"
     held = ", ".join(f"B={b} (Llama KV {v} GiB)" for b, v in g["batch_at_64k_llama_cannot_hold_in_24gib"].items())
@@ -502,9 +528,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget-gib", type=positive_float, default=20.0)
     p.add_argument("--cell-budget-s", type=positive_float, default=240.0, help="skip a model's cell estimated longer")
     p.add_argument("--time-budget-s", type=positive_float, default=840.0, help="skip cells past this run time")
+    p.add_argument(
+        "--synthetic-kv-from",
+        type=positive_int,
+        default=65536,
+        help="Llama at contexts >= this: the batch-1 cache filled with random keys/values instead of a prefill (what "
+        "a decode step costs does not depend on the values; a 64k prefill on one CPU thread takes many minutes)",
+    )
+    p.add_argument(
+        "--include",
+        type=existing_file,
+        nargs="+",
+        default=[],
+        help="rows of earlier runs with the same model settings (their JSON or .partial.jsonl) reported beside this "
+        "run's: a run stopped at one context and resumed with the others",
+    )
     p.add_argument("--output", type=Path, default=ROOT / "docs" / "benchmarks" / "decode_throughput.json")
     p.add_argument("--docs", type=Path, default=BENCHMARKS_MD, help="markdown file whose section is rewritten")
     p.add_argument("--no-docs", action="store_true")
+    p.add_argument("--note", default="", help="a sentence for the docs section (e.g. the machine's load)")
+    p.add_argument(
+        "--render",
+        action="store_true",
+        help="measure nothing: rewrite the PNG and the docs section from the --output JSON of an earlier run",
+    )
     return p
 
 
@@ -531,8 +578,42 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+SAME_SETTINGS = ("hidden", "layers", "block_len", "vocab", "new_tokens", "threads")
+
+
+def included_rows(args) -> tuple[list, list]:
+    """Rows of ``--include`` files (same model settings, else SystemExit) and their runs' meta."""
+    rows, metas = [], []
+    for path in args.include:
+        if path.endswith(".jsonl"):
+            meta, found = read_partial(path)
+        else:
+            report = json.loads(Path(path).read_text())
+            meta, found = report["meta"], report["rows"]
+        differ = [k for k in SAME_SETTINGS if meta.get("args", {}).get(k) != getattr(args, k)]
+        if differ:
+            raise SystemExit(f"--include {path}: other settings ({', '.join(differ)}) than this run")
+        metas.append(dict(meta, source=path))
+        rows += [dict(r, run=len(metas)) for r in found]
+    return rows, metas
+
+
+def render(args) -> dict:
+    report = json.loads(args.output.read_text())
+    if args.note:
+        report["meta"]["note"] = args.note
+        write_json_atomic(args.output, report)
+    plot(report["rows"], args.output.with_suffix(".png"))
+    if not args.no_docs:
+        write_section("decode_throughput", markdown(report), args.docs)
+    return report
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.render:
+        return render(args)
+    earlier, earlier_meta = included_rows(args)
     torch.set_num_threads(args.threads)
     mmap_fixed = fixed_mmap_threshold()
     meta = dict(
@@ -543,6 +624,7 @@ def main(argv=None):
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         argv=" ".join(sys.argv[1:] if argv is None else argv),
         args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        note=args.note,
         memory="peak RSS (VmHWM reset via /proc/self/clear_refs) above the RSS before the try; glibc "
         + ("M_MMAP_THRESHOLD fixed at 128 KiB" if mmap_fixed else "malloc defaults (mallopt unavailable)"),
     )
@@ -553,7 +635,10 @@ def main(argv=None):
         a @ a
     with RowLog(args.output, meta) as log:
         rows = run(args, log)
-        report = dict(schema=SCHEMA, meta=meta, rows=rows)
+        ours = {(r["context"], r["batch"], r["model"]) for r in rows}
+        rows = [r for r in earlier if (r["context"], r["batch"], r["model"]) not in ours] + rows
+        rows.sort(key=lambda r: (r["context"], r["batch"], MODELS.index(r["model"])))
+        report = dict(schema=SCHEMA, meta=meta, rows=rows, included_runs=earlier_meta)
         report["ratios"] = ratios(rows, "Llama (static)") + ratios(rows, "Llama (dynamic)")
         report["goals"] = goals(rows, args)
         args.output.parent.mkdir(parents=True, exist_ok=True)

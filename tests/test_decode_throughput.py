@@ -45,6 +45,10 @@ def test_memory_budget_skips_with_the_reason(tmp_path):
     rows = dt.run(args, log)
     assert len(rows) == 4 and all(r["skipped"].startswith("memory: estimated") for r in rows)
     assert all(r["ratio"] is None for r in dt.ratios(rows, "Llama (static)"))
+    dt.plot(rows, tmp_path / "skipped.png")  # a plot of skipped cells only: empty panels, no error
+    report = dict(meta=dict(machine="m", torch="t", transformers="x", date="d", argv="", args=vars(args)), rows=rows)
+    report["goals"] = dt.goals(rows, args)
+    assert "skipped: memory: estimated" in "\n".join(dt.markdown(report))
 
 
 @pytest.mark.parametrize(
