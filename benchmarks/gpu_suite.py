@@ -17,11 +17,15 @@ removed when gpu_suite.json is written), so a suite stopped midway keeps the par
   (benchmarks/layer_speed.py's ``time_length`` with ``device="cuda"``), executed GFLOP at L = 4096;
 * ``train`` (150 s): training tokens/s and MFU (useful FLOPs / the GPU's measured bf16 matmul rate) of the ~60M and
   ~200M presets against HF Llama of the same shape with SDPA (and flash-attention-2 where ``flash_attn`` is
-  installed), L = 4096 and 16384, bf16 autocast, batch 1 (benchmarks/train_throughput.py's ``measure``);
-* ``decode`` (120 s): decode ms/token after a prefill of 1k..64k tokens, hidden 512, 8 layers: BST S4 and unstruct
-  (BSTCache), HF Llama with DynamicCache and StaticCache, eager; then BST S4 and Llama StaticCache with
-  ``torch.compile(mode="reduce-overhead")`` (CUDA graphs), checked against eager logits; where compiling fails, the
-  error is recorded and the eager numbers stand (benchmarks/generation_speed.py's ``measure``).
+  installed), L = 4096 and 16384, bf16 autocast, batch 1 (benchmarks/train_throughput.py's ``measure``); with
+  ``--profile``, then two steps of BST:SH:S4 and of Llama (~60M, L = 4096, bf16) under torch.profiler: the top ops
+  by device self time go into the report, the profiler's tables to OUTDIR/train_profile_<kind>.txt;
+* ``decode`` (120 s): decode ms per step after a prefill of 1k..64k tokens, hidden 512, 8 layers, batch 1 and
+  batch 8 (``batch`` rows; ``tokens_per_s`` = batch / step time): BST S4 and unstruct (BSTCache), HF Llama with
+  DynamicCache and StaticCache, eager; then BST S4 and Llama StaticCache with ``torch.compile(mode="reduce-overhead")``
+  (CUDA graphs), checked against eager logits, batch 1 then batch 8; each compiled model's ``cudagraph_skips`` (must
+  be 0: every step replayed as a CUDA graph) and ``cudagraphs_ok`` are recorded; where compiling fails, the error is
+  recorded and the eager numbers stand (benchmarks/generation_speed.py's ``measure``; ``measure_batch`` for batches).
 
 The budgets add up to 540 s, so the suite ends within 10 minutes on an H100 with the processes' start-up. The
 summary states the paper's GPU targets (BST:SH < 2x Slide at L = 4k; BRecT 6-11x slower than BST:SH) next to the
@@ -49,7 +53,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from benchmarks.bench_common import RowLog, positive_float, write_json_atomic  # noqa: E402
-from benchmarks.docs_section import device_name  # noqa: E402
+from benchmarks.docs_section import clock, device_name  # noqa: E402
 
 
 SCHEMA = "bst-gpu-suite/1"
@@ -73,11 +77,13 @@ PLANS = {
         layer_speed=dict(lengths=[1024, 2048, 4096, 8192, 16384, 32768, 65536], dtypes=["bf16", "fp32"], rounds=5),
         flop_length=4096,
         train=dict(sizes=["60m", "200m"], seq_lens=[4096, 16384], dtypes=["bf16"], rounds=2, steps=2, peak_size=8192),
+        profile=dict(size="60m", seq_len=4096, dtype="bf16", kinds=["bst", "llama"], steps=2),
         decode=dict(
             hidden=512,
             layers=8,
             contexts=[1024, 4096, 16384, 65536],
             compiled_contexts=[1024, 4096, 16384, 65536],
+            batches=[1, 8],
             steps=20,
             compile="reduce-overhead",
         ),
@@ -88,7 +94,17 @@ PLANS = {
         layer_speed=dict(lengths=[256], dtypes=["fp32", "bf16"], rounds=2),
         flop_length=256,
         train=dict(sizes=["tiny"], seq_lens=[128], dtypes=["fp32"], rounds=1, steps=1, peak_size=256),
-        decode=dict(hidden=64, layers=2, contexts=[64, 128], compiled_contexts=[64], steps=2, compile="eager"),
+        profile=dict(size="tiny", seq_len=128, dtype="fp32", kinds=["bst", "llama"], steps=1),
+        decode=dict(
+            hidden=64,
+            layers=2,
+            contexts=[64, 128],
+            compiled_contexts=[64],
+            batches=[1, 2],
+            compiled_batches=[1],  # each batch size is a graph of its own: dynamo's time, not the test's point
+            steps=2,
+            compile="eager",
+        ),
     ),
 }
 PAPER = {"sh_slide_max": 2.0, "brect_sh": (6.0, 11.0)}
@@ -185,12 +201,67 @@ def part_train(part: Part, plan: dict):
                 part.save()
                 empty_device_cache(device)
                 print(f"{what}: {last[1]:.1f} s", flush=True)
+    if plan.get("profile_train"):
+        profile_train(part, plan)
+
+
+def top_ops(prof, device: str, limit: int = 15) -> list[dict]:
+    """The ops/kernels with the most self time on the device (the CPU for a CPU run), from a torch.profiler run."""
+    cuda = torch.device(device).type == "cuda"
+    rows = []
+    for e in prof.key_averages():
+        self_us = getattr(e, "self_device_time_total", None) if cuda else e.self_cpu_time_total
+        if self_us is None:
+            self_us = getattr(e, "self_cuda_time_total", 0)
+        if self_us > 0:
+            rows.append(dict(name=e.key[:120], calls=e.count, self_ms=self_us / 1000))
+    rows.sort(key=lambda r: -r["self_ms"])
+    total = sum(r["self_ms"] for r in rows) or 1.0
+    for r in rows:
+        r["share"] = r["self_ms"] / total
+    return rows[:limit]
+
+
+def profile_train(part: Part, plan: dict):
+    """A few training steps of each of ``plan["profile"]["kinds"]`` under torch.profiler (the sitting before missed
+    the MFU target with no profile): the top ops by device self time go into the part's data, the profiler's own
+    table to ``train_profile_<kind>.txt`` beside the part's result."""
+    from benchmarks import train_throughput as tt
+    from torch.profiler import ProfilerActivity, profile
+
+    device, cfg = plan["device"], plan["profile"]
+    cuda = torch.device(device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    dtype = torch.bfloat16 if cfg["dtype"] == "bf16" else torch.float32
+    part.data["profile"] = {}
+    for kind in cfg["kinds"]:
+        what = f"profile train {cfg['size']} L={cfg['seq_len']} {kind}"
+        if not part.fits(what, 30.0 if cuda else 5.0):
+            continue
+        try:
+            contender = tt.Contender(kind, cfg["seq_len"], dtype, device, cfg["size"])
+            with profile(activities=activities) as prof:
+                for _ in range(cfg["steps"]):
+                    contender.step()
+            sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+            table = prof.key_averages().table(sort_by=sort, row_limit=40)
+            path = part.path.with_name(f"train_profile_{kind}.txt")
+            path.write_text(f"{what}, {cfg['steps']} step(s), {device_name(device)}\n{table}\n")
+            part.data["profile"][kind] = dict(
+                setup=what, steps=cfg["steps"], step_s=min(contender.times), top=top_ops(prof, device), table=path.name
+            )
+            del contender, prof
+        except Exception as exc:  # a profile that fails is a note, not the end of the part
+            part.data["errors"].append(f"{what}: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}")
+        part.save()
+        empty_device_cache(device)
 
 
 def part_decode(part: Part, plan: dict):
     from benchmarks import generation_speed as gs
 
     device, cfg = plan["device"], plan["decode"]
+    batches = cfg.get("batches", [1])
     kinds = ["bst-s4", "bst-unstruct", "llama-dynamic", "llama-static"]
     max_context = max(cfg["contexts"])
     models = {k: gs.build(k, cfg["hidden"], cfg["layers"], max_context).to(device) for k in kinds}
@@ -199,6 +270,7 @@ def part_decode(part: Part, plan: dict):
         layers=cfg["layers"],
         compile_mode=cfg["compile"],
         compiled_contexts=cfg["compiled_contexts"],
+        batches=batches,
         compiled={},
     )
     last = None
@@ -207,12 +279,11 @@ def part_decode(part: Part, plan: dict):
         if not part.fits(f"decode eager context {context}", estimate):
             break
         start = time.perf_counter()
-        for kind in kinds:
-            ms, nbytes = gs.measure(kind, models[kind], context, cfg["steps"], device)
-            part.data["rows"].append(
-                dict(model=kind, mode="eager", context=context, ms_per_token=ms, cache_bytes=nbytes)
-            )
-            part.save()
+        for batch in batches:
+            for kind in kinds:
+                ms, nbytes = measure_batch(kind, models[kind], context, cfg["steps"], device, batch)
+                part.data["rows"].append(decode_row(kind, "eager", context, batch, ms, nbytes))
+                part.save()
         last = (context, time.perf_counter() - start)
         print(f"decode eager {context}: {last[1]:.1f} s", flush=True)
         empty_device_cache(device)
@@ -228,24 +299,69 @@ def part_decode(part: Part, plan: dict):
             record["max_abs_logit_diff_vs_eager"] = gs.compiled_max_diff(kind, models[kind], step_model, device)
             record["first_check_s"] = time.perf_counter() - start
             part.save()
-            for context in cfg["compiled_contexts"]:
-                if not part.fits(f"decode compiled {kind} context {context}", 2 * record["first_check_s"]):
-                    break
-                ms, nbytes = gs.measure(kind, models[kind], context, cfg["steps"], device, step_model=step_model)
-                part.data["rows"].append(
-                    dict(model=kind, mode="compiled", context=context, ms_per_token=ms, cache_bytes=nbytes)
-                )
-                part.save()
+            for batch in cfg.get("compiled_batches", batches):  # batch 1 first, then batched (a new graph)
+                for context in cfg["compiled_contexts"]:
+                    what = f"decode compiled {kind} batch {batch} context {context}"
+                    if not part.fits(what, 2 * record["first_check_s"]):
+                        break
+                    ms, nbytes = measure_batch(kind, models[kind], context, cfg["steps"], device, batch, step_model)
+                    part.data["rows"].append(decode_row(kind, "compiled", context, batch, ms, nbytes))
+                    part.save()
         except Exception as exc:  # a compile failure is a result: recorded, the eager numbers stand
             record["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
         record["counters"] = gs.compile_counters()
+        # CUDA graphs replayed on every step: inductor skipped none (reduce-overhead on a GPU; else not applicable)
+        graphs = cfg["compile"] == "reduce-overhead" and torch.device(device).type == "cuda"
+        record["cudagraph_skips"] = record["counters"].get("cudagraph_skips", 0)
+        record["cudagraphs_ok"] = (record["cudagraph_skips"] == 0 and "error" not in record) if graphs else None
         part.save()
         torch._dynamo.reset()
 
 
-def run_part(name: str, budget_s: float, result: Path, dry_run: bool):
+def decode_row(kind: str, mode: str, context: int, batch: int, ms: float, nbytes: int) -> dict:
+    return dict(
+        model=kind,
+        mode=mode,
+        context=context,
+        batch=batch,
+        ms_per_token=ms,
+        tokens_per_s=batch * 1000 / ms,
+        cache_bytes=nbytes,
+    )
+
+
+@torch.no_grad()
+def measure_batch(kind: str, model, context: int, steps: int, device: str, batch: int = 1, step_model=None):
+    """generation_speed's ``measure`` (batch 1: that function itself) for ``batch`` rows: best ms per decode step
+    (one token for each of the rows) after a prefill of ``context`` tokens, and the cache's bytes."""
+    from benchmarks import generation_speed as gs
+
+    if batch == 1:
+        return gs.measure(kind, model, context, steps, device, step_model=step_model)
+    step_model = model if step_model is None else step_model
+    ids = torch.randint(0, gs.VOCAB, (batch, context), device=device)
+    token = torch.randint(0, gs.VOCAB, (batch, 1), device=device)
+    if kind == "llama-static":
+        cache = gs.StaticCache(config=model.config, max_cache_len=context + steps + 8)
+    else:
+        cache = gs.DynamicCache(config=model.config) if kind == "llama-dynamic" else None
+    out = model(ids, use_cache=True, logits_to_keep=1, **{gs.CACHE_NAME: cache})
+    cache, best = getattr(out, gs.CACHE_NAME), float("inf")
+    for i in range(steps + 2):
+        extra = (
+            {"position_ids": torch.full((batch, 1), context + i, device=device)} if kind.startswith("llama") else {}
+        )
+        start = clock(device)
+        out = step_model(token, use_cache=True, **extra, **{gs.CACHE_NAME: cache})
+        cache = getattr(out, gs.CACHE_NAME)
+        if i >= 2:
+            best = min(best, clock(device) - start)
+    return best * 1000, gs.tensor_bytes(cache)
+
+
+def run_part(name: str, budget_s: float, result: Path, dry_run: bool, profile: bool = False):
     """Entry point of a part's own process."""
-    plan = PLANS["dry" if dry_run else "full"]
+    plan = dict(PLANS["dry" if dry_run else "full"], profile_train=profile)
     torch.manual_seed(0)
     if plan["device"] == "cpu":
         torch.set_num_threads(1)
@@ -296,7 +412,7 @@ def log_tail(log: Path, lines: int = 15) -> list[str]:
     return log.read_text(errors="replace").splitlines()[-lines:] if log.exists() else []
 
 
-def run_suite(outdir: Path, dry_run: bool, budgets: dict, parts) -> dict:
+def run_suite(outdir: Path, dry_run: bool, budgets: dict, parts, profile: bool = False) -> dict:
     outdir.mkdir(parents=True, exist_ok=True)
     plan = PLANS["dry" if dry_run else "full"]
     if plan["device"] == "cuda" and not torch.cuda.is_available():
@@ -318,12 +434,12 @@ def run_suite(outdir: Path, dry_run: bool, budgets: dict, parts) -> dict:
     # Each part's entry goes to OUTDIR/gpu_suite.partial.jsonl as soon as the part ends: a suite killed midway keeps
     # the parts it finished.
     with RowLog(outdir / "gpu_suite.json", meta) as log:
-        run_parts(report, outdir, dry_run, budgets, parts, log)
+        run_parts(report, outdir, dry_run, budgets, parts, log, profile)
         log.done()
     return report
 
 
-def run_parts(report: dict, outdir: Path, dry_run: bool, budgets: dict, parts, log: RowLog):
+def run_parts(report: dict, outdir: Path, dry_run: bool, budgets: dict, parts, log: RowLog, profile: bool = False):
     plan = PLANS["dry" if dry_run else "full"]
     suite_start = time.perf_counter()
     for name in PARTS:
@@ -343,6 +459,7 @@ def run_parts(report: dict, outdir: Path, dry_run: bool, budgets: dict, parts, l
             result = outdir / f"{name}.json"
             cmd = [sys.executable, "-m", "benchmarks.gpu_suite", "--part", name, "--budget", str(budgets[name])]
             cmd += ["--result", str(result)] + (["--dry-run"] if dry_run else [])
+            cmd += ["--profile"] if profile and name == "train" else []
             status, seconds = launch(cmd, budgets[name] + GRACE, part_log)
             data = json.loads(result.read_text()) if result.exists() else {}
             result.unlink(missing_ok=True)
@@ -466,6 +583,16 @@ def markdown(report: dict) -> list[str]:
             f"{r['tokens_per_s']:.0f} | {r['vs_llama']:.2f}x | {r['flop_ratio']:.2f}x | {100 * r['mfu_bf16']:.1f}% |"
             for r in train["rows"]
         ]
+        for prof in (train.get("profile") or {}).values():
+            lines += [
+                "",
+                f"Profile: {prof['setup']}, {prof['steps']} step(s) (`{prof['table']}`), top ops by self time:",
+            ]
+            lines += ["", "| op | calls | self ms | share |", "|---|---|---|---|"]
+            lines += [
+                f"| `{o['name'].replace('|', '/')}` | {o['calls']} | {o['self_ms']:.2f} | {100 * o['share']:.1f}% |"
+                for o in prof["top"]
+            ]
     else:
         lines.append("No results.")
     decode = parts["decode"].get("data") or {}
@@ -473,22 +600,25 @@ def markdown(report: dict) -> list[str]:
     if decode.get("rows"):
         contexts = sorted({r["context"] for r in decode["rows"]})
         lines += [
-            f"ms per decoded token after a prefill of N tokens (best of the timed steps), hidden {decode['hidden']}, "
-            f'{decode["layers"]} layers, batch 1, fp32; compiled = `torch.compile(mode="{decode["compile_mode"]}")` '
-            "of the model for the steps.",
+            f"ms per decode step (one token for each of the batch's rows) after a prefill of N tokens (best of the "
+            f"timed steps), hidden {decode['hidden']}, {decode['layers']} layers, fp32; compiled = "
+            f'`torch.compile(mode="{decode["compile_mode"]}")` of the model for the steps.',
             "",
-            "| model | mode | " + " | ".join(f"N = {c}" for c in contexts) + " |",
-            "|---|---|" + "---|" * len(contexts),
+            "| model | mode | batch | " + " | ".join(f"N = {c}" for c in contexts) + " |",
+            "|---|---|---|" + "---|" * len(contexts),
         ]
-        table = {(r["model"], r["mode"], r["context"]): r["ms_per_token"] for r in decode["rows"]}
-        for model, mode in dict.fromkeys((r["model"], r["mode"]) for r in decode["rows"]):
-            cells = [fmt(table.get((model, mode, c)), "{:.2f}") for c in contexts]
-            lines.append(f"| {model} | {mode} | " + " | ".join(cells) + " |")
+        table = {(r["model"], r["mode"], r.get("batch", 1), r["context"]): r["ms_per_token"] for r in decode["rows"]}
+        for model, mode, batch in dict.fromkeys((r["model"], r["mode"], r.get("batch", 1)) for r in decode["rows"]):
+            cells = [fmt(table.get((model, mode, batch, c)), "{:.2f}") for c in contexts]
+            lines.append(f"| {model} | {mode} | {batch} | " + " | ".join(cells) + " |")
         for kind, rec in decode.get("compiled", {}).items():
             state = f"failed, eager numbers stand: {rec['error']}" if "error" in rec else "ran"
             graphs = rec.get("counters", {}).get("unique_graphs", 0)
             if graphs > 2 * len(decode.get("compiled_contexts", [])) + 2:
                 state += f" but compiled {graphs} graphs (recompiles on every step: the compiled numbers include them)"
+            graphs_ok = rec.get("cudagraphs_ok")
+            if graphs_ok is not None:
+                state += "; CUDA graphs: " + ("no skips" if graphs_ok else f"{rec.get('cudagraph_skips')} skip(s)")
             lines.append(
                 f"- compiled {kind}: {state}; max |logit - eager| "
                 f"{fmt(rec.get('max_abs_logit_diff_vs_eager'), '{:.1e}')}; counters {rec.get('counters', {})}"
@@ -521,6 +651,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--part", choices=PARTS[1:], help=argparse.SUPPRESS)  # a part's own process
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the train part's measurements, a few steps of BST and Llama under torch.profiler: the top ops go "
+        "into the report, the profiler's tables to OUTDIR/train_profile_<kind>.txt",
+    )
     return parser
 
 
@@ -556,9 +692,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None):
     args = parse_args(argv)
     if args.part:
-        run_part(args.part, args.budgets[args.part], args.result, args.dry_run)
+        run_part(args.part, args.budgets[args.part], args.result, args.dry_run, args.profile)
         return
-    report = run_suite(args.outdir, args.dry_run, args.budgets, args.parts)
+    report = run_suite(args.outdir, args.dry_run, args.budgets, args.parts, args.profile)
     print(f"[gpu_suite] wrote {args.outdir / 'gpu_suite.json'} and {args.outdir / 'gpu_suite.md'}")
     print("\n".join(markdown(report)[:40]))
 

@@ -133,3 +133,29 @@ def test_gpu_layer_speed_times_flex_attention_too():
         a, b = sdpa(x), flex(x)
     a, b = (a[0], b[0]) if isinstance(a, tuple) else (a, b)
     torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
+def test_train_profile_names_the_top_ops(tmp_path):
+    """--profile: a training step of BST and Llama under torch.profiler; the top ops by self time go into the part's
+    data (and the markdown), the profiler's tables beside the part's result (the sitting brings them back)."""
+    part = gpu_suite.Part(tmp_path / "train.json", budget_s=300)
+    gpu_suite.profile_train(part, gpu_suite.PLANS["dry"])
+    profile = part.data["profile"]
+    assert set(profile) == {"bst", "llama"} and part.data["errors"] == []
+    for kind, prof in profile.items():
+        assert prof["top"] and all(o["self_ms"] > 0 and 0 < o["share"] <= 1 for o in prof["top"])
+        assert (tmp_path / prof["table"]).read_text().startswith(f"profile train tiny L=128 {kind}")
+    report = {
+        "dry_run": True,
+        "seconds": 1.0,
+        "meta": dict(device="cpu", torch="t", cuda=None, transformers="x", python="p", model_code="m", started="s"),
+        "parts": {"train": {"status": "ok", "seconds": 1, "budget_s": 1, "data": {**part.data, "rows": []}}},
+    }
+    report["meta"]["command"] = "c"
+    report["parts"].update({n: {"status": "ok", "seconds": 0, "budget_s": 0, "data": {}} for n in gpu_suite.PARTS})
+    report["parts"]["train"]["data"] = dict(part.data, rows=[dict(size="tiny", seq_len=128, model="m", dtype="fp32",
+        params=1e6, tokens_per_s=1.0, vs_llama=1.0, flop_ratio=1.0, mfu_bf16=0.1)], peaks={"bf16": 1e12, "fp32": 1e12},
+        flash_attn=False)  # fmt: skip
+    report["targets"] = []
+    md = "\n".join(gpu_suite.markdown(report))
+    assert "Profile: profile train tiny L=128 bst, 1 step(s)" in md and "| op | calls | self ms | share |" in md

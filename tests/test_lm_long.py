@@ -296,7 +296,7 @@ def test_the_selected_final_checkpoint_reuses_the_final_evaluation(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_sitting_dry_run_packs_its_results_and_kills_only_its_own_runs(tmp_path):
-    """`bash scripts/gpu_sitting.sh --dry-run`: the LM pair stopped at its deadline, the tests part and the packed
+    """`bash scripts/gpu_sitting.sh --dry-run`: an LM run stopped at its deadline, the tests part and the packed
     archive; a process elsewhere on the machine whose command line looks like an LM run survives (an earlier version
     ended the sitting with a pkill that also stopped this machine's own background trainings)."""
     import subprocess
@@ -305,15 +305,16 @@ def test_gpu_sitting_dry_run_packs_its_results_and_kills_only_its_own_runs(tmp_p
     bystander = subprocess.Popen(["bash", "-c", "exec -a 'python -m research.lm_quality bystander' sleep 600"])
     try:
         out = subprocess.run(
-            ["bash", str(L.ROOT / "scripts" / "gpu_sitting.sh"), "--dry-run", "--models", "bst-sh-s4",
-             "--deadline", "25", "--bench", ""],
+            ["bash", str(L.ROOT / "scripts" / "gpu_sitting.sh"), "--dry-run", "--parts", "tests quality",
+             "--models", "bst-sh-s4", "--deadline", "25", "--total", "300", "--state", str(tmp_path / "state.txt")],
             capture_output=True, text=True, timeout=900, env={**os.environ, "OUT": str(tmp_path)},
         )  # fmt: skip
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
         assert bystander.poll() is None, "the sitting killed a process it did not start"
     finally:
         bystander.kill()
-    assert "lm rc 124" in (tmp_path / "lm.log").read_text()  # stopped at its 25 s deadline
+    assert "quality rc 124" in (tmp_path / "quality-bst-sh-s4.log").read_text()  # stopped at its 25 s deadline
+    assert "quality:bst-sh-s4-s0" not in (tmp_path / "gpu_sitting_state.txt").read_text()  # not finished: not done
     assert "tests: ok" in (tmp_path / "tests.log").read_text()
     with tarfile.open(tmp_path / "results.tgz") as tar:
         assert any(n.endswith("gpu_suite.json") for n in tar.getnames())
