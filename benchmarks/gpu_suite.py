@@ -226,8 +226,9 @@ def profile_train(part: Part, plan: dict):
     """A few training steps of each of ``plan["profile"]["kinds"]`` under torch.profiler (the sitting before missed
     the MFU target with no profile): the top ops by device self time go into the part's data, the profiler's own
     table to ``train_profile_<kind>.txt`` beside the part's result."""
-    from benchmarks import train_throughput as tt
     from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks import train_throughput as tt
 
     device, cfg = plan["device"], plan["profile"]
     cuda = torch.device(device).type == "cuda"
