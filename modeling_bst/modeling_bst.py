@@ -1122,6 +1122,133 @@ def _step_weights_by_column(weights: torch.Tensor, kpos: torch.Tensor, positions
     return out.scatter_add(-1, index, weights * valid[:, None, None, :].to(weights.dtype))
 
 
+def _join(a, b, pad_keys: bool = False):
+    """Outputs of two consecutive parts of a chunk along the sequence (attention weights: the later part sees more
+    keys, ``pad_keys``)."""
+    if a is None or b is None:
+        return b if a is None else a
+    if pad_keys:
+        a = F.pad(a, (0, b.shape[-1] - a.shape[-1]))
+    return torch.cat([a, b], -2 if a.dim() == 4 else 1)
+
+
+class _Chunk:
+    """One forward's input as a chunk that continues the cache (empty for a fresh sequence), and how a layer runs it:
+    the full-sequence form over the first ``head`` columns, then the recurrent form one token at a time over the rest.
+
+    * fresh input: all columns in the full-sequence form, rows packed by the attention mask ([`_Layout`]); into a
+      recording cache (assisted decoding drafts at the end of the first input) the last ``MAX_ROLLBACK`` positions
+      after the last padded column are steps, so that ``crop`` can take any of them back;
+    * a continuing chunk of whole blocks, every row on the block grid: all in the full-sequence form, seeded with the
+      cached state;
+    * any other continuing chunk (a decoded token; drafts; a chunk off the grid): all steps. Padding is honoured only
+      by the full-sequence form, so a continuing chunk must be unpadded.
+
+    Between layers the hidden states are a pair ``(head, tail)``: the head in the full-sequence layout, the tail in
+    the caller's columns ([`enter`] / [`columns`]). Each layer's cache advances (row state, rollback records) as the
+    layer finishes with it.
+    """
+
+    def __init__(self, cache, attention_mask, shape, config, device, check: bool):
+        bsz, seq_len = shape
+        w = config.block_len
+        self.seq_len = seq_len
+        self.fresh = cache is None or cache.is_empty
+        self.record = cache is not None and cache.record_past
+        self.layout, self.common = None, None
+        if self.fresh:
+            head = seq_len
+            if self.record and seq_len > 1:
+                head = seq_len - min(seq_len - 1, MAX_ROLLBACK)
+                if attention_mask is not None:
+                    padded = torch.nonzero(~attention_mask[:, -seq_len:].bool().all(0))
+                    head = max(head, int(padded[-1]) + 1) if len(padded) else head
+            mask = None if attention_mask is None else attention_mask[:, -seq_len:][:, :head]
+            self.layout = _Layout(mask, (bsz, head), w, device, check)
+            self.common = head
+            if self.layout.mask is not None:
+                lengths = self.layout.lengths
+                same = host_can_branch(lengths) and bool((lengths == lengths[0]).all())
+                self.common = int(lengths[0]) if same else None
+        else:
+            if seq_len > 1 and attention_mask is not None and host_can_branch(attention_mask):
+                if not bool(attention_mask[:, -seq_len:].all()):
+                    raise ValueError(
+                        "Padding inside a continued sequence cannot be honoured by the recurrent cache: pad the "
+                        "first chunk only."
+                    )
+            # A decode step (seq_len 1) reads no host mirror of a position: one traced step serves every position.
+            aligned = (
+                seq_len > 1
+                and seq_len % w == 0
+                and not self.record
+                and cache.common_position is not None
+                and cache.common_position % w == 0
+                and cache.docs_on_grid
+            )
+            head = seq_len if aligned else 0
+        self.head = head
+
+    def enter(self, hidden: torch.Tensor):
+        """Caller's columns `(B, T, D)` -> ``(head, tail)``."""
+        head = hidden[:, : self.head]
+        return (self.layout.to_blocks(head) if self.fresh else head), hidden[:, self.head :]
+
+    def columns(self, state) -> torch.Tensor:
+        """``(head, tail)`` -> the caller's columns `(B, T, D)` (zero at padding)."""
+        head, tail = state
+        if self.fresh:
+            head = self.layout.from_blocks(head)
+        return torch.cat([head, tail], 1) if self.head < self.seq_len else head
+
+    def run(self, layer, layer_cache, state, weights: bool):
+        """One layer over the chunk: ``state`` -> the next ``state``, the self- and second attention weights."""
+        head, tail = state
+        attn = cross = None
+        if self.head:
+            kwargs = dict(layer_cache=layer_cache, num_positions=self.head, output_attentions=weights)
+            if self.fresh:
+                kwargs.update(lengths=self.layout.layer_lengths, fill_cache=layer_cache is not None)
+            else:
+                kwargs.update(positions=layer_cache.positions, fill_cache=True)
+            out = layer(head, **kwargs)
+            head, attn, cross = out if weights else (out, None, None)
+            if layer_cache is not None and self.fresh:
+                layer_cache.start(self.layout.lengths, self.head, self.common)
+            elif layer_cache is not None:
+                layer_cache.advance(self.head)
+        if self.head < self.seq_len:
+            tail, tail_attn, tail_cross = self.steps(layer, layer_cache, tail, weights)
+            attn, cross = _join(attn, tail_attn, pad_keys=True), _join(cross, tail_cross)
+        return (head, tail), attn, cross
+
+    def steps(self, layer, layer_cache, hidden, weights: bool):
+        """The recurrent form over the columns of ``hidden`` `(B, n, D)`, one token per row at a time."""
+        n = hidden.shape[1]
+        positions = layer_cache.positions
+        newest = layer_cache.seen_tokens if weights else 0  # a host read, only for the weights' columns
+        outs, attns, crosses, undo = [], [], [], []
+        for t in range(n):
+            if self.record:
+                undo.append(layer_cache.capture(positions + t))
+            out = layer(
+                hidden[:, t : t + 1], layer_cache=layer_cache, positions=positions + t, output_attentions=weights
+            )
+            h, attn, cross = out if weights else (out, None, None)
+            outs.append(h)
+            if attn is not None:
+                attn = _step_weights_by_column(attn, layer_cache.attention.pos, positions + t, newest + t)
+                attns.append(F.pad(attn, (0, n - 1 - t)))
+            if cross is not None:
+                crosses.append(cross)
+        if self.record:
+            layer_cache.push_undo(undo)
+        layer_cache.advance(n)
+        attn = torch.cat(attns, 2) if attns else None
+        cross = torch.cat(crosses, 2) if crosses else None
+        return (outs[0] if n == 1 else torch.cat(outs, 1)), attn, cross
+
+
 class BSTModel(BSTPreTrainedModel):
     """The BST decoder stack: ``embed_tokens`` -> ``layers`` -> ``norm`` (no absolute positions).
 
@@ -1205,75 +1332,6 @@ class BSTModel(BSTPreTrainedModel):
                 f"tokens (the filter length); got {seq_len + done}. Use ssm_kind='s4' for longer sequences."
             )
 
-    @staticmethod
-    def _call_layer(layer, hidden, output_attentions, **kwargs):
-        """``(hidden, self_weights, cross_weights)`` of one layer call (weights None unless asked)."""
-        if output_attentions:
-            return layer(hidden, output_attentions=True, **kwargs)
-        return layer(hidden, **kwargs), None, None
-
-    def _recorded_prefill(
-        self, input_ids, attention_mask, cache, inputs_embeds, output_hidden_states, output_attentions
-    ):
-        """A prefill into a recording cache: the full-sequence form up to the last ``MAX_ROLLBACK`` positions, then
-        recorded steps over those, so that ``cache.crop`` can take any of them back (assisted decoding drafts at the
-        end of the first input). Outputs as one forward over the whole input.
-
-        Padding is honoured by the full-sequence form only: the recorded steps start after the last column that is
-        padding in some row (a right-padded prompt followed by drafts), or do not happen if the last column is one."""
-        seq_len = (input_ids if input_ids is not None else inputs_embeds).shape[1]
-        split = seq_len - min(seq_len - 1, MAX_ROLLBACK)
-        if attention_mask is not None:
-            padded = torch.nonzero(~attention_mask[:, -seq_len:].bool().all(0))
-            if len(padded):
-                split = max(split, int(padded[-1]) + 1)
-        if split == seq_len:
-            cache.record_past = False
-            out = self(
-                input_ids=input_ids,
-                inputs_embeds=inputs_embeds,
-                attention_mask=attention_mask,
-                cache=cache,
-                use_cache=True,
-                output_hidden_states=output_hidden_states,
-                output_attentions=output_attentions,
-            )
-            cache.record_past = True
-            return out
-        parts = []
-        for cols, record in ((slice(None, split), False), (slice(split, None), True)):
-            cache.record_past = record
-            parts.append(
-                self(
-                    input_ids=input_ids[:, cols] if input_ids is not None else None,
-                    inputs_embeds=inputs_embeds[:, cols] if inputs_embeds is not None else None,
-                    attention_mask=attention_mask if attention_mask is None or record else attention_mask[:, cols],
-                    cache=cache,
-                    use_cache=True,
-                    output_hidden_states=output_hidden_states,
-                    output_attentions=output_attentions,
-                )
-            )
-        first, second = parts
-
-        def join(a, b, pad_keys=False):
-            if a is None or b is None:
-                return None
-            if pad_keys:  # attention weights: (B, H, T, K), the second part sees more keys
-                return torch.cat([F.pad(a, (0, b.shape[-1] - a.shape[-1])), b], -2)
-            return torch.cat([a, b], -2 if a.dim() == 4 else 1)
-
-        def join_all(a, b, pad_keys=False):
-            return None if a is None else tuple(join(x, y, pad_keys) for x, y in zip(a, b))
-
-        return BaseModelOutputWithPastAndCrossAttentions(
-            last_hidden_state=join(first.last_hidden_state, second.last_hidden_state),
-            **{CACHE_NAME: cache},
-            hidden_states=join_all(first.hidden_states, second.hidden_states),
-            attentions=join_all(first.attentions, second.attentions, True),
-            cross_attentions=join_all(first.cross_attentions, second.cross_attentions),
-        )
-
     @can_return_tuple
     def forward(
         self,
@@ -1288,138 +1346,40 @@ class BSTModel(BSTPreTrainedModel):
         **kwargs,
     ) -> BaseModelOutputWithPastAndCrossAttentions:
         """``cache``: a [`BSTCache`] to continue (``past_key_values`` is its name before transformers 5.24; either
-        works). The output holds the cache under the installed transformers' name (``cache`` from 5.24 on)."""
-        cache = given = resolve_cache_argument(cache, past_key_values)
+        works). The output holds the cache under the installed transformers' name (``cache`` from 5.24 on).
+
+        Every input is a chunk that continues the cache, which is empty for a fresh sequence ([`_Chunk`])."""
         cfg = self.config
-        use_cache = use_cache if use_cache is not None else (cfg.use_cache and not self.training)
-        if cfg.bidirectional:
-            use_cache = False
-            cache = given = None
+        cache = given = None if cfg.bidirectional else resolve_cache_argument(cache, past_key_values)
+        use_cache = (
+            use_cache if use_cache is not None else cfg.use_cache and not self.training
+        ) and not cfg.bidirectional
+        output_hidden_states = output_hidden_states if output_hidden_states is not None else cfg.output_hidden_states
+        output_attentions = self._attention_weights(output_attentions)
         if cache is not None:
             cache = BSTCache.of(cache, cfg)  # a DynamicCache of BST layers (made by generate) reads as a BSTCache
-        output_hidden_states = output_hidden_states if output_hidden_states is not None else cfg.output_hidden_states
-        output_attentions = output_attentions if output_attentions is not None else cfg.output_attentions
-        if output_attentions and cfg._attn_implementation != "eager":
-            logger.warning_once(
-                f"BST: output_attentions=True needs the eager attention; attn_implementation="
-                f"{cfg._attn_implementation!r} returns no attention weights. Load the model with "
-                "attn_implementation='eager' to get them."
-            )
-            output_attentions = False
         bsz, seq_len = self._check_inputs(input_ids, inputs_embeds, attention_mask, cache)
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if use_cache and cache is None:
             cache = BSTCache(cfg, bsz)
-        continuing = cache is not None and not cache.is_empty
-        if cache is not None and cache.record_past and not continuing and seq_len > 1:
-            return self._recorded_prefill(
-                input_ids, attention_mask, cache, inputs_embeds, output_hidden_states, output_attentions
-            )
-        self._check_unstruct_length(seq_len, cache, continuing)
-        all_hidden = [] if output_hidden_states else None
-        all_attn = [] if output_attentions else None
-        all_cross = [] if output_attentions else None
-
-        if not continuing:
-            # Full-sequence form: rows packed to start at position 0, right-padded to whole blocks.
-            layout = _Layout(attention_mask, (bsz, seq_len), cfg.block_len, hidden.device, host_can_branch(hidden))
-            if all_hidden is not None:
-                all_hidden.append(hidden)
-            hidden = layout.to_blocks(hidden)
-            if not cfg.meliad_dropout:
-                hidden = self.dropout(hidden)
-            for layer_idx, layer in enumerate(self.layers):
-                if all_hidden is not None and layer_idx > 0:
-                    # The recorded tensor is the one the next layer reads (gradients reach it).
-                    hidden = layout.from_blocks(hidden)
-                    all_hidden.append(hidden)
-                    hidden = layout.to_blocks(hidden)
-                hidden, attn, cross = self._call_layer(
-                    layer,
-                    hidden,
-                    output_attentions,
-                    lengths=layout.layer_lengths,
-                    layer_cache=cache.layers[layer_idx] if cache is not None else None,
-                    fill_cache=cache is not None,
-                    num_positions=seq_len,
-                )
-                if all_attn is not None:
-                    all_attn.append(attn)
-                    all_cross.append(cross)
-            hidden = layout.from_blocks(self.norm(hidden))
-            if cache is not None:
-                common = seq_len
-                if layout.mask is not None:
-                    lengths = layout.lengths
-                    same = host_can_branch(lengths) and bool((lengths == lengths[0]).all())
-                    common = int(lengths[0]) if same else None
-                cache.start(layout.lengths, seq_len, common)
-        else:
-            positions = cache.positions
-            if seq_len > 1 and attention_mask is not None and host_can_branch(attention_mask):
-                if not bool(attention_mask[:, -seq_len:].all()):
-                    raise ValueError(
-                        "Padding inside a continued sequence cannot be honoured by the recurrent cache: pad the "
-                        "first chunk only."
-                    )
-            w = cfg.block_len
-            # A recording cache steps every position (each step records what it overwrites, for BSTCache.crop). A
-            # decode step (seq_len 1) reads no host mirror of a position: one traced step serves every position.
-            aligned = (
-                seq_len > 1
-                and seq_len % w == 0
-                and not cache.record_past
-                and cache.common_position is not None
-                and cache.common_position % w == 0
-                and cache.docs_on_grid
-            )
-            undo = [[{} for _ in self.layers] for _ in range(seq_len)] if cache.record_past and not aligned else None
-            for layer_idx, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers)):
-                if all_hidden is not None:
-                    all_hidden.append(hidden)
-                if aligned:
-                    # A block-aligned chunk: full-sequence form seeded with the cached state.
-                    hidden, attn, cross = self._call_layer(
-                        layer,
-                        hidden,
-                        output_attentions,
-                        layer_cache=layer_cache,
-                        positions=positions,
-                        fill_cache=True,
-                        num_positions=seq_len,
-                    )
-                else:
-                    # Recurrent form, one token at a time (layer by layer: each layer reads its whole input).
-                    outs, attns, crosses = [], [], []
-                    for t in range(seq_len):
-                        if undo is not None:
-                            undo[t][layer_idx] = layer_cache.capture(positions + t)
-                        h_t, attn, cross = self._call_layer(
-                            layer,
-                            hidden[:, t : t + 1],
-                            output_attentions,
-                            layer_cache=layer_cache,
-                            positions=positions + t,
-                        )
-                        outs.append(h_t)
-                        if output_attentions and attn is not None:
-                            attn = _step_weights_by_column(
-                                attn, layer_cache.attention.pos, positions + t, cache.seen_tokens + t
-                            )
-                            attns.append(F.pad(attn, (0, seq_len - 1 - t)))
-                            crosses.append(cross)
-                    hidden = outs[0] if seq_len == 1 else torch.cat(outs, 1)
-                    attn = (attns[0] if seq_len == 1 else torch.cat(attns, 2)) if attns else None
-                    cross = None
-                    if crosses and crosses[0] is not None:
-                        cross = crosses[0] if seq_len == 1 else torch.cat(crosses, 2)
-                if all_attn is not None:
-                    all_attn.append(attn)
-                    all_cross.append(cross)
-            hidden = self.norm(hidden)
-            if undo is not None:
-                cache.push_undo(undo)
-            cache.advance(seq_len)
+        chunk = _Chunk(cache, attention_mask, (bsz, seq_len), cfg, hidden.device, host_can_branch(hidden))
+        self._check_unstruct_length(seq_len, cache, not chunk.fresh)
+        all_hidden = [hidden] if output_hidden_states else None
+        all_attn, all_cross = ([], []) if output_attentions else (None, None)
+        state = chunk.enter(hidden)
+        if chunk.fresh and not cfg.meliad_dropout:
+            state = (self.dropout(state[0]), state[1])
+        for layer_idx, layer in enumerate(self.layers):
+            if all_hidden is not None and layer_idx > 0:
+                # The recorded tensor is the one the next layer reads (gradients reach it).
+                all_hidden.append(chunk.columns(state))
+                state = chunk.enter(all_hidden[-1])
+            layer_cache = cache.layers[layer_idx] if cache is not None else None
+            state, attn, cross = chunk.run(layer, layer_cache, state, output_attentions)
+            if all_attn is not None:
+                all_attn.append(attn)
+                all_cross.append(cross)
+        hidden = self.norm(chunk.columns(state))
         if all_hidden is not None:
             all_hidden.append(hidden)
         if cache is not None and self.training:
@@ -1431,6 +1391,19 @@ class BSTModel(BSTPreTrainedModel):
             attentions=tuple(all_attn) if all_attn is not None else None,
             cross_attentions=tuple(all_cross) if all_cross is not None else None,
         )
+
+    def _attention_weights(self, output_attentions: bool | None) -> bool:
+        """Whether this forward returns attention weights (they need the eager attention)."""
+        cfg = self.config
+        wanted = output_attentions if output_attentions is not None else cfg.output_attentions
+        if wanted and cfg._attn_implementation != "eager":
+            logger.warning_once(
+                f"BST: output_attentions=True needs the eager attention; attn_implementation="
+                f"{cfg._attn_implementation!r} returns no attention weights. Load the model with "
+                "attn_implementation='eager' to get them."
+            )
+            return False
+        return bool(wanted)
 
 
 class BSTForCausalLM(BSTPreTrainedModel, GenerationMixin):
