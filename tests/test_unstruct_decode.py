@@ -332,10 +332,10 @@ def test_mutation_reorder_without_the_chunk_fails(monkeypatch):
 def test_mutation_traced_step_keeping_the_chunk_fails(monkeypatch):
     original = BSTContextStates._step_ssm
 
-    def keep_chunk(self, xn, layer_cache, p, output=True, chunked=False):
+    def keep_chunk(self, ssm, xn, layer_cache, p, output=True, chunked=False):
         part = layer_cache.ssm
         kept = (part.pending, part.pending_offset)
-        y = original(self, xn, layer_cache, p, output, chunked)
+        y = original(self, ssm, xn, layer_cache, p, output, chunked)
         if torch.compiler.is_compiling():
             part.pending, part.pending_offset = kept
         return y
