@@ -128,7 +128,7 @@ ONNX_VARIANTS = [
 
 
 @pytest.mark.parametrize("variant", ONNX_VARIANTS)
-def test_onnx_export_runs_in_onnxruntime_with_pytorchs_numbers(variant, tmp_path):
+def test_onnx_export_runs_in_onnxruntime_with_pytorchs_numbers(variant, tmp_path, capsys):
     pytest.importorskip("onnxscript", reason="ONNX export needs onnx + onnxscript (pip install -e .[onnx])")
     ort = pytest.importorskip("onnxruntime", reason="the check needs onnxruntime (pip install -e .[onnx])")
     from training.export import export_onnx
@@ -139,6 +139,7 @@ def test_onnx_export_runs_in_onnxruntime_with_pytorchs_numbers(variant, tmp_path
     # form and in the direct form alike), so its two float32 runtimes agree to that order, not to 1e-4.
     tol = dict(atol=3e-4 if "unstruct" in variant else 1e-4, rtol=0)
     result = export_onnx(model, tmp_path, seq_len=length, batch_size=batch)
+    assert "ONNX export" in capsys.readouterr().err  # a progress bar: each file takes seconds to minutes
     assert not use_real_arithmetic()  # the export left the model in its eager form
     names = json.loads((tmp_path / "onnx_state.json").read_text())["state"]
     ids = torch.randint(1, 97, (batch, length), generator=torch.Generator().manual_seed(7))  # not the traced input

@@ -39,6 +39,7 @@ from urllib.parse import urlparse
 import torch
 import torch.utils._pytree as pytree
 import yaml
+from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import modeling_bst
@@ -498,7 +499,9 @@ def onnx_prefill(model, input_ids: torch.Tensor):
     return out.logits, pytree.tree_leaves(out.past_key_values), out.past_key_values
 
 
-def export_onnx(model, folder, seq_len: int = 32, batch_size: int = 1, optimize: bool = True) -> dict:
+def export_onnx(
+    model, folder, seq_len: int = 32, batch_size: int = 1, optimize: bool = True, progress: bool = True
+) -> dict:
     """Export ``model`` (a ``BSTForCausalLM``) to ONNX in ``folder``, with ``torch.onnx.export(..., dynamo=True)``:
 
     * ``model.onnx``: ``input_ids`` `(batch_size, seq_len)` -> ``logits`` (fixed shape, no padding);
@@ -519,8 +522,11 @@ def export_onnx(model, folder, seq_len: int = 32, batch_size: int = 1, optimize:
     names = cache_state_names(cache)
     spec = pytree.tree_structure(cache)
     seconds = {}
+    # Each file takes from seconds to minutes (torch.onnx's tracing and optimisation): a bar per file, on stderr.
+    bar = tqdm(total=3, desc="ONNX export", unit="file", disable=not progress)
 
     def run(name, module, args, input_names, output_names):
+        bar.set_postfix_str(name)
         start = time.perf_counter()
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -535,6 +541,7 @@ def export_onnx(model, folder, seq_len: int = 32, batch_size: int = 1, optimize:
             )
         program.save(str(folder / name))
         seconds[name] = time.perf_counter() - start
+        bar.update(1)
 
     present = [f"present.{n}" for n in names]
     run("model.onnx", OnnxForward(model), (input_ids,), ["input_ids"], ["logits"])
@@ -547,6 +554,7 @@ def export_onnx(model, folder, seq_len: int = 32, batch_size: int = 1, optimize:
         ["input_ids", *[f"past.{n}" for n in names]],
         ["logits", *present],
     )
+    bar.close()
     (folder / "onnx_state.json").write_text(
         json.dumps({"state": names, "seq_len": seq_len, "batch_size": batch_size}, indent=2) + "\n"
     )
