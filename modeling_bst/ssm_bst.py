@@ -823,26 +823,27 @@ class UnstructFilter(nn.Module):
             h = h.t().reshape(-1, self.out_channels, self.channels, length)
             return h if self.bidirectional else h[0]
 
-    def spectrum(self, total: int) -> torch.Tensor:
-        """FFT (size 2 ``total``) of the filter over ``total`` lags, bias (D skip) included, for [`fft_conv`]."""
+    def taps(self, total: int):
+        """The filter over ``total`` lags with the bias (D skip) folded into lag 0, and the backward filter of a
+        bidirectional one (else None)."""
         # Lags beyond the filter length have no taps (callers keep real positions below max_len).
         h = self.filters(min(total, self.max_len))
         h = F.pad(h, (0, total - h.shape[-1]))
         bias = self.bias.to(h.dtype)
         if self.bidirectional:
-            return bidirectional_spectrum(fold_skip(h[0], bias), h[1])
-        return causal_spectrum(fold_skip(h, bias))
+            return fold_skip(h[0], bias), h[1]
+        return fold_skip(h, bias), None
+
+    def spectrum(self, total: int) -> torch.Tensor:
+        """FFT (size 2 ``total``) of the filter over ``total`` lags, bias (D skip) included, for [`fft_conv`]."""
+        forward, backward = self.taps(total)
+        return causal_spectrum(forward) if backward is None else bidirectional_spectrum(forward, backward)
 
     def direct_conv(self, u: torch.Tensor) -> torch.Tensor:
         """The convolution of [`forward`] without an FFT ([`direct_causal_conv`]): the real-arithmetic form
         ([`use_real_arithmetic`], ONNX export). ``u`` `(B, Ds, L)` -> `(B, C, Ds, L)`."""
-        total = u.shape[-1]
-        h = self.filters(min(total, self.max_len))
-        h = F.pad(h, (0, total - h.shape[-1]))
-        bias = self.bias.to(h.dtype)
-        if self.bidirectional:
-            return direct_bidirectional_conv(u, fold_skip(h[0], bias), h[1])
-        return direct_causal_conv(u, fold_skip(h, bias))
+        forward, backward = self.taps(u.shape[-1])
+        return direct_causal_conv(u, forward) if backward is None else direct_bidirectional_conv(u, forward, backward)
 
     def forward(self, z: torch.Tensor, history: torch.Tensor | None = None) -> torch.Tensor:
         """``z`` `(B, L, Ds)` -> ``y`` `(B, L, C, Ds)`. ``history`` `(B, Ds, Lh)`: earlier inputs (continuation)."""

@@ -19,6 +19,30 @@ from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 TOKENIZER = "training/tokenizers/mistral-v1-32k"
 
 
+def tiny_model_and_tokenizer():
+    """A tiny BST (no dropout) over the presets' 32k tokenizer."""
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    config = tiny_config(vocab_size=len(tokenizer), dropout=0.0, attention_dropout=0.0)
+    config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    torch.manual_seed(0)
+    return BSTForCausalLM(config), tokenizer
+
+
+def one_step(tmp_path) -> dict:
+    """TRL trainer arguments for one logged step at learning rate 0 on the CPU (the model stays as it is)."""
+    return dict(
+        output_dir=str(tmp_path),
+        max_steps=1,
+        learning_rate=0.0,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        dataloader_num_workers=0,
+        max_length=None,
+    )
+
+
 def test_the_default_logit_scale_is_a_number_in_the_config(tmp_path):
     config = tiny_config()
     assert config.logit_scale == pytest.approx(1 / 97**0.5)
@@ -61,26 +85,11 @@ def test_trl_fused_lm_head_log_probs_equal_the_models():
 
 
 def test_sft_trainer_reports_the_models_own_loss(tmp_path):
-    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
-    config = tiny_config(vocab_size=len(tokenizer), dropout=0.0, attention_dropout=0.0)
-    config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    torch.manual_seed(0)
-    model = BSTForCausalLM(config)
+    model, tokenizer = tiny_model_and_tokenizer()
     g = torch.Generator().manual_seed(1)
     rows = torch.randint(3, len(tokenizer), (4, 16), generator=g)
     dataset = Dataset.from_dict({"input_ids": rows.tolist()})
-    args = trl.SFTConfig(
-        output_dir=str(tmp_path),
-        max_steps=1,
-        per_device_train_batch_size=4,
-        learning_rate=0.0,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        dataloader_num_workers=0,
-        max_length=None,
-    )
+    args = trl.SFTConfig(per_device_train_batch_size=4, **one_step(tmp_path))
     trainer = trl.SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
     batch = next(iter(trainer.get_train_dataloader()))
     with torch.no_grad():
@@ -93,11 +102,7 @@ def test_sft_trainer_reports_the_models_own_loss(tmp_path):
 def test_dpo_trainer_log_probs_are_the_models(tmp_path):
     """One DPO step: the chosen / rejected log-probabilities TRL logs (the sums over each completion's tokens, through
     the fused LM head) equal those computed from the model's own logits on the same batch."""
-    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
-    config = tiny_config(vocab_size=len(tokenizer), dropout=0.0, attention_dropout=0.0)
-    config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    torch.manual_seed(0)
-    model = BSTForCausalLM(config)
+    model, tokenizer = tiny_model_and_tokenizer()
     dataset = Dataset.from_dict(
         {
             "prompt": ["The ship sailed", "In the morning the old"],
@@ -105,18 +110,7 @@ def test_dpo_trainer_log_probs_are_the_models(tmp_path):
             "rejected": [" away.", " house fell silent and grey and cold."],
         }
     )
-    args = trl.DPOConfig(
-        output_dir=str(tmp_path),
-        max_steps=1,
-        per_device_train_batch_size=2,
-        learning_rate=0.0,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        dataloader_num_workers=0,
-        max_length=None,
-    )
+    args = trl.DPOConfig(per_device_train_batch_size=2, **one_step(tmp_path))
     # The reference: a copy (TRL would otherwise load it from config.name_or_path, which a model built here has not).
     reference = copy.deepcopy(model)
     trainer = trl.DPOTrainer(

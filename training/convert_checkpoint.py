@@ -89,7 +89,11 @@ def current_name(key: str, layer_types: list[str]) -> str:
 
 def _model_class(config: BSTConfig):
     names = config.architectures or ["BSTForCausalLM"]
-    classes = {name: getattr(modeling_bst, name) for name in modeling_bst.__all__ if name.startswith("BST")}
+    classes = {
+        name: cls
+        for name in modeling_bst.__all__
+        if isinstance(cls := getattr(modeling_bst, name), type) and issubclass(cls, modeling_bst.BSTPreTrainedModel)
+    }
     if names[0] not in classes:
         raise ValueError(f"config.architectures names {names[0]!r}, not a class of modeling_bst ({sorted(classes)}).")
     return classes[names[0]]
