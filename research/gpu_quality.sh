@@ -29,7 +29,7 @@
 # copied to $OUT/results/ with the checkpoint of a run stopped early). Then, unless the extra arguments pick
 # --models, the same grid for the BST:SH:unstruct ablation that makes its filters smooth and long (`--set
 # unstruct_sin_freq=1 --set unstruct_decay_target=0.5`: 35.7% at L=256 N=8 on the CPU protocol, where the preset's
-# filters stay at chance; docs/results.md, "Reading of the MQAR runs"): 9 more runs, each its own row. Extra arguments
+# filters stay at chance; research/readings.md, "Reading of the MQAR runs"): 9 more runs, each its own row. Extra arguments
 # go to research.mqar (both invocations).
 #
 #   bash research/gpu_quality.sh --mqar                           # the whole grid (finished runs are skipped)

@@ -73,7 +73,7 @@ for _name, _over in {
 # Why BRecT trails Slide here (issue #13): it trains on streamed segments (4 books a step, consecutive segments,
 # recurrent state carried) while every other model sees 4 random segments a step; its test curve is not monotone.
 MODELS["brect-fixed-skip-nostream"] = ("brect-tiny", [])  # random segments, state from zero each segment, as Slide
-# Whether the smooth Hyena filters that solve MQAR (docs/results.md, "Reading of the MQAR runs") change language
+# Whether the smooth Hyena filters that solve MQAR (research/readings.md, "Reading of the MQAR runs") change language
 # modelling: the preset's sin(14 x) filters are noise-like beyond the window at init, here too (lags 64-511 of 8192
 # taps: sign flips at ~50% of lags; with sin(1 x): 0.2%). Same preset and recipe, two filter settings changed.
 _preset, (_flag, _over) = MODELS["bst-sh-unstruct"]
