@@ -401,7 +401,12 @@ class BSTBlockSelfAttention(nn.Module):
                 out = torch.cat([out_first[:, None], out.view(bsz, nb, w, heads, hd)[:, 1:]], 1)
             probs = None
         if weights:
-            probs = self.weights_by_column(probs, bsz, num_positions or seq_len, previous is not None)
+            n = num_positions or seq_len
+            probs = self.weights_by_column(probs, bsz, n, previous is not None)  # (B, H, n, K)
+            # The output is made from the returned weights, so that they are the graph's own (gradients reach them).
+            values = v if previous is None else torch.cat([previous[1].to(v.dtype), v], 1)
+            out = torch.matmul(probs, values[:, : probs.shape[-1]].transpose(1, 2)).transpose(1, 2)
+            out = F.pad(out, (0, 0, 0, 0, 0, seq_len - n))
         return out.reshape(bsz, seq_len, heads * hd), probs
 
     def block_keys(self, k, v, previous, lengths):
@@ -457,13 +462,13 @@ class BSTBlockSelfAttention(nn.Module):
             reach = self.window_valid(rel)  # (c, W + c)
         outs, probs = [], []
         for start in range(0, w, chunk):
-            keys = slice(start, start + w + key_end)
+            queries, keys = slice(start, start + chunk), slice(start, start + w + key_end)
             mask = bias
             if key_valid is not None:
                 valid = key_valid[:, keys]  # (N, W + c)
                 mask = bias + additive_mask(valid, bias.dtype)[:, None, None, :]
-            out = attention(self, q[:, :, start : start + chunk], k[:, :, keys], v[:, :, keys], mask, dropout, weights)
-            out, p = out if weights else (out, None)
+            result = attention(self, q[:, :, queries], k[:, :, keys], v[:, :, keys], mask, dropout, weights)
+            out, p = result if weights else (result, None)
             if key_valid is not None:
                 has_key = (valid[:, None, :] if reach is None else reach[None] & valid[:, None, :]).any(-1)
                 out = out * has_key[:, :, None, None].to(out.dtype)
