@@ -1,7 +1,8 @@
 """Attention helpers of the Block-State Transformer that are not modules: the T5 relative-position buckets, the
 additive masks, L2 normalisation and the RMS norm shared by the attention and context modules, and FlexAttention for
-``attn_implementation="flex_attention"``: which calls can take it ([`use_flex`]), the compiled kernel, and block
-masks built analytically from a mask's band structure ([`tiled_block_mask`], [`grouped_flex`]).
+``attn_implementation="flex_attention"``: which calls can take it ([`use_flex`]), the compiled kernel, block masks
+built analytically from a mask's band structure ([`tiled_block_mask`]), and the full-sequence forms on it: the block
+self-attention ([`flex_block_attention`]) and the block-diagonal cross-attentions ([`grouped_flex`]).
 
 The attention modules and the eager / SDPA dispatch through transformers' attention interface are in
 ``modeling_bst.py``.

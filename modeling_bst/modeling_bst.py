@@ -392,14 +392,21 @@ class BSTBlockSelfAttention(nn.Module):
             out, probs = self.attend(qb, keys, values, key_valid, drop, weights)
         else:
             # Causal: only block 0 can see keys that are not held (its previous block is absent, or cached and
-            # partly masked). All blocks run with the shared bias and window (no per-row mask); then block 0 again
-            # with its key validity, unless every row continues a fully held block.
-            out, _ = self.attend(qb, keys, values, None, drop)
-            if previous is None or maybe_any(~previous[2]):
-                first = slice(0, None, nb)  # block 0 of every row
+            # partly masked). All blocks run with the shared bias and window (no per-row mask); then block 0 again,
+            # unless every row continues a fully held block.
+            out, probs = self.attend(qb, keys, values, None, drop)
+            first, own = slice(0, None, nb), slice(w, None)  # block 0 of every row; its own block's keys
+            out_first = None
+            if previous is None:
+                # A fresh sequence: block 0 sees its own block only, under one bias for all rows.
+                bias = self.block_mask(w, 0, w, q.dtype, q.device)
+                out_first = attention(self, qb[first], keys[first][:, :, own], values[first][:, :, own], bias, drop)
+                if not cfg.attend_self:  # the first token sees nothing: zeros (meliad's safe softmax)
+                    out_first = torch.cat([torch.zeros_like(out_first[:, :1]), out_first[:, 1:]], 1)
+            elif maybe_any(~previous[2]):
                 out_first, _ = self.attend(qb[first], keys[first], values[first], key_valid[first], drop)
+            if out_first is not None:
                 out = torch.cat([out_first[:, None], out.view(bsz, nb, w, heads, hd)[:, 1:]], 1)
-            probs = None
         if weights:
             n = num_positions or seq_len
             probs = self.weights_by_column(probs, bsz, n, previous is not None)  # (B, H, n, K)
