@@ -285,7 +285,8 @@ class BSTBlockSelfAttention(nn.Module):
     * ``forward``: full-sequence form. [`block_keys`] gives each block's keys/values (previous and own block; the
       first block's previous block is the cached one or none; bidirectional: previous, own and next block) and which
       are held; [`attend`] makes one mask of them (scaled T5 bias, window, key validity) and one call through the
-      attention interface for all blocks, queries in chunks of ``attention_query_chunk``. Under
+      attention interface for all blocks, queries in chunks of ``attention_query_chunk`` (causal: the blocks share
+      one bias and window, and block 0 runs again where its previous block is absent or partly held). Under
       ``attn_implementation="flex_attention"`` the same attention is one FlexAttention call over the whole sequence
       ([`flex_block_attention`]). With ``output_attentions`` the weights are laid out by key column.
     * ``step``: recurrent form for one token over the attention ring of the cache.
