@@ -99,6 +99,7 @@ def main(argv=None):
     parser.add_argument("--batch", type=positive_int, default=2)
     parser.add_argument("--hidden-size", type=positive_int, default=128)
     parser.add_argument("--layers", type=positive_int, default=4)
+    parser.add_argument("--block-len", type=positive_int, default=64)
     parser.add_argument("--train-steps", type=positive_int, default=3)
     parser.add_argument("--decode-steps", type=positive_int, default=64)
     args = parser.parse_args(argv)
@@ -109,7 +110,7 @@ def main(argv=None):
         num_attention_heads=4,
         head_dim=args.hidden_size // 4,
         intermediate_size=4 * args.hidden_size,
-        block_len=64,
+        block_len=args.block_len,
         bst_layer_indices=list(range(1, args.layers, 2)),
         max_position_embeddings=max(1024, args.seq_len),
     )

@@ -1,7 +1,8 @@
 """Attention helpers of the Block-State Transformer that are not modules: the T5 relative-position buckets, the
 additive masks, L2 normalisation and the RMS norm shared by the attention and context modules, and FlexAttention for
-``attn_implementation="flex_attention"``: which calls can take it ([`use_flex`]), the compiled kernel, and block
-masks built analytically from a mask's band structure ([`tiled_block_mask`], [`grouped_flex`]).
+``attn_implementation="flex_attention"``: which calls can take it ([`use_flex`]), the compiled kernel, block masks
+built analytically from a mask's band structure ([`tiled_block_mask`]), and the full-sequence forms on it: the block
+self-attention ([`flex_block_attention`]) and the block-diagonal cross-attentions ([`grouped_flex`]).
 
 The attention modules and the eager / SDPA dispatch through transformers' attention interface are in
 ``modeling_bst.py``.
@@ -209,3 +210,59 @@ def grouped_flex(module, q, k, v, q_group: int, kv_group: int, causal_within: st
 
     block_mask = tiled_block_mask(mask_mod, q_len, kv_len, bands, q.device)
     return flex(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask)
+
+
+def flex_block_attention(module, q, k, v, lengths, previous):
+    """The full-sequence form of the block self-attention ``module`` ([`BSTBlockSelfAttention`]) on FlexAttention:
+    one call over all T queries and the T keys (after the cached previous block's W keys for a continued sequence),
+    with the same keys per query as the block form.
+
+    The window (or, bidirectional, the previous / own / next block) is the band of the ``BlockMask``; the cached
+    block's validity and the padding (bidirectional) are ``mask_mod`` terms; the scaled T5 bias is a ``score_mod``
+    lookup by distance. A query without any key (a document's first token, ``attend_self=False``) gets zeros, as in
+    the block form. ``q``/``k``/``v`` `(B, T, H, d)`; ``previous``: ``(k, v, valid)`` or None. -> `(B, T, H, d)`.
+    """
+    cfg = module.config
+    bsz, seq_len = q.shape[:2]
+    w = cfg.block_len
+    device = q.device
+    offset, keys_partial = 0, None
+    if cfg.bidirectional:
+        lowest, highest = -(2 * w - 1), 2 * w - 1
+        lens = lengths if lengths is not None else torch.full((bsz,), seq_len, device=device)
+        bands = [(groups_of(w), groups_of(w), -1, 1)]
+        keys_partial = torch.arange(seq_len, device=device) >= lens.min()
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return ((kv_idx // w - q_idx // w).abs() <= 1) & (kv_idx < lens[b])
+
+    else:
+        lowest, highest = (-(w - 1), 0) if cfg.attend_self else (-w, -1)
+        if previous is not None:
+            prev_k, prev_v, prev_valid = previous
+            k, v = torch.cat([prev_k.to(k.dtype), k], 1), torch.cat([prev_v.to(v.dtype), v], 1)
+            offset = w
+            keys_partial = torch.arange(w + seq_len, device=device) < w
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                rel = kv_idx - offset - q_idx
+                cached_ok = (kv_idx >= offset) | prev_valid[b, kv_idx.clamp(max=offset - 1)]
+                return (rel >= lowest) & (rel <= highest) & cached_ok
+
+        else:
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                rel = kv_idx - q_idx
+                return (rel >= lowest) & (rel <= highest)
+
+        bands = [(positions_of(), positions_of(offset), lowest, highest)]
+    # Scaled T5 bias per reachable distance ``lowest .. highest`` (bias added before the learned scale).
+    distances = torch.arange(lowest, highest + 1, device=device)
+    table = (module.bias(distances).to(q.dtype) * module.scale.to(q.dtype)).t().contiguous()  # (H, n)
+    last = table.shape[1] - 1
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + table[h, (kv_idx - offset - q_idx - lowest).clamp(0, last)]
+
+    block_mask = tiled_block_mask(mask_mod, seq_len, k.shape[1], bands, device, keys_partial)
+    return flex(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask, score_mod)

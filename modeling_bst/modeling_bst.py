@@ -17,7 +17,8 @@ pick their class from ``DECODER_LAYER_CLASSES`` (``BSTDecoderLayer`` for a block
 (``ssm``, from ``SSM_KERNELS``, ``ssm_bst.py``), the context builder of its ``context_mode`` (``context``, from
 ``CONTEXT_BUILDERS``, ``context_bst.py``) and its cross-attention. Every module has a full-sequence form and a
 one-token form; recurrent state lives only in the ``BSTCache`` passed in (``cache_bst.py``). Masks, the T5 buckets
-and the FlexAttention tiling are in ``attention_bst.py``; the eager / SDPA dispatch is [`attention`] here.
+and FlexAttention are in ``attention_bst.py``; the eager / SDPA dispatch is [`attention`] here. How a forward's
+input is packed into blocks and split into a full-sequence part and steps is ``layout_bst.py``.
 
 Departures from the paper / meliad, each a config field (see docs/paper-mapping.md):
 
@@ -47,19 +48,15 @@ from transformers.utils import can_return_tuple, logging
 from .attention_bst import (
     BSTRMSNorm,
     additive_mask,
-    flex,
+    flex_block_attention,
     grouped_flex,
-    groups_of,
     l2_normalize,
     masked_fill_value,
-    positions_of,
     t5_relative_bucket,
-    tiled_block_mask,
     upcast,
     use_flex,
 )
 from .cache_bst import (
-    MAX_ROLLBACK,
     BSTCache,
     BSTLayerCache,
     decode_memo,
@@ -70,6 +67,7 @@ from .cache_bst import (
 )
 from .configuration_bst import BSTConfig
 from .context_bst import CONTEXT_BUILDERS, SSM_KERNELS, BSTContextStates
+from .layout_bst import _Chunk
 from .ssm_bst import S4DKernel, UnstructFilter
 
 
@@ -284,12 +282,13 @@ class BSTBlockSelfAttention(nn.Module):
     previous tokens (the W most recent with ``attend_self``), with a T5 relative bias (one table per layer),
     L2-normalised queries/keys and a learned per-head scale applied after the bias is added.
 
-    * ``forward``: full-sequence form. All blocks in one batched call over ``[previous block ; own block]`` keys
-      (query-chunked with ``attention_query_chunk``); the first block sees the cached previous block or none;
-      bidirectional models see the previous, own and next block; with ``output_attentions`` one dense `(T, K)`
-      matrix per head (eager) whose weights are returned.
-    * ``flex_forward``: the same under ``attn_implementation="flex_attention"``, one FlexAttention call over the
-      whole sequence (window as a ``BlockMask``, T5 bias as a ``score_mod``).
+    * ``forward``: full-sequence form. [`block_keys`] gives each block's keys/values (previous and own block; the
+      first block's previous block is the cached one or none; bidirectional: previous, own and next block) and which
+      are held; [`attend`] makes one mask of them (scaled T5 bias, window, key validity) and one call through the
+      attention interface for all blocks, queries in chunks of ``attention_query_chunk`` (causal: the blocks share
+      one bias and window, and block 0 runs again where its previous block is absent or partly held). Under
+      ``attn_implementation="flex_attention"`` the same attention is one FlexAttention call over the whole sequence
+      ([`flex_block_attention`]). With ``output_attentions`` the weights are laid out by key column.
     * ``step``: recurrent form for one token over the attention ring of the cache.
     """
 
@@ -372,205 +371,134 @@ class BSTBlockSelfAttention(nn.Module):
             lengths (`torch.LongTensor` of shape `(B,)`, *optional*): real tokens per row (right padding).
             layer_cache, positions: a continued sequence (rows block-aligned) sees the cached previous block.
             num_positions (`int`, *optional*): leading positions the returned weights cover.
-            weights (`bool`): also return the attention weights `(B, H, T, K)` (eager; the dense form).
+            weights (`bool`): also return the attention weights (eager attention).
 
         Returns:
-            the attention output `(B, T, H * d_h)` and the weights (None unless ``weights``).
+            the attention output `(B, T, H * d_h)` and the weights `(B, H, n, K)` by key column (n =
+            ``num_positions``; K = n, or W + n after a cached previous block), None unless ``weights``.
         """
         cfg = self.config
         bsz, seq_len, heads, hd = q.shape
         w = self.block_len
         nb = seq_len // w
-        continued = layer_cache is not None and positions is not None
         drop = cfg.attention_dropout if self.training else 0.0
-        if weights:
-            previous = self.previous_block(layer_cache, positions) if continued and not cfg.bidirectional else None
-            n_out = seq_len if num_positions is None else num_positions
-            out, probs = self.dense(q, k, v, n_out, lengths, previous, drop)
-            return out.reshape(bsz, seq_len, heads * hd), probs
-        if use_flex(self, q, drop, k, v):
-            previous = self.previous_block(layer_cache, positions) if continued and not cfg.bidirectional else None
-            return self.flex_forward(q, k, v, lengths, previous).reshape(bsz, seq_len, heads * hd), None
+        previous = None
+        if layer_cache is not None and positions is not None and not cfg.bidirectional:
+            previous = self.previous_block(layer_cache, positions)
+        if not weights and use_flex(self, q, drop, k, v):
+            return flex_block_attention(self, q, k, v, lengths, previous).reshape(bsz, seq_len, heads * hd), None
         qb = q.view(bsz * nb, w, heads, hd).transpose(1, 2)
+        keys, values, key_valid = self.block_keys(k, v, previous, lengths)
+        if weights or cfg.bidirectional:
+            out, probs = self.attend(qb, keys, values, key_valid, drop, weights)
+        else:
+            # Causal: only block 0 can see keys that are not held (its previous block is absent, or cached and
+            # partly masked). All blocks run with the shared bias and window (no per-row mask); then block 0 again,
+            # unless every row continues a fully held block.
+            out, probs = self.attend(qb, keys, values, None, drop)
+            first, own = slice(0, None, nb), slice(w, None)  # block 0 of every row; its own block's keys
+            out_first = None
+            if previous is None:
+                # A fresh sequence: block 0 sees its own block only, under one bias for all rows.
+                bias = self.block_mask(w, 0, w, q.dtype, q.device)
+                out_first = attention(self, qb[first], keys[first][:, :, own], values[first][:, :, own], bias, drop)
+                if not cfg.attend_self:  # the first token sees nothing: zeros (meliad's safe softmax)
+                    out_first = torch.cat([torch.zeros_like(out_first[:, :1]), out_first[:, 1:]], 1)
+            elif maybe_any(~previous[2]):
+                out_first, _ = self.attend(qb[first], keys[first], values[first], key_valid[first], drop)
+            if out_first is not None:
+                out = torch.cat([out_first[:, None], out.view(bsz, nb, w, heads, hd)[:, 1:]], 1)
+        if weights:
+            n = num_positions or seq_len
+            probs = self.weights_by_column(probs, bsz, n, previous is not None)  # (B, H, n, K)
+            # The output is made from the returned weights, so that they are the graph's own (gradients reach them).
+            values = v if previous is None else torch.cat([previous[1].to(v.dtype), v], 1)
+            out = torch.matmul(probs, values[:, : probs.shape[-1]].transpose(1, 2)).transpose(1, 2)
+            out = F.pad(out, (0, 0, 0, 0, 0, seq_len - n))
+        return out.reshape(bsz, seq_len, heads * hd), probs
+
+    def block_keys(self, k, v, previous, lengths):
+        """The keys and values each block's queries see, `(B * nb, H, K, d)` x 2, and which of them are held,
+        `(B * nb, K)`: the previous and own block (K = 2W; block 0's previous block is the cached one ``previous``
+        ``(k, v, valid)`` or none), or bidirectional the previous, own and next block (K = 3W; padding not held)."""
+        bsz, seq_len, heads, hd = k.shape
+        w = self.block_len
+        nb = seq_len // w
         kb, vb = k.view(bsz, nb, w, heads, hd), v.view(bsz, nb, w, heads, hd)
-        if cfg.bidirectional:
-            out = self.bidirectional(qb, kb, vb, lengths, drop)
+        if self.config.bidirectional:
+            zeros = torch.zeros_like(kb[:, :1])
+            keys = torch.cat([torch.cat([zeros, kb[:, :-1]], 1), kb, torch.cat([kb[:, 1:], zeros], 1)], 2)
+            values = torch.cat([torch.cat([zeros, vb[:, :-1]], 1), vb, torch.cat([vb[:, 1:], zeros], 1)], 2)
+            key_pos = torch.arange(nb, device=k.device)[:, None] * w + torch.arange(-w, 2 * w, device=k.device)
+            lens = lengths if lengths is not None else torch.full((bsz,), seq_len, device=k.device)
+            key_valid = (key_pos[None] >= 0) & (key_pos[None] < lens[:, None, None])  # (B, nb, 3W)
         else:
-            out = self.windowed(qb, kb, vb, layer_cache, positions, drop)
-        return out.reshape(bsz, seq_len, heads * hd), None
-
-    def flex_forward(self, q, k, v, lengths, previous):
-        """The full-sequence form on FlexAttention: one call over all T queries and the T keys (after the cached
-        previous block's W keys for a continued sequence), with the same key set per query as the block form.
-
-        The window (or, bidirectional, the previous / own / next block) is the band of the ``BlockMask``; the cached
-        block's validity and the padding (bidirectional) are ``mask_mod`` terms; the scaled T5 bias is a ``score_mod``
-        lookup by distance. A query without any key (a document's first token, ``attend_self=False``) gets zeros, as
-        in the block form. ``q``/``k``/``v`` `(B, T, H, d)`; ``previous``: ``(k, v, valid)`` or None. -> `(B, T, H, d)`.
-        """
-        cfg = self.config
-        bsz, seq_len = q.shape[:2]
-        w = self.block_len
-        device = q.device
-        offset, keys_partial = 0, None
-        if cfg.bidirectional:
-            lowest, highest = -(2 * w - 1), 2 * w - 1
-            lens = lengths if lengths is not None else torch.full((bsz,), seq_len, device=device)
-            bands = [(groups_of(w), groups_of(w), -1, 1)]
-            keys_partial = torch.arange(seq_len, device=device) >= lens.min()
-
-            def mask_mod(b, h, q_idx, kv_idx):
-                return ((kv_idx // w - q_idx // w).abs() <= 1) & (kv_idx < lens[b])
-
-        else:
-            lowest, highest = (-(w - 1), 0) if cfg.attend_self else (-w, -1)
-            if previous is not None:
-                prev_k, prev_v, prev_valid = previous
-                k, v = torch.cat([prev_k.to(k.dtype), k], 1), torch.cat([prev_v.to(v.dtype), v], 1)
-                offset = w
-                keys_partial = torch.arange(w + seq_len, device=device) < w
-
-                def mask_mod(b, h, q_idx, kv_idx):
-                    rel = kv_idx - offset - q_idx
-                    cached_ok = (kv_idx >= offset) | prev_valid[b, kv_idx.clamp(max=offset - 1)]
-                    return (rel >= lowest) & (rel <= highest) & cached_ok
-
+            if previous is None:
+                prev_k = prev_v = torch.zeros_like(kb[:, 0])
+                prev_valid = torch.zeros(bsz, w, dtype=torch.bool, device=k.device)
             else:
+                prev_k, prev_v, prev_valid = previous  # (B, W, H, d) x 2, (B, W)
+            keys = torch.cat([torch.cat([prev_k.to(k.dtype)[:, None], kb[:, :-1]], 1), kb], 2)
+            values = torch.cat([torch.cat([prev_v.to(v.dtype)[:, None], vb[:, :-1]], 1), vb], 2)
+            first = torch.cat([prev_valid, torch.ones_like(prev_valid)], 1)  # (B, 2W)
+            key_valid = torch.cat([first[:, None], first.new_ones(bsz, nb - 1, 2 * w)], 1)
+        kw = keys.shape[2]
+        keys = keys.view(bsz * nb, kw, heads, hd).transpose(1, 2)
+        values = values.view(bsz * nb, kw, heads, hd).transpose(1, 2)
+        return keys, values, key_valid.view(bsz * nb, kw)
 
-                def mask_mod(b, h, q_idx, kv_idx):
-                    rel = kv_idx - q_idx
-                    return (rel >= lowest) & (rel <= highest)
+    def attend(self, q, k, v, key_valid, dropout, weights=False):
+        """One attention call over blocks ([`attention`]): queries `(N, H, W, d)` over the K keys each block sees
+        `(N, H, K, d)` ([`block_keys`]), with one additive mask: the scaled T5 bias and the window, the same for
+        every block ([`block_mask`]), plus the validity ``key_valid`` `(N, K)` of each key (None: all held).
+        Returns `(N, W, H, d)` and the weights `(N, H, W, K)` (None unless ``weights``).
 
-            bands = [(positions_of(), positions_of(offset), lowest, highest)]
-        # Scaled T5 bias per reachable distance ``lowest .. highest`` (bias added before the learned scale).
-        distances = torch.arange(lowest, highest + 1, device=device)
-        table = (self.bias(distances).to(q.dtype) * self.scale.to(q.dtype)).t().contiguous()  # (H, n)
-        last = table.shape[1] - 1
-
-        def score_mod(score, b, h, q_idx, kv_idx):
-            return score + table[h, (kv_idx - offset - q_idx - lowest).clamp(0, last)]
-
-        block_mask = tiled_block_mask(mask_mod, seq_len, k.shape[1], bands, device, keys_partial)
-        return flex(self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask, score_mod)
-
-    def windowed(self, qb, kb, vb, layer_cache, positions, drop):
-        """Causal block attention: queries `(B*nb, H, W, d)`, keys/values `(B, nb, W, H, d)` -> `(B, nb, W, H, d)`."""
-        bsz, nb, w, heads, hd = kb.shape
-        if layer_cache is not None and positions is not None:
-            prev_k, prev_v, prev_valid = self.previous_block(layer_cache, positions)  # (B, W, H, d)
-            # Rows that start a new document (BSTCache.reset_rows) have no previous block.
-            continued_all = not maybe_any(~prev_valid)
-        else:
-            prev_k = prev_v = torch.zeros_like(kb[:, 0])
-            prev_valid, continued_all = None, False
-        kprev = torch.cat([prev_k[:, None], kb[:, :-1]], 1)
-        vprev = torch.cat([prev_v[:, None], vb[:, :-1]], 1)
-        kcat = torch.cat([kprev, kb], 2).view(bsz * nb, 2 * w, heads, hd).transpose(1, 2)
-        vcat = torch.cat([vprev, vb], 2).view(bsz * nb, 2 * w, heads, hd).transpose(1, 2)
-        # One call over all blocks; unless every row continues a cached block, block 0 (whose previous block is
-        # absent or partly masked) is recomputed below and replaces the first block of the output.
-        out = self.chunked(qb, kcat, vcat, drop)
-        if continued_all:
-            return out
-        q_blocks = qb.view(bsz, nb, heads, w, hd)
-        k_blocks = kcat.view(bsz, nb, heads, 2 * w, hd)
-        v_blocks = vcat.view(bsz, nb, heads, 2 * w, hd)
-        if prev_valid is None:
-            # The first block has no previous block: attend over its own keys only.
-            own_mask = self.block_mask(w, 0, w, qb.dtype, qb.device)  # (1, H, W, W)
-            a_first = attention(self, q_blocks[:, 0], k_blocks[:, 0, :, w:], v_blocks[:, 0, :, w:], own_mask, drop)
-            empty_first = torch.ones(bsz, dtype=torch.bool, device=qb.device)
-        else:
-            mask = self.block_mask(w, -w, w, qb.dtype, qb.device)  # (1, H, W, 2W)
-            key_ok = torch.cat([prev_valid, torch.ones_like(prev_valid)], 1)  # (B, 2W)
-            first_mask = mask + additive_mask(key_ok, mask.dtype)[:, None, None, :]
-            a_first = attention(self, q_blocks[:, 0], k_blocks[:, 0], v_blocks[:, 0], first_mask, drop)
-            empty_first = ~prev_valid.any(-1)
-        if not self.config.attend_self:
-            # The first token of a document has no previous token: zero output (meliad safe softmax).
-            keep = (~empty_first).to(a_first.dtype)[:, None, None, None]
-            a_first = torch.cat([a_first[:, :1] * keep, a_first[:, 1:]], 1)
-        return torch.cat([a_first[:, None], out.view(bsz, nb, w, heads, hd)[:, 1:]], 1)
-
-    def chunked(self, qb, kcat, vcat, drop):
-        """Sliding-window attention of every block's W queries over its 2W keys (previous + own block).
-
-        Each query sees only W of the 2W keys: with ``config.attention_query_chunk`` c < W, the queries are split
-        into W/c chunks that attend over the W + c keys their windows can reach (slices, no copies), which skips
-        (W - c) / 2W of the attention work. The keys left out are masked for those queries, so the result is the
-        same. Every chunk has the same relative layout, so one (c, W + c) bias/mask serves all of them.
-        """
-        w = self.block_len
-        chunk = min(self.config.resolved_attention_query_chunk, w)
-        mask = self.block_mask(chunk, -w, chunk, qb.dtype, qb.device)  # (1, H, c, W + c)
-        if chunk == w:
-            return attention(self, qb, kcat, vcat, mask, drop)
-        parts = []
-        for start in range(0, w, chunk):
-            keys = slice(start, start + w + chunk)
-            parts.append(
-                attention(self, qb[:, :, start : start + chunk], kcat[:, :, keys], vcat[:, :, keys], mask, drop)
-            )
-        return torch.cat(parts, 1)
-
-    def bidirectional(self, qb, kb, vb, lengths, drop):
-        """Bidirectional blocks attend to the previous, own and next block (no causal mask; padding masked)."""
-        bsz, nb, w, heads, hd = kb.shape
-        zeros = torch.zeros_like(kb[:, :1])
-        kcat = torch.cat([torch.cat([zeros, kb[:, :-1]], 1), kb, torch.cat([kb[:, 1:], zeros], 1)], 2)
-        vcat = torch.cat([torch.cat([zeros, vb[:, :-1]], 1), vb, torch.cat([vb[:, 1:], zeros], 1)], 2)
-        key_pos = (torch.arange(nb, device=kb.device)[:, None] * w) + torch.arange(-w, 2 * w, device=kb.device)
-        lens = lengths if lengths is not None else torch.full((bsz,), nb * w, device=kb.device)
-        valid = (key_pos[None] >= 0) & (key_pos[None] < lens[:, None, None])  # (B, nb, 3W)
-        bias = self.block_mask(w, -w, 2 * w, qb.dtype, qb.device)  # (1, H, W, 3W)
-        mask = bias[None] + additive_mask(valid, qb.dtype)[:, :, None, None]
-        return attention(
-            self,
-            qb,
-            kcat.reshape(bsz * nb, 3 * w, heads, hd).transpose(1, 2),
-            vcat.reshape(bsz * nb, 3 * w, heads, hd).transpose(1, 2),
-            mask.reshape(bsz * nb, heads, w, 3 * w),
-            drop,
-        )
-
-    def dense(self, q, k, v, num_positions, lengths, previous, dropout):
-        """Self-attention of the first ``num_positions`` queries over all keys at once, returning its weights.
-
-        The form used with ``output_attentions`` (eager): the same window, bias and masks as the block form, written
-        as one `(T, K)` matrix per head, so that the returned weights are the ones the output is computed from.
-        ``q``/``k``/``v`` `(B, T_pad, H, d)`; ``previous``: the cached previous block ``(k, v, valid)`` or None.
-        Returns the output `(B, T_pad, H, d)` (zero beyond ``num_positions``) and the weights `(B, H, T, K)`.
+        A causal query sees only W of the 2W keys: with ``config.attention_query_chunk`` c < W the queries go in
+        W/c chunks over the W + c keys their windows reach (slices, no copies), which skips (W - c) / 2W of the
+        work; the keys left out are masked for them, so the result is the same, and one (c, W + c) bias serves
+        every chunk. A query without any held key (a document's first token with ``attend_self=False``; padding
+        of a bidirectional model) gets zeros, as in meliad's safe softmax.
         """
         cfg = self.config
-        w, n = self.block_len, num_positions
-        bsz, padded_len = q.shape[:2]
-        device = q.device
-        q, k, v = q[:, :n], k[:, :n], v[:, :n]
-        q_pos = torch.arange(n, device=device)
-        k_pos = q_pos
-        key_ok = None
-        if previous is not None:
-            prev_k, prev_v, prev_valid = previous
-            k, v = torch.cat([prev_k, k], 1), torch.cat([prev_v, v], 1)
-            k_pos = torch.arange(-w, n, device=device)
-            key_ok = torch.cat([prev_valid, torch.ones(bsz, n, dtype=torch.bool, device=device)], 1)  # (B, K)
-        rel = k_pos[None] - q_pos[:, None]  # (T, K)
-        if cfg.bidirectional:
-            valid = (torch.div(k_pos, w, rounding_mode="floor")[None] - (q_pos // w)[:, None]).abs() <= 1
-            if lengths is not None:
-                key_ok = k_pos[None] < lengths[:, None]
-        else:
-            valid = self.window_valid(rel)
-        ok = valid[None] if key_ok is None else valid[None] & key_ok[:, None, :]  # (B or 1, T, K)
-        bias = (self.bias(rel).to(q.dtype) * self.scale.to(q.dtype)).permute(2, 0, 1)  # (H, T, K)
-        logits = torch.matmul(q.transpose(1, 2), k.transpose(1, 2).transpose(-1, -2)) + bias  # (B, H, T, K)
-        logits = logits.masked_fill(~ok[:, None], masked_fill_value(logits.dtype))
-        weights = torch.softmax(upcast(logits), dim=-1).to(q.dtype)
-        # A query without any key (a document's first token) gets zero weights (meliad's safe softmax).
-        weights = weights * ok.any(-1)[:, None, :, None].to(weights.dtype)
-        weights = F.dropout(weights, p=dropout, training=self.training)
-        out = torch.matmul(weights, v.transpose(1, 2)).transpose(1, 2)  # (B, T, H, d)
-        return F.pad(out, (0, 0, 0, 0, 0, padded_len - n)), weights
+        w, kw = self.block_len, k.shape[2]
+        chunk = w if weights or cfg.bidirectional else min(cfg.resolved_attention_query_chunk, w)
+        key_end = kw - 2 * w + chunk  # keys at positions -W .. key_end - 1 relative to a chunk's first query
+        bias = self.block_mask(chunk, -w, key_end, q.dtype, q.device)  # (1, H, c, W + c) or (1, H, W, K)
+        reach = None
+        if key_valid is not None and not cfg.bidirectional:
+            rel = torch.arange(-w, key_end, device=q.device)[None] - torch.arange(chunk, device=q.device)[:, None]
+            reach = self.window_valid(rel)  # (c, W + c)
+        outs, probs = [], []
+        for start in range(0, w, chunk):
+            queries, keys = slice(start, start + chunk), slice(start, start + w + key_end)
+            mask = bias
+            if key_valid is not None:
+                valid = key_valid[:, keys]  # (N, W + c)
+                mask = bias + additive_mask(valid, bias.dtype)[:, None, None, :]
+            result = attention(self, q[:, :, queries], k[:, :, keys], v[:, :, keys], mask, dropout, weights)
+            out, p = result if weights else (result, None)
+            if key_valid is not None:
+                has_key = (valid[:, None, :] if reach is None else reach[None] & valid[:, None, :]).any(-1)
+                out = out * has_key[:, :, None, None].to(out.dtype)
+                p = p * has_key[:, None, :, None].to(p.dtype) if weights else None
+            outs.append(out)
+            probs.append(p)
+        return (outs[0], probs[0]) if len(outs) == 1 else (torch.cat(outs, 1), None)
+
+    @staticmethod
+    def weights_by_column(probs, bsz: int, num_positions: int, cached: bool):
+        """The weights of [`attend`], `(B * nb, H, W, K)` per block, laid out by key column `(B, H, n, K_n)`: the
+        first n queries over the first n positions, after the W cached positions when ``cached``."""
+        nbw, heads, w, kw = probs.shape
+        nb = nbw // bsz
+        probs = probs.view(bsz, nb, heads, w, kw)
+        # Block b's key j is at column b W + j of [previous block ; sequence ; next block].
+        column = torch.arange(nb, device=probs.device)[:, None] * w + torch.arange(kw, device=probs.device)
+        full = probs.new_zeros(bsz, nb, heads, w, (nb + 2) * w)
+        full = full.scatter(-1, column[None, :, None, None, :].expand_as(probs), probs)
+        full = full.transpose(1, 2).reshape(bsz, heads, nb * w, (nb + 2) * w)
+        first = 0 if cached else w
+        return full[:, :, :num_positions, first : w + num_positions]
 
     # -- recurrent form ------------------------------------------------------------------------------------------
     def step(self, q, k, v, layer_cache: BSTLayerCache, positions, weights=False):
@@ -1067,186 +995,6 @@ class BSTPreTrainedModel(PreTrainedModel):
             elif isinstance(module, UnstructFilter):
                 ssm.update(f"{prefix}.{n}" for n, _ in module.named_parameters() if n != "bias")
         return [name for name, _ in self.named_parameters() if name in ssm]
-
-
-class _Layout:
-    """Maps a padded batch in the caller's columns onto rows that start at their first real token and are padded
-    on the right to a multiple of W (the layout of the full-sequence form), and back.
-
-    ``attention_mask`` may mark real tokens anywhere (left, right or holes in the middle): each row's real tokens
-    are packed in order, so a row equals the sequence of its real tokens alone.
-    """
-
-    def __init__(self, attention_mask, shape, block_len: int, device, check: bool):
-        bsz, seq_len = shape
-        self.seq_len = seq_len
-        self.padded_len = -(-seq_len // block_len) * block_len
-        self.mask = None
-        if attention_mask is None:
-            self.lengths = torch.full((bsz,), seq_len, dtype=torch.long, device=device)
-        else:
-            mask = attention_mask[:, -seq_len:].bool()
-            if check and not bool(mask.any(-1).all()):
-                raise ValueError("attention_mask has a row without any real token.")
-            self.mask = mask
-            self.lengths = mask.sum(-1)
-            # Real tokens first, in order: aligned index j of row b holds column order[b, j].
-            self.order = torch.argsort((~mask).to(torch.uint8), dim=-1, stable=True)
-            # Aligned index of every column (valid where mask).
-            self.column_index = (mask.long().cumsum(-1) - 1).clamp(min=0)
-            self.real = torch.arange(seq_len, device=device)[None] < self.lengths[:, None]  # (B, T) aligned
-        # Layers need per-row lengths only when some positions are not real tokens.
-        self.layer_lengths = self.lengths if (self.mask is not None or self.padded_len != seq_len) else None
-
-    def to_blocks(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Caller's layout `(B, T, D)` -> aligned, right-padded `(B, T_pad, D)`; padding positions are zero."""
-        if self.mask is not None:
-            hidden = gather_rows(hidden, self.order) * self.real[..., None].to(hidden.dtype)
-        return F.pad(hidden, (0, 0, 0, self.padded_len - self.seq_len))
-
-    def from_blocks(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Inverse of [`to_blocks`]: `(B, T_pad, D)` -> `(B, T, D)`; padding positions get zero hidden states."""
-        hidden = hidden[:, : self.seq_len]
-        if self.mask is not None:
-            hidden = gather_rows(hidden, self.column_index) * self.mask[..., None].to(hidden.dtype)
-        return hidden
-
-
-def _step_weights_by_column(weights: torch.Tensor, kpos: torch.Tensor, positions: torch.Tensor, newest: int):
-    """Decode-step self-attention weights over the ring `(B, H, 1, R)` laid out by key column `(B, H, 1, newest+1)`:
-    the key at position ``kpos`` sits ``positions - kpos`` columns before the newest one (exact for left padding)."""
-    column = kpos - positions[:, None] + newest  # (B, R)
-    valid = (kpos >= 0) & (column >= 0)
-    out = weights.new_zeros(weights.shape[:-1] + (newest + 1,))
-    index = column.clamp(min=0)[:, None, None, :].expand_as(weights)
-    return out.scatter_add(-1, index, weights * valid[:, None, None, :].to(weights.dtype))
-
-
-def _join(a, b, pad_keys: bool = False):
-    """Outputs of two consecutive parts of a chunk along the sequence (attention weights: the later part sees more
-    keys, ``pad_keys``)."""
-    if a is None or b is None:
-        return b if a is None else a
-    if pad_keys:
-        a = F.pad(a, (0, b.shape[-1] - a.shape[-1]))
-    return torch.cat([a, b], -2 if a.dim() == 4 else 1)
-
-
-class _Chunk:
-    """One forward's input as a chunk that continues the cache (empty for a fresh sequence), and how a layer runs it:
-    the full-sequence form over the first ``head`` columns, then the recurrent form one token at a time over the rest.
-
-    * fresh input: all columns in the full-sequence form, rows packed by the attention mask ([`_Layout`]); into a
-      recording cache (assisted decoding drafts at the end of the first input) the last ``MAX_ROLLBACK`` positions
-      after the last padded column are steps, so that ``crop`` can take any of them back;
-    * a continuing chunk of whole blocks, every row on the block grid: all in the full-sequence form, seeded with the
-      cached state;
-    * any other continuing chunk (a decoded token; drafts; a chunk off the grid): all steps. Padding is honoured only
-      by the full-sequence form, so a continuing chunk must be unpadded.
-
-    Between layers the hidden states are a pair ``(head, tail)``: the head in the full-sequence layout, the tail in
-    the caller's columns ([`enter`] / [`columns`]). Each layer's cache advances (row state, rollback records) as the
-    layer finishes with it.
-    """
-
-    def __init__(self, cache, attention_mask, shape, config, device, check: bool):
-        bsz, seq_len = shape
-        w = config.block_len
-        self.seq_len = seq_len
-        self.fresh = cache is None or cache.is_empty
-        self.record = cache is not None and cache.record_past
-        self.layout, self.common = None, None
-        if self.fresh:
-            head = seq_len
-            if self.record and seq_len > 1:
-                head = seq_len - min(seq_len - 1, MAX_ROLLBACK)
-                if attention_mask is not None:
-                    padded = torch.nonzero(~attention_mask[:, -seq_len:].bool().all(0))
-                    head = max(head, int(padded[-1]) + 1) if len(padded) else head
-            mask = None if attention_mask is None else attention_mask[:, -seq_len:][:, :head]
-            self.layout = _Layout(mask, (bsz, head), w, device, check)
-            self.common = head
-            if self.layout.mask is not None:
-                lengths = self.layout.lengths
-                same = host_can_branch(lengths) and bool((lengths == lengths[0]).all())
-                self.common = int(lengths[0]) if same else None
-        else:
-            if seq_len > 1 and attention_mask is not None and host_can_branch(attention_mask):
-                if not bool(attention_mask[:, -seq_len:].all()):
-                    raise ValueError(
-                        "Padding inside a continued sequence cannot be honoured by the recurrent cache: pad the "
-                        "first chunk only."
-                    )
-            # A decode step (seq_len 1) reads no host mirror of a position: one traced step serves every position.
-            aligned = (
-                seq_len > 1
-                and seq_len % w == 0
-                and not self.record
-                and cache.common_position is not None
-                and cache.common_position % w == 0
-                and cache.docs_on_grid
-            )
-            head = seq_len if aligned else 0
-        self.head = head
-
-    def enter(self, hidden: torch.Tensor):
-        """Caller's columns `(B, T, D)` -> ``(head, tail)``."""
-        head = hidden[:, : self.head]
-        return (self.layout.to_blocks(head) if self.fresh else head), hidden[:, self.head :]
-
-    def columns(self, state) -> torch.Tensor:
-        """``(head, tail)`` -> the caller's columns `(B, T, D)` (zero at padding)."""
-        head, tail = state
-        if self.fresh:
-            head = self.layout.from_blocks(head)
-        return torch.cat([head, tail], 1) if self.head < self.seq_len else head
-
-    def run(self, layer, layer_cache, state, weights: bool):
-        """One layer over the chunk: ``state`` -> the next ``state``, the self- and second attention weights."""
-        head, tail = state
-        attn = cross = None
-        if self.head:
-            kwargs = dict(layer_cache=layer_cache, num_positions=self.head, output_attentions=weights)
-            if self.fresh:
-                kwargs.update(lengths=self.layout.layer_lengths, fill_cache=layer_cache is not None)
-            else:
-                kwargs.update(positions=layer_cache.positions, fill_cache=True)
-            out = layer(head, **kwargs)
-            head, attn, cross = out if weights else (out, None, None)
-            if layer_cache is not None and self.fresh:
-                layer_cache.start(self.layout.lengths, self.head, self.common)
-            elif layer_cache is not None:
-                layer_cache.advance(self.head)
-        if self.head < self.seq_len:
-            tail, tail_attn, tail_cross = self.steps(layer, layer_cache, tail, weights)
-            attn, cross = _join(attn, tail_attn, pad_keys=True), _join(cross, tail_cross)
-        return (head, tail), attn, cross
-
-    def steps(self, layer, layer_cache, hidden, weights: bool):
-        """The recurrent form over the columns of ``hidden`` `(B, n, D)`, one token per row at a time."""
-        n = hidden.shape[1]
-        positions = layer_cache.positions
-        newest = layer_cache.seen_tokens if weights else 0  # a host read, only for the weights' columns
-        outs, attns, crosses, undo = [], [], [], []
-        for t in range(n):
-            if self.record:
-                undo.append(layer_cache.capture(positions + t))
-            out = layer(
-                hidden[:, t : t + 1], layer_cache=layer_cache, positions=positions + t, output_attentions=weights
-            )
-            h, attn, cross = out if weights else (out, None, None)
-            outs.append(h)
-            if attn is not None:
-                attn = _step_weights_by_column(attn, layer_cache.attention.pos, positions + t, newest + t)
-                attns.append(F.pad(attn, (0, n - 1 - t)))
-            if cross is not None:
-                crosses.append(cross)
-        if self.record:
-            layer_cache.push_undo(undo)
-        layer_cache.advance(n)
-        attn = torch.cat(attns, 2) if attns else None
-        cross = torch.cat(crosses, 2) if crosses else None
-        return (outs[0] if n == 1 else torch.cat(outs, 1)), attn, cross
 
 
 class BSTModel(BSTPreTrainedModel):

@@ -51,6 +51,7 @@ CODE_FILES = (
     "configuration_bst.py",
     "modeling_bst.py",
     "attention_bst.py",
+    "layout_bst.py",
     "context_bst.py",
     "ssm_bst.py",
     "cache_bst.py",

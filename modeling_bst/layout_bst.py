@@ -1,0 +1,190 @@
+"""How one forward's input reaches the layers of the Block-State Transformer: a padded batch packed into the
+block layout of the full-sequence form and back ([`_Layout`]), and the split of an input that continues the cache into
+a full-sequence part and one-token steps ([`_Chunk`]). ``BSTModel.forward`` in ``modeling_bst.py`` runs every layer
+through a [`_Chunk`].
+"""
+
+import torch
+import torch.nn.functional as F
+
+from .cache_bst import MAX_ROLLBACK, gather_rows, host_can_branch
+
+
+class _Layout:
+    """Maps a padded batch in the caller's columns onto rows that start at their first real token and are padded
+    on the right to a multiple of W (the layout of the full-sequence form), and back.
+
+    ``attention_mask`` may mark real tokens anywhere (left, right or holes in the middle): each row's real tokens
+    are packed in order, so a row equals the sequence of its real tokens alone.
+    """
+
+    def __init__(self, attention_mask, shape, block_len: int, device, check: bool):
+        bsz, seq_len = shape
+        self.seq_len = seq_len
+        self.padded_len = -(-seq_len // block_len) * block_len
+        self.mask = None
+        if attention_mask is None:
+            self.lengths = torch.full((bsz,), seq_len, dtype=torch.long, device=device)
+        else:
+            mask = attention_mask[:, -seq_len:].bool()
+            if check and not bool(mask.any(-1).all()):
+                raise ValueError("attention_mask has a row without any real token.")
+            self.mask = mask
+            self.lengths = mask.sum(-1)
+            # Real tokens first, in order: aligned index j of row b holds column order[b, j].
+            self.order = torch.argsort((~mask).to(torch.uint8), dim=-1, stable=True)
+            # Aligned index of every column (valid where mask).
+            self.column_index = (mask.long().cumsum(-1) - 1).clamp(min=0)
+            self.real = torch.arange(seq_len, device=device)[None] < self.lengths[:, None]  # (B, T) aligned
+        # Layers need per-row lengths only when some positions are not real tokens.
+        self.layer_lengths = self.lengths if (self.mask is not None or self.padded_len != seq_len) else None
+
+    def to_blocks(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Caller's layout `(B, T, D)` -> aligned, right-padded `(B, T_pad, D)`; padding positions are zero."""
+        if self.mask is not None:
+            hidden = gather_rows(hidden, self.order) * self.real[..., None].to(hidden.dtype)
+        return F.pad(hidden, (0, 0, 0, self.padded_len - self.seq_len))
+
+    def from_blocks(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Inverse of [`to_blocks`]: `(B, T_pad, D)` -> `(B, T, D)`; padding positions get zero hidden states."""
+        hidden = hidden[:, : self.seq_len]
+        if self.mask is not None:
+            hidden = gather_rows(hidden, self.column_index) * self.mask[..., None].to(hidden.dtype)
+        return hidden
+
+
+def _step_weights_by_column(weights: torch.Tensor, kpos: torch.Tensor, positions: torch.Tensor, newest: int):
+    """Decode-step self-attention weights over the ring `(B, H, 1, R)` laid out by key column `(B, H, 1, newest+1)`:
+    the key at position ``kpos`` sits ``positions - kpos`` columns before the newest one (exact for left padding)."""
+    column = kpos - positions[:, None] + newest  # (B, R)
+    valid = (kpos >= 0) & (column >= 0)
+    out = weights.new_zeros(weights.shape[:-1] + (newest + 1,))
+    index = column.clamp(min=0)[:, None, None, :].expand_as(weights)
+    return out.scatter_add(-1, index, weights * valid[:, None, None, :].to(weights.dtype))
+
+
+def _join(a, b, pad_keys: bool = False):
+    """Outputs of two consecutive parts of a chunk along the sequence (attention weights: the later part sees more
+    keys, ``pad_keys``)."""
+    if a is None or b is None:
+        return b if a is None else a
+    if pad_keys:
+        a = F.pad(a, (0, b.shape[-1] - a.shape[-1]))
+    return torch.cat([a, b], -2 if a.dim() == 4 else 1)
+
+
+class _Chunk:
+    """One forward's input as a chunk that continues the cache (empty for a fresh sequence), and how a layer runs it:
+    the full-sequence form over the first ``head`` columns, then the recurrent form one token at a time over the rest.
+
+    * fresh input: all columns in the full-sequence form, rows packed by the attention mask ([`_Layout`]); into a
+      recording cache (assisted decoding drafts at the end of the first input) the last ``MAX_ROLLBACK`` positions
+      after the last padded column are steps, so that ``crop`` can take any of them back;
+    * a continuing chunk of whole blocks, every row on the block grid: all in the full-sequence form, seeded with the
+      cached state;
+    * any other continuing chunk (a decoded token; drafts; a chunk off the grid): all steps. Padding is honoured only
+      by the full-sequence form, so a continuing chunk must be unpadded.
+
+    Between layers the hidden states are a pair ``(head, tail)``: the head in the full-sequence layout, the tail in
+    the caller's columns ([`enter`] / [`columns`]). Each layer's cache advances (row state, rollback records) as the
+    layer finishes with it.
+    """
+
+    def __init__(self, cache, attention_mask, shape, config, device, check: bool):
+        bsz, seq_len = shape
+        w = config.block_len
+        self.seq_len = seq_len
+        self.fresh = cache is None or cache.is_empty
+        self.record = cache is not None and cache.record_past
+        self.layout, self.common = None, None
+        if self.fresh:
+            head = seq_len
+            if self.record and seq_len > 1:
+                head = seq_len - min(seq_len - 1, MAX_ROLLBACK)
+                if attention_mask is not None:
+                    padded = torch.nonzero(~attention_mask[:, -seq_len:].bool().all(0))
+                    head = max(head, int(padded[-1]) + 1) if len(padded) else head
+            mask = None if attention_mask is None else attention_mask[:, -seq_len:][:, :head]
+            self.layout = _Layout(mask, (bsz, head), w, device, check)
+            self.common = head
+            if self.layout.mask is not None:
+                lengths = self.layout.lengths
+                same = host_can_branch(lengths) and bool((lengths == lengths[0]).all())
+                self.common = int(lengths[0]) if same else None
+        else:
+            if seq_len > 1 and attention_mask is not None and host_can_branch(attention_mask):
+                if not bool(attention_mask[:, -seq_len:].all()):
+                    raise ValueError(
+                        "Padding inside a continued sequence cannot be honoured by the recurrent cache: pad the "
+                        "first chunk only."
+                    )
+            # A decode step (seq_len 1) reads no host mirror of a position: one traced step serves every position.
+            aligned = (
+                seq_len > 1
+                and seq_len % w == 0
+                and not self.record
+                and cache.common_position is not None
+                and cache.common_position % w == 0
+                and cache.docs_on_grid
+            )
+            head = seq_len if aligned else 0
+        self.head = head
+
+    def enter(self, hidden: torch.Tensor):
+        """Caller's columns `(B, T, D)` -> ``(head, tail)``."""
+        head = hidden[:, : self.head]
+        return (self.layout.to_blocks(head) if self.fresh else head), hidden[:, self.head :]
+
+    def columns(self, state) -> torch.Tensor:
+        """``(head, tail)`` -> the caller's columns `(B, T, D)` (zero at padding)."""
+        head, tail = state
+        if self.fresh:
+            head = self.layout.from_blocks(head)
+        return torch.cat([head, tail], 1) if self.head < self.seq_len else head
+
+    def run(self, layer, layer_cache, state, weights: bool):
+        """One layer over the chunk: ``state`` -> the next ``state``, the self- and second attention weights."""
+        head, tail = state
+        attn = cross = None
+        if self.head:
+            kwargs = dict(layer_cache=layer_cache, num_positions=self.head, output_attentions=weights)
+            if self.fresh:
+                kwargs.update(lengths=self.layout.layer_lengths, fill_cache=layer_cache is not None)
+            else:
+                kwargs.update(positions=layer_cache.positions, fill_cache=True)
+            out = layer(head, **kwargs)
+            head, attn, cross = out if weights else (out, None, None)
+            if layer_cache is not None and self.fresh:
+                layer_cache.start(self.layout.lengths, self.head, self.common)
+            elif layer_cache is not None:
+                layer_cache.advance(self.head)
+        if self.head < self.seq_len:
+            tail, tail_attn, tail_cross = self.steps(layer, layer_cache, tail, weights)
+            attn, cross = _join(attn, tail_attn, pad_keys=True), _join(cross, tail_cross)
+        return (head, tail), attn, cross
+
+    def steps(self, layer, layer_cache, hidden, weights: bool):
+        """The recurrent form over the columns of ``hidden`` `(B, n, D)`, one token per row at a time."""
+        n = hidden.shape[1]
+        positions = layer_cache.positions
+        newest = layer_cache.seen_tokens if weights else 0  # a host read, only for the weights' columns
+        outs, attns, crosses, undo = [], [], [], []
+        for t in range(n):
+            if self.record:
+                undo.append(layer_cache.capture(positions + t))
+            out = layer(
+                hidden[:, t : t + 1], layer_cache=layer_cache, positions=positions + t, output_attentions=weights
+            )
+            h, attn, cross = out if weights else (out, None, None)
+            outs.append(h)
+            if attn is not None:
+                attn = _step_weights_by_column(attn, layer_cache.attention.pos, positions + t, newest + t)
+                attns.append(F.pad(attn, (0, n - 1 - t)))
+            if cross is not None:
+                crosses.append(cross)
+        if self.record:
+            layer_cache.push_undo(undo)
+        layer_cache.advance(n)
+        attn = torch.cat(attns, 2) if attns else None
+        cross = torch.cat(crosses, 2) if crosses else None
+        return (outs[0] if n == 1 else torch.cat(outs, 1)), attn, cross
