@@ -13,7 +13,7 @@ import pytest
 from benchmarks import bench_common
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 SCRIPTS = ["compile_speed", "eval_memory", "generation_speed", "gpu_suite", "layer_speed", "ssm_scaling"]

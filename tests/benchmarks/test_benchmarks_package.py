@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
 MODULES = sorted(p.stem for p in BENCHMARKS.glob("*.py") if p.name != "__init__.py")
 # The modules with a command line (the others are the shared helpers).
@@ -59,7 +59,12 @@ def test_nothing_runs_a_benchmark_by_its_path():
     """Docs, scripts, tests and the benchmarks themselves say ``python -m benchmarks.<name>``."""
     by_path = re.compile(r"python3?\s+(?:\S*/)?benchmarks/\w+\.py")
     files = [ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("scripts/*.sh"), *BENCHMARKS.glob("*.sh")]
-    files += [*BENCHMARKS.glob("*.py"), *ROOT.glob("tests/*.py"), *ROOT.glob("training/*.py")]
+    files += [
+        *BENCHMARKS.glob("*.py"),
+        *ROOT.glob("tests/**/*.py"),
+        *ROOT.glob("research/**/*.py"),
+        *ROOT.glob("training/*.py"),
+    ]
     offenders = [
         f"{path.relative_to(ROOT)}: {match.group(0)}"
         for path in files

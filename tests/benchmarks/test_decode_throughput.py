@@ -14,7 +14,7 @@ from benchmarks import decode_throughput as dt
 from benchmarks.bench_common import partial_path
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_quick_mode_writes_json_png_and_section(tmp_path):

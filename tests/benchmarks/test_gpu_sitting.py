@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "scripts" / "gpu_sitting.sh")
 UNITS = ["tests", "decode", "train", "quality:bst-mf-s4-indep-s0", "quality:brect-fixed-skip-s0"]
 UNITS += ["quality:trsf-xl-s0", "quality:gss-hybrid-s0", "layer_speed"]

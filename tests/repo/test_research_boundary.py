@@ -9,7 +9,7 @@ from pathlib import Path
 import setuptools
 
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PRODUCT = ("modeling_bst", "training")
 
 

@@ -15,7 +15,7 @@ from training import train as T
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs" / "train" / "tiny.yaml")
 
 

@@ -30,7 +30,7 @@ corpus = test_training.corpus  # the shared tiny corpus (a module-scoped fixture
 tiny_argv = test_training.tiny_argv
 
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 ACCELERATE = REPO / "configs" / "accelerate"
 # Constant learning rate, 5 steps of a global batch of 4 rows (2 processes x 2, or 1 x 4), a checkpoint at step 3.
 STEPS = ["--max_steps", "5", "--lr_scheduler_type", "constant", "--warmup_steps", "0"]

@@ -42,7 +42,7 @@ def saved_model(tmp_path_factory):
 def _load_metric(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_EVALUATE_OFFLINE", "1")
-    monkeypatch.chdir(E.Path(__file__).resolve().parents[1])  # the repository root
+    monkeypatch.chdir(E.Path(__file__).resolve().parents[2])  # the repository root
     return evaluate.load("metrics/bits_per_byte")
 
 

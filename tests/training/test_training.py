@@ -25,7 +25,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted(glob.glob(str(REPO / "configs" / "train" / "*.yaml")))
 TINY_MODEL = {
     "hidden_size": 32,

@@ -18,7 +18,7 @@ from modeling_bst.configuration_bst import AUTO_MAP
 from training import export as export_mod
 
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 HEADS = {
     "AutoConfig": "BSTConfig",
     "AutoModel": "BSTModel",

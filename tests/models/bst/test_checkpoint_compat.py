@@ -22,7 +22,7 @@ from training.convert_checkpoint import convert, current_name
 from training.convert_checkpoint import main as convert_main
 
 
-FIXTURES = Path(__file__).parent / "fixtures" / "checkpoints"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "checkpoints"
 CURRENT = "layout3"
 LAYOUTS = ("layout1", "layout2", CURRENT)
 

@@ -19,7 +19,7 @@ from modeling_bst.configuration_bst import BSTConfigError
 from training import train as T
 
 
-TINY_TRAIN_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "train" / "tiny.yaml")
+TINY_TRAIN_CONFIG = str(Path(__file__).resolve().parents[3] / "configs" / "train" / "tiny.yaml")
 
 # The keyword arguments of BSTConfig.__init__ before the dataclass conversion, with their defaults (None for the
 # index fields means "from layer_types, else the default": [0, 7, 9] for bst_layer_indices, [] for the others). The

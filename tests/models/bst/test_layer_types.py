@@ -23,8 +23,8 @@ from modeling_bst.modeling_bst import BSTGSSLayer
 from training import train as T
 
 
-ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = Path(__file__).parent / "fixtures" / "checkpoints"
+ROOT = Path(__file__).resolve().parents[3]
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "checkpoints"
 INDEX_FIELDS = tuple(LAYER_INDEX_FIELDS.values())
 
 

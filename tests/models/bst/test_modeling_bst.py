@@ -592,7 +592,7 @@ print("OK")
 def test_float64_checkpoint_runs_after_reload(variant):
     """A float64 checkpoint reloads and reproduces the logits (run in a subprocess: the failure mode was a crash,
     .bugs/segfault-misaligned-complex128-mf-s4-float64-checkpoint.md)."""
-    script = FLOAT64_RELOAD_SCRIPT.format(tests=str(Path(__file__).parent), fields=ALL_VARIANTS[variant])
+    script = FLOAT64_RELOAD_SCRIPT.format(tests=str(Path(__file__).resolve().parents[2]), fields=ALL_VARIANTS[variant])
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "OK" in proc.stdout, f"exit code {proc.returncode}\n{proc.stderr[-2000:]}"
 

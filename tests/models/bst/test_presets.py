@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import modeling_bst  # noqa: F401  (registers "bst")
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 PRESET_DIR = ROOT / "configs" / "models"
 PRESETS = sorted(PRESET_DIR.glob("*.json"))
 
