@@ -1,4 +1,6 @@
-"""generate() across decoding modes, for every tiny variant: what transformers' ``GenerationTesterMixin`` checks.
+"""generate() across decoding modes, for every tiny variant: what transformers' ``GenerationTesterMixin`` checks;
+then what generate() adds beyond it (custom stopping criteria, S4 past max_position_embeddings, a cache that does not
+grow, BSTCache.crop, pipeline and streamer, float32 decoding's documented tolerance).
 
 That mixin lives in the transformers repository (tests/generation/test_utils.py), not in its PyPI release, and
 third-party test code stays out of this repository, so ``tests/test_hf_common.py`` runs it only when the repository's
@@ -12,16 +14,22 @@ Group beam search and constrained beam search are not part of transformers 5.23 
 ``custom_generate`` repositories, which need network access and ``trust_remote_code``): one test pins that down.
 """
 
+import os
+
 import pytest
 import torch
 from conftest import VARIANTS as ALL_VARIANTS
-from conftest import make_model
+from conftest import make_model, tiny_config
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from modeling_bst import BSTCache, BSTForCausalLM
 
 
 # The variants of issue #12's generation checklist.
 VARIANTS = ["sh-s4", "mh-s4", "mf-s4", "sh-unstruct", "brect", "slide"]
+# Two more families (MF with the unstruct filter, the GSS hybrid) for greedy, padded and assisted decoding.
+EXTRA_VARIANTS = {"gss-hybrid": dict(bst_layer_indices=[], gss_layer_indices=[0, 2])}
+MORE_VARIANTS = [*VARIANTS, "mf-unstruct", "gss-hybrid"]
 VOCAB = 97
 PAD = 0
 PROMPT_LEN = 7  # not a multiple of block_len 4: decoding starts mid-block
@@ -30,7 +38,10 @@ NEW = 6
 
 def model_for(variant: str, seed: int = 0, **overrides) -> BSTForCausalLM:
     fields = dict(pad_token_id=PAD, eos_token_id=None)
+    fields.update(EXTRA_VARIANTS.get(variant, {}))
     fields.update(overrides)
+    if variant in EXTRA_VARIANTS:
+        return make_model(None, seed=seed, **fields)
     assert variant in ALL_VARIANTS
     return make_model(variant, seed=seed, **fields)
 
@@ -48,9 +59,10 @@ def argmax_loop(model, ids, steps):
 
 
 parametrize_variants = pytest.mark.parametrize("variant", VARIANTS, ids=VARIANTS)
+parametrize_more_variants = pytest.mark.parametrize("variant", MORE_VARIANTS, ids=MORE_VARIANTS)
 
 
-@parametrize_variants
+@parametrize_more_variants
 def test_greedy_equals_argmax_loop(variant):
     model = model_for(variant)
     ids = prompt()
@@ -126,15 +138,17 @@ def test_group_and_constrained_beam_search_are_not_in_transformers_5_23_or_5_24(
         model.generate(ids, max_new_tokens=2, num_beams=2, force_words_ids=[[5]])
 
 
-@parametrize_variants
+@parametrize_more_variants
 def test_assisted_decoding_and_prompt_lookup_equal_greedy(variant):
-    """A draft model of another seed (so some drafts are rejected and cropped from the cache) and prompt lookup
-    (on a prompt that repeats itself) both give greedy decoding's tokens."""
+    """A draft model of another seed (so some drafts are rejected and cropped from the cache), the model as its own
+    draft (every draft accepted) and prompt lookup (on a prompt that repeats itself) all give greedy decoding's
+    tokens."""
     model = model_for(variant)
     draft = model_for(variant, seed=1)
     ids = prompt(1)
     greedy = model.generate(ids, max_new_tokens=NEW + 4, do_sample=False)
     assert torch.equal(model.generate(ids, max_new_tokens=NEW + 4, do_sample=False, assistant_model=draft), greedy)
+    assert torch.equal(model.generate(ids, max_new_tokens=NEW + 4, do_sample=False, assistant_model=model), greedy)
     repeat = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]])
     greedy = model.generate(repeat, max_new_tokens=NEW + 4, do_sample=False)
     lookup = model.generate(repeat, max_new_tokens=NEW + 4, do_sample=False, prompt_lookup_num_tokens=3)
@@ -199,7 +213,7 @@ def test_return_dict_in_generate_outputs_are_the_parallel_ones(variant):
             assert torch.all(((sums - 1).abs() < 1e-4) | (sums == 0))
 
 
-@parametrize_variants
+@pytest.mark.parametrize("variant", [*VARIANTS, "gss-hybrid"])
 def test_left_padded_batch_equals_rows_alone(variant):
     model = model_for(variant)
     lengths = [PROMPT_LEN, PROMPT_LEN - 3]
@@ -274,3 +288,152 @@ def test_max_min_new_tokens_and_eos_stopping(variant):
     assert held.shape == (2, PROMPT_LEN + NEW)
     assert not torch.any(held[:, PROMPT_LEN:] == eos)
     assert torch.equal(held[0, : end0 - 1], greedy[0, : end0 - 1])
+
+
+# -- beyond the mixin: stopping criteria, long decoding, crop, pipeline, float32 tolerance --------------------------
+# (vocabulary 61, max_position_embeddings 96, no pad / eos handling beyond the config's pad_token_id 0)
+
+CACHE_VARIANTS = {
+    "sh-s4": dict(context_mode="sh"),
+    "mf-unstruct": dict(context_mode="mf", ssm_kind="unstruct"),
+    "brect": dict(bst_layer_indices=[], recurrent_layer_indices=[1]),
+    "gss-hybrid": dict(bst_layer_indices=[], gss_layer_indices=[0, 2]),
+}
+
+
+def cache_model(variant="sh-s4", **overrides):
+    fields = dict(vocab_size=61, max_position_embeddings=96, pad_token_id=0, eos_token_id=None)
+    fields.update(CACHE_VARIANTS[variant])
+    fields.update(overrides)
+    torch.manual_seed(0)
+    return BSTForCausalLM(tiny_config(**fields)).eval()
+
+
+def prompt61(batch=2, length=9, seed=0):
+    return torch.randint(1, 61, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_stopping_criteria_end_generation():
+    class StopAfter(StoppingCriteria):
+        def __init__(self, n):
+            self.n = n
+
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.n, dtype=torch.bool)
+
+    model = cache_model("sh-s4")
+    ids = prompt61()
+    out = model.generate(
+        ids, max_new_tokens=50, do_sample=False, stopping_criteria=StoppingCriteriaList([StopAfter(14)])
+    )
+    assert out.shape[1] == 14
+
+
+def test_s4_generates_past_max_position_embeddings_and_unstruct_refuses():
+    s4 = cache_model("sh-s4", max_position_embeddings=16)
+    out = s4.generate(prompt61(1, 10), max_new_tokens=20, do_sample=False)
+    assert out.shape == (1, 30)
+    unstruct = cache_model("mf-unstruct", max_position_embeddings=16, unstruct_finite_filter=False)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        unstruct.generate(prompt61(1, 10), max_new_tokens=20, do_sample=False)
+
+
+def test_cache_size_does_not_grow_with_decoded_tokens():
+    model = cache_model("sh-s4")
+    ids = prompt61(1, 9)
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        cache = out.past_key_values
+        token = ids[:, -1:]
+        sizes = []
+        for step in range(200):
+            model(token, past_key_values=cache, use_cache=True)
+            if step in (20, 199):
+                sizes.append(cache.nbytes())
+    assert sizes[0] == sizes[1]
+    assert cache.get_seq_length() == 9 + 200
+
+
+@pytest.mark.parametrize("variant", list(CACHE_VARIANTS), ids=list(CACHE_VARIANTS))
+def test_crop_takes_back_the_last_positions_exactly(variant):
+    model = cache_model(variant)
+    ids = prompt61(2, 17)
+    with torch.no_grad():
+        reference = model(ids).logits
+        cache = BSTCache(model.config, 2)
+        cache.activate_past_recording()
+        model(ids[:, :9], past_key_values=cache)
+        model(ids[:, 9:13], past_key_values=cache)
+        model(prompt61(2, 3, seed=5), past_key_values=cache)  # three positions to take back
+        cache.crop(-3)
+        cache.crop(0)
+        assert cache.get_seq_length() == 13
+        cache.crop(-2)  # and two more, reaching into the previous chunk
+        out = model(ids[:, 11:], past_key_values=cache).logits
+        torch.testing.assert_close(out, reference[:, 11:], atol=1e-5, rtol=0)
+        with pytest.raises(ValueError, match="take back"):
+            cache.crop(-100)
+        with pytest.raises(ValueError, match="crop"):
+            cache.crop(2)
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    text = ["it is a truth universally acknowledged that a single man"] * 20
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=61, special_tokens=["<pad>", "<unk>"]))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>")
+
+
+def test_pipeline_and_streamer_from_model_and_from_a_saved_folder(tmp_path, capsys):
+    from transformers import TextStreamer, pipeline
+
+    model, tok = cache_model("sh-s4"), _tokenizer()
+    generator = pipeline("text-generation", model=model, tokenizer=tok)
+    text = generator("a single man", max_new_tokens=8, do_sample=False)[0]["generated_text"]
+    assert text.startswith("a single man") and len(text) > len("a single man")
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    again = pipeline("text-generation", model=str(tmp_path))("a single man", max_new_tokens=8, do_sample=False)
+    assert again[0]["generated_text"] == text
+    ids = tok("a single man", return_tensors="pt").input_ids
+    model.generate(ids, max_new_tokens=5, do_sample=False, streamer=TextStreamer(tok))
+    assert capsys.readouterr().out.strip()
+
+
+@pytest.mark.parametrize("variant", list(CACHE_VARIANTS), ids=list(CACHE_VARIANTS))
+def test_float32_decoding_matches_parallel_forward_within_documented_tolerance(variant):
+    """float32: recurrent decoding vs one parallel forward agree to 1e-4 (docs/reliability.md); float64 to 1e-10
+    is checked in tests/models/bst/test_modeling_bst.py."""
+    model = cache_model(variant)
+    ids = prompt61(2, 30, seed=5)
+    with torch.no_grad():
+        ref = model(ids).logits
+        out = model(ids[:, :7], use_cache=True)
+        cache, logits = out.past_key_values, [out.logits]
+        for t in range(7, 30):
+            logits.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+    torch.testing.assert_close(torch.cat(logits, 1), ref, atol=1e-4, rtol=1e-4)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.slow
+def test_fifty_thousand_decoded_tokens_do_not_leak_memory():
+    """S4 decoding: after 50k tokens the cache and the process hold what they held after 1k."""
+    model = cache_model("sh-s4")
+    token = prompt61(1, 1)
+    with torch.no_grad():
+        cache = model(prompt61(1, 9), use_cache=True).past_key_values
+        for step in range(50_000):
+            model(token, past_key_values=cache, use_cache=True)
+            if step == 999:
+                cache_1k, rss_1k = cache.nbytes(), _rss_bytes()
+    assert cache.nbytes() == cache_1k
+    assert _rss_bytes() - rss_1k < 16 * 2**20, (rss_1k, _rss_bytes())
