@@ -1,6 +1,7 @@
 """Whole-model exactness: block attention vs a per-block loop, causality, gradients, precision, padding, I/O, errors."""
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -104,6 +105,43 @@ def test_block_attention_matches_per_block_loop(case, length, impl):
     assert ref[:, 1:].abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("query_chunk", [None, 1, 2])
+def test_block_attention_matches_per_token_window_reference(query_chunk):
+    """A one-layer Slide model against attention written per query: exactly the W previous tokens, T5 bias."""
+    config = tiny_config(vocab_size=61, num_hidden_layers=1, bst_layer_indices=[], attention_query_chunk=query_chunk)
+    torch.manual_seed(0)
+    model = BSTForCausalLM(config).double().eval()
+    layer = model.model.layers[0]
+    x = torch.randn(1, 13, 32, dtype=torch.float64)
+    with torch.no_grad():
+        out = layer(torch.nn.functional.pad(x, (0, 0, 0, 3)))[:, :13]
+        xn = layer.input_norm(x)
+        heads, hd, w = 2, 8, config.block_len
+        q = layer.self_attn.q_proj(xn).view(13, heads, hd)
+        k = layer.self_attn.k_proj(xn).view(13, heads, hd)
+        v = layer.self_attn.v_proj(xn).view(13, heads, hd)
+        # meliad's key/query normalisation: x / sqrt(sum x^2 + 1e-6)
+        q = q / (q.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
+        k = k / (k.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
+        attn = torch.zeros(13, heads, hd, dtype=torch.float64)
+        for t in range(13):
+            keys = list(range(max(0, t - w), t))
+            if not keys:
+                continue
+            for h in range(heads):
+                logits = []
+                for j in keys:
+                    n = t - j
+                    bucket = n if n < 16 else min(31, 16 + int(math.log(n / 16) / math.log(128 / 16) * 16))
+                    bias = layer.self_attn.relative_bias.weight[bucket, h]
+                    logits.append((q[t, h] @ k[j, h] + bias) * layer.self_attn.scale[h])
+                p = torch.softmax(torch.stack(logits), 0)
+                attn[t, h] = (p[:, None] * v[keys, h]).sum(0)
+        h = x + layer.o_proj(attn.reshape(1, 13, heads * hd))
+        ref = h + layer.mlp.down_proj(torch.relu(layer.mlp.up_proj(layer.post_attention_norm(h))))
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
+
+
 @pytest.mark.parametrize("bidirectional", [False, True], ids=["causal", "bidirectional"])
 def test_t5_buckets_match_python_reference(bidirectional):
     rel = torch.arange(-300, 301)
@@ -186,23 +224,24 @@ def test_sdpa_equals_eager(variant):
 # -- causality ------------------------------------------------------------------------------------------------------
 
 
-def _assert_causal(model, ids, positions, vocab):
+def _assert_causal(model, ids, positions, vocab, atol=1e-5):
     with torch.no_grad():
         ref = model(ids).logits
         for t in positions:
             changed = ids.clone()
             changed[:, t] = (changed[:, t] + 1 + torch.arange(ids.shape[0])) % vocab  # O(1) change of the embedding
             out = model(changed).logits
-            torch.testing.assert_close(out[:, :t], ref[:, :t], atol=1e-5, rtol=0, msg=lambda m, t=t: f"t={t}: {m}")
+            torch.testing.assert_close(out[:, :t], ref[:, :t], atol=atol, rtol=0, msg=lambda m, t=t: f"t={t}: {m}")
             assert (out[:, t:] - ref[:, t:]).abs().max() > 1e-4, f"perturbing token {t} changed nothing after it"
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("variant", ALL_IDS, ids=ALL_IDS)
 def test_causality(variant, impl):
-    """Perturbing token t leaves every logit before t unchanged and changes some logit at or after t."""
-    model = set_impl(model_for(variant), impl)
-    _assert_causal(model, random_ids(2, SEQ_LEN), [0, 1, 3, 4, 5, 9, 16, 17], model.config.vocab_size)
+    """Perturbing token t leaves every logit before t unchanged (float64, to 1e-12) and changes some logit at or
+    after t."""
+    model = set_impl(model_for(variant, dtype=torch.float64), impl)
+    _assert_causal(model, random_ids(2, SEQ_LEN), [0, 1, 3, 4, 5, 9, 16, 17], model.config.vocab_size, atol=1e-12)
 
 
 @pytest.mark.parametrize("variant", ["sh-s4", "mf-s4"])
@@ -372,6 +411,26 @@ def test_gradient_checkpointing_gives_the_same_gradients(variant):
     assert ref.keys() == out.keys()
     for name in ref:
         torch.testing.assert_close(out[name], ref[name], atol=1e-12, rtol=1e-10, msg=name)
+
+
+# -- recurrent decoding ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ALL_IDS, ids=ALL_IDS)
+def test_token_by_token_decoding_equals_parallel_forward(variant):
+    """A prefill of 1, 4 or 7 tokens, then one token per step through the cache, across several block boundaries:
+    the logits of the parallel forward (float64, to 1e-10)."""
+    model = model_for(variant, dtype=torch.float64)
+    x = random_ids(2, 19)
+    with torch.no_grad():
+        ref = model(x).logits
+        for prefix in (1, 4, 7):
+            out = model(x[:, :prefix], use_cache=True)
+            cache, logits = out.past_key_values, [out.logits]
+            for t in range(prefix, 19):
+                out = model(x[:, t : t + 1], past_key_values=cache, use_cache=True)
+                logits.append(out.logits)
+            torch.testing.assert_close(torch.cat(logits, 1), ref, atol=1e-10, rtol=0)
 
 
 # -- lengths, padding, batching ------------------------------------------------------------------------------------
