@@ -55,7 +55,9 @@ def test_export_folder_card_and_remote_load(tmp_path):
         assert (out / name).read_bytes() == (package / name).read_bytes()
     config = json.loads((out / "config.json").read_text())
     assert config["use_cache"] is True
-    assert config["auto_map"] == AUTO_MAP  # every head (tests/test_auto_classes.py loads each in a fresh process)
+    assert (
+        config["auto_map"] == AUTO_MAP
+    )  # every head (tests/models/bst/test_auto_classes.py loads each in a fresh process)
 
     card = (out / "README.md").read_text()
     meta = yaml.safe_load(card.split("---")[1])

@@ -5,7 +5,7 @@ ones after ``python -m training.convert_checkpoint`` (which ``from_pretrained`` 
 saved by layout k of the parameter names (see ``training/convert_checkpoint.py``), with the float64 logits that code
 gave for fixed input ids (``expected.safetensors``). This test fails if a rename or a numerical change breaks a
 checkpoint. Write the fixtures of the current layout only deliberately:
-``python tests/test_checkpoint_compat.py --write`` (it overwrites ``layout3/`` with the current code's output).
+``python tests/models/bst/test_checkpoint_compat.py --write`` (it overwrites ``layout3/`` with the current code's output).
 """
 
 import json
@@ -153,5 +153,7 @@ def test_names_map_per_layer_type():
 
 if __name__ == "__main__":
     if "--write" not in sys.argv:
-        sys.exit("usage: python tests/test_checkpoint_compat.py --write  (overwrites the current layout's fixtures)")
+        sys.exit(
+            "usage: python tests/models/bst/test_checkpoint_compat.py --write  (overwrites the current layout's fixtures)"
+        )
     write_fixtures()

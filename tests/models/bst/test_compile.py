@@ -94,7 +94,7 @@ def test_compiled_model_matches_eager_in_evaluation():
     torch.manual_seed(0)
     model = BSTForCausalLM(config).eval()
     ids = torch.randint(0, 512, (1, 512), generator=torch.Generator().manual_seed(0))
-    # A fresh dynamo: after tests/test_unstruct_decode.py's compiles, inductor failed here with "vr must not be None
+    # A fresh dynamo: after tests/models/bst/test_unstruct_decode.py's compiles, inductor failed here with "vr must not be None
     # for symbol q0" (torch 2.13; this test alone passes).
     torch._dynamo.reset()
     with torch.no_grad():

@@ -168,7 +168,7 @@ def test_decode_steps_update_every_state_at_its_address(variant):
     """Without gradients a step writes every cached state in place (``cache_bst.assign``): every leaf keeps its memory
     from the prefill on, eagerly and in a compiled step (``aot_eager``: functionalised, the mutations written back to
     the inputs, as inductor does). CUDA graphs need exactly this: a graph may write its inputs in place only at fixed
-    addresses, and its outputs cannot be the next replay's inputs (tests/test_gpu.py checks the graphs on CUDA).
+    addresses, and its outputs cannot be the next replay's inputs (tests/models/bst/test_gpu.py checks the graphs on CUDA).
     Eager unstruct steps keep their history as a moving view into a slack buffer (O(1) a step, not O(history)), so
     there only the compiled cache keeps its addresses."""
     unstruct = variant.endswith("unstruct")

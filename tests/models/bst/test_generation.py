@@ -3,7 +3,7 @@ then what generate() adds beyond it (custom stopping criteria, S4 past max_posit
 grow, BSTCache.crop, pipeline and streamer, float32 decoding's documented tolerance).
 
 That mixin lives in the transformers repository (tests/generation/test_utils.py), not in its PyPI release, and
-third-party test code stays out of this repository, so ``tests/test_hf_common.py`` runs it only when the repository's
+third-party test code stays out of this repository, so ``tests/models/bst/test_hf_common.py`` runs it only when the repository's
 tests can be had (``TRANSFORMERS_TESTS_DIR`` pointing at a checkout, or the tag archive fetched from github.com; see
 tests/hf_common/fetch.py). These tests are our own and always run. The references are
 independent of the cache: greedy decoding is compared with an argmax loop over full forwards, scores / logits /

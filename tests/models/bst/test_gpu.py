@@ -15,7 +15,7 @@ measured worst case over the variants on the CPU (fp32 / bf16 autocast, torch 2.
   [0.35: the scalar gates ``self_scale`` / ``cross_scale``, whose gradients are sums with cancellation]; bf16 keeps 8
   mantissa bits (a rounding of 4e-3 per matmul operand);
 * decoding token by token == parallel forward on the same device in fp32: max |difference| 1e-4 on logits of
-  magnitude ~1 (CPU float64 holds this at 1e-10 in tests/test_core.py).
+  magnitude ~1 (CPU float64 holds this at 1e-10 in tests/models/bst/test_modeling_bst.py).
 """
 
 import copy
@@ -273,7 +273,7 @@ def test_reduce_overhead_decode_runs_in_cuda_graphs(variant):
 
     Before the cache updated every state in place (``cache_bst.assign``), inductor skipped the graph for 33 "mutated
     inputs" on the 8-layer benchmark model (H100, 2026-11-26); with only the ring buffers marked static, replays
-    overwrote the states that the next step read. tests/test_decode_capture.py checks the fixed addresses on the
+    overwrote the states that the next step read. tests/models/bst/test_decode_capture.py checks the fixed addresses on the
     CPU."""
     from torch._dynamo.utils import counters
 

@@ -200,9 +200,12 @@ class BSTModelTest(ModelTesterMixin, GenerationTesterMixin, unittest.TestCase):
 
 # Tests of transformers' loading, saving, dtype and attention-dispatch plumbing rather than of the variant's layers:
 # they run in the default suite on SH:S4 only, and are marked slow on the other variants (about 30 s per variant
-# on a loaded 2-core machine, mostly test_bc_torch_dtype and the fp16/bf16 eager-vs-SDPA comparisons).
+# on a loaded 2-core machine, mostly test_bc_torch_dtype and the fp16/bf16 eager-vs-SDPA comparisons). So is
+# test_torch_export (8-10 s of CPU per variant, a third of this file's time): torch.export of the other variants'
+# forward is tests/models/bst/test_forward_contract.py's test_torch_export (MF + BRecT backbone, SH:unstruct LM),
+# of their decode steps tests/models/bst/test_decode_capture.py's, in the default suite.
 PLUMBING_TESTS = re.compile(
-    r"test_(config|bc_torch_dtype|eager_matches_sdpa_inference_\d+_(fp16|bf16)\w*|can_load\w*|load_\w+"
+    r"test_(config|bc_torch_dtype|torch_export|eager_matches_sdpa_inference_\d+_(fp16|bf16)\w*|can_load\w*|load_\w+"
     r"|base_model_prefix_loads_base_weights|keep_in_fp32_modules|can_use_safetensors|model_weights_reload\w*"
     r"|from_pretrained_no_checkpoint|resize_\w+|sdpa_can_dispatch\w*|torch_save_load"
     r"|cannot_load_with_meta_device_context_manager|correct_missing_keys)"

@@ -836,7 +836,7 @@ def test_attention_mask_of_the_wrong_shape_raises(mask_shape):
 
 
 def test_attention_mask_with_empty_rows_raises():
-    # (Holes are padding like any other: tests/test_forward_contract.py.)
+    # (Holes are padding like any other: tests/models/bst/test_forward_contract.py.)
     model = model_for("sh-s4")
     ids = torch.ones(2, 6, dtype=torch.long)
     with pytest.raises(ValueError, match="attention_mask"):
