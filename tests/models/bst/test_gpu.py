@@ -15,7 +15,7 @@ measured worst case over the variants on the CPU (fp32 / bf16 autocast, torch 2.
   [0.35: the scalar gates ``self_scale`` / ``cross_scale``, whose gradients are sums with cancellation]; bf16 keeps 8
   mantissa bits (a rounding of 4e-3 per matmul operand);
 * decoding token by token == parallel forward on the same device in fp32: max |difference| 1e-4 on logits of
-  magnitude ~1 (CPU float64 holds this at 1e-10 in tests/models/bst/test_modeling_bst.py).
+  magnitude ~1 (CPU float64 holds this at 1e-10 in tests/models/bst/test_modeling_bst.py, for every variant).
 """
 
 import copy
@@ -60,6 +60,24 @@ TOL = {
     "fp32": dict(logits=3e-4, loss=2e-5, grads=3e-3, grad=5e-3),
     "bf16": dict(logits=2e-2, loss=2e-3, grads=0.12, grad=0.3),
 }
+
+
+# The decoding and generate comparisons on the CPU repeat the float64 decoding test of test_modeling_bst.py (every
+# variant, to 1e-10) and test_generation.py's greedy decoding: by default they run on the CPU for one S4 and one
+# unstruct variant (so the bodies are exercised), the other CPU cases are slow; every CUDA case runs in the GPU suite.
+CPU_DEFAULT = ("sh-s4", "mf-unstruct")
+
+
+def devices_and_variants(variants):
+    """``(device, variant)`` cases: the ``cuda`` ones marked ``gpu``, the ``cpu`` ones beyond CPU_DEFAULT slow."""
+    cases = []
+    for device in DEVICES:
+        for variant in variants:
+            marks = list(device.marks)
+            if device.values[0] == "cpu" and variant not in CPU_DEFAULT:
+                marks.append(pytest.mark.slow)
+            cases.append(pytest.param(device.values[0], variant, id=f"{device.id}-{variant}", marks=marks))
+    return pytest.mark.parametrize("device,variant", cases)
 
 
 def build(variant: str, device: str, dtype=torch.float32):
@@ -137,8 +155,7 @@ def decode_token_by_token(model, ids: torch.Tensor, prefix: int) -> torch.Tensor
     return torch.cat(logits, 1)
 
 
-@pytest.mark.parametrize("variant", list(GPU_VARIANTS))
-@pytest.mark.parametrize("device", DEVICES)
+@devices_and_variants(list(GPU_VARIANTS))
 def test_decoding_equals_parallel_forward_on_device(device, variant):
     """Token-by-token decoding is as exact as the parallel forward: both are measured against the float64 CPU model,
     and stepping may add at most twice the parallel forward's own fp32 error (plus 1e-5).
@@ -169,8 +186,7 @@ def greedy_margin(model, sequences: torch.Tensor, prompt_len: int) -> float:
     return (top2[..., 0] - top2[..., 1]).min().item()
 
 
-@pytest.mark.parametrize("variant", list(GPU_VARIANTS))
-@pytest.mark.parametrize("device", DEVICES)
+@devices_and_variants(list(GPU_VARIANTS))
 def test_greedy_generate_on_device_equals_cpu(device, variant):
     cpu_model = build(variant, "cpu", torch.float64)
     ids = tokens(2, 9, seed=2)
