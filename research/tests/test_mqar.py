@@ -181,6 +181,7 @@ def test_an_interrupted_run_resumes_bitwise(tmp_path, monkeypatch):
     assert not list(tmp_path.glob("*/*.safetensors*"))  # checkpoints are deleted once the JSON is written
 
 
+@pytest.mark.slow  # about 90 s on 2 cores (a process per run); the in-process runs are covered above
 def test_runs_side_by_side_give_the_records_of_runs_one_after_another(tmp_path, capfd):
     """--jobs N trains up to N runs at once, each in a process of its own (how the GPU sweep shares one GPU): every
     record is the one the sequential invocation writes (weights bit for bit), and a deadline that has passed starts
