@@ -766,6 +766,7 @@ INVALID_CONFIGS = {
     "cross_mask": dict(cross_mask="diagonal"),
     "ssm_init": dict(ssm_init="legs"),
     "dropout": dict(dropout=1.5),
+    "attention_query_chunk": dict(attention_query_chunk=3),  # must divide block_len 4
 }
 
 
