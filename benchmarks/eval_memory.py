@@ -6,7 +6,7 @@
 Each configuration runs in a fresh process (so ``ru_maxrss`` is that run's own peak): build the preset with random
 weights (the 32k vocabulary; SSM parameters stay float32 as in ``from_pretrained``), then score one sequence of N
 tokens with ``training.evaluate.window_nll``: fed in chunks of C tokens with the BST cache carried between them, which
-gives the same NLL as one N-token forward (tests/test_training.py::test_chunked_evaluation_equals_whole_windows)
+gives the same NLL as one N-token forward (tests/training/test_training.py::test_chunked_evaluation_equals_whole_windows)
 while the activations and the (C x 32k) logits stay bounded by C. Reported: parameters, resident memory after
 building the model, peak resident memory of the whole process, the evaluation time and tokens/s. Writes
 ``docs/benchmarks/eval_memory.{json,png}`` and the ``eval_memory`` section of ``docs/benchmarks.md``.

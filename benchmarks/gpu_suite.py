@@ -10,7 +10,7 @@ measured, and within a part a measurement whose estimated time exceeds what is l
 finished part's entry is appended to OUTDIR/gpu_suite.partial.jsonl at once (benchmarks/bench_common.py's ``RowLog``,
 removed when gpu_suite.json is written), so a suite stopped midway keeps the parts it finished:
 
-* ``tests`` (120 s): ``pytest -m gpu tests/test_gpu.py`` (every model family on CUDA vs CPU float64, step ==
+* ``tests`` (120 s): ``pytest -m gpu tests/models/bst/test_gpu.py`` (every model family on CUDA vs CPU float64, step ==
   parallel, generate, FFT in fp32 under bf16 autocast, no host-device sync in an S4 decode step);
 * ``layer_speed`` (150 s): paper Fig. 3 (left), one layer forward, D = 512, W = 128, N = 16, 16 heads, batch 1,
   Slide / BST:SH,MH,MF:S4 / BST:SH:unstruct / BRecT at L = 1k..65k, bf16 autocast then fp32
@@ -30,7 +30,7 @@ removed when gpu_suite.json is written), so a suite stopped midway keeps the par
 The budgets add up to 540 s, so the suite ends within 10 minutes on an H100 with the processes' start-up. The
 summary states the paper's GPU targets (BST:SH < 2x Slide at L = 4k; BRecT 6-11x slower than BST:SH) next to the
 measured ratios and their executed-FLOP bounds. ``--dry-run`` runs the same parts and writes the same structure
-with tiny sizes on the CPU (tests/test_gpu_suite.py runs it in the default suite).
+with tiny sizes on the CPU (tests/benchmarks/test_gpu_suite.py runs it in the default suite).
 """
 
 import argparse
@@ -73,7 +73,7 @@ def layer_contenders(device: str) -> list[str]:
 PLANS = {
     "full": dict(
         device="cuda",
-        tests=["tests/test_gpu.py"],
+        tests=["tests/models/bst/test_gpu.py"],
         layer_speed=dict(lengths=[1024, 2048, 4096, 8192, 16384, 32768, 65536], dtypes=["bf16", "fp32"], rounds=5),
         flop_length=4096,
         train=dict(sizes=["60m", "200m"], seq_lens=[4096, 16384], dtypes=["bf16"], rounds=2, steps=2, peak_size=8192),
@@ -90,7 +90,7 @@ PLANS = {
     ),
     "dry": dict(
         device="cpu",
-        tests=["tests/test_gpu.py"],
+        tests=["tests/models/bst/test_gpu.py"],
         layer_speed=dict(lengths=[256], dtypes=["fp32", "bf16"], rounds=2),
         flop_length=256,
         train=dict(sizes=["tiny"], seq_lens=[128], dtypes=["fp32"], rounds=1, steps=1, peak_size=256),

@@ -1,6 +1,6 @@
 """Writes configs/models/*.json: one preset per row of the paper's Table 1, plus tiny CPU presets.
 
-Run ``python configs/build_presets.py`` after changing a preset here; ``tests/test_presets.py`` checks every JSON
+Run ``python configs/build_presets.py`` after changing a preset here; ``tests/models/bst/test_presets.py`` checks every JSON
 builds on the meta device with the parameter count recorded in ``PAPER_PARAMS_M`` (within 5%).
 Decisions where the paper's text and its parameter counts disagree are recorded in docs/paper-mapping.md.
 """

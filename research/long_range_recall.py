@@ -2,7 +2,7 @@
 
 Block attention sees at most the W previous tokens (two blocks), so a Slide model cannot solve it; a BST layer's
 SSM carries the key to the end through the context states. Run ``python -m research.long_range_recall`` for a
-table over distances; ``tests/test_recall.py`` runs one small case.
+table over distances; ``research/tests/test_recall.py`` runs one small case.
 """
 
 import argparse

@@ -18,7 +18,7 @@ Only the value token of each query slot is scored: ``labels`` holds that value a
 (Hugging Face convention, shifted inside the model: the logits at the query key predict it). Accuracy = fraction of
 queried values predicted exactly (argmax) on held-out sequences drawn from a separate seed. G defaults to the
 receptive field of a Slide stack of the same depth (``num_layers * block_len``: each layer attends to exactly the W
-previous tokens), so a query key is more than ``num_layers * W`` tokens after its pair; ``tests/test_mqar.py``
+previous tokens), so a query key is more than ``num_layers * W`` tokens after its pair; ``research/tests/test_mqar.py``
 checks with gradients that a Slide model's scored logits do not depend on the pairs at all. Chance is
 ``1 / num_values`` for a model that guesses a value; a model that copies one of the N values of the sequence without
 binding it to its key scores about ``1 / N``.
@@ -54,7 +54,7 @@ L = 256, batch 32, 2 layers, one loaded core: ~0.65 s (the reference, W = L), ~0
 Runs span sessions: every ``--checkpoint-every`` steps a run saves its state (weights, optimiser state, step,
 losses, the data and torch generators' states, in one safetensors file written atomically) as
 ``<output>/<run>.ckpt.safetensors``; the same command resumes it exactly (bitwise the same final weights, losses and
-accuracy as an uninterrupted run: ``tests/test_mqar.py``) and deletes the checkpoint once the run's JSON is written.
+accuracy as an uninterrupted run: ``research/tests/test_mqar.py``) and deletes the checkpoint once the run's JSON is written.
 ``--deadline-minutes`` stops at a checkpoint instead of being killed. A run longer than one sitting (HF Mamba at L =
 256: ~2.3 s per step on a loaded Intel Xeon core, ~4 h per run) has its checkpoint committed when it stops (0.9-1.8
 MB; a safetensors file of tensors only, nothing unpickled), so that a fresh clone continues it with the same

@@ -238,7 +238,7 @@ def front_matter(
 
 
 def limitations(config) -> list[str]:
-    """What the model cannot do, for the card (each item checked by tests/test_export.py or tests/test_generate.py)."""
+    """What the model cannot do, for the card (each item checked by tests/export/test_export.py or tests/models/bst/test_generation.py)."""
     items = [
         "- A small research model trained on a small corpus: its text is not reliable and may not be coherent or "
         "grammatical (judge from the sample, if the run recorded one). It was not trained to follow instructions and "

@@ -34,7 +34,7 @@ NO_FETCH_ENV = "BST_NO_FETCH"
 ARCHIVE_URL_ENV = "BST_TRANSFORMERS_ARCHIVE_URL"
 ARCHIVE_URL = "https://github.com/huggingface/transformers/archive/refs/tags/v{version}.tar.gz"
 
-# Files of the source release's tests/ folder that tests/test_hf_common.py imports (LICENSE: the release's licence).
+# Files of the source release's tests/ folder that tests/models/bst/test_hf_common.py imports (LICENSE: the release's licence).
 SDIST_FILES = ("test_modeling_common.py", "test_configuration_common.py")
 # test_configuration_common.py runs ``direct_transformers_import(Path(__file__).parent)``, which executes the folder's
 # __init__.py (the repository's tests/__init__.py is empty; the release has none): an empty one is written next to it.

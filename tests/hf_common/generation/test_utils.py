@@ -3,7 +3,7 @@
 ``GenerationTesterMixin`` (about 5,600 lines) exists only in the transformers repository, not in its source release:
 it loads from ``$TRANSFORMERS_TESTS_DIR`` or from the repository's tag archive fetched into the test cache (see
 ``../upstream.py`` and ``../fetch.py``). Without either, this empty mixin lets ``ModelTesterMixin`` import and lets a
-tester declare that it runs the generation tests; ``tests/test_hf_common.py`` reports (as a skip) that they did not run.
+tester declare that it runs the generation tests; ``tests/models/bst/test_hf_common.py`` reports (as a skip) that they did not run.
 """
 
 

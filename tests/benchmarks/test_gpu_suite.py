@@ -1,0 +1,161 @@
+"""`bash benchmarks/gpu_suite.sh OUTDIR --dry-run`: the GPU suite end to end on the CPU with tiny sizes (about a
+minute on one core), checked for the JSON schema and the markdown sections the GPU run writes."""
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from benchmarks import gpu_suite
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_suite")
+    proc = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_suite.sh"), str(out), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, json.loads((out / "gpu_suite.json").read_text()), (out / "gpu_suite.md").read_text()
+
+
+def test_dry_run_json_schema(dry_run):
+    _, report, _ = dry_run
+    assert report["schema"] == gpu_suite.SCHEMA and report["dry_run"] is True
+    assert set(report["meta"]) >= {"device", "torch", "transformers", "model_code", "command"}
+    assert list(report["parts"]) == list(gpu_suite.PARTS)
+    for name, part in report["parts"].items():
+        assert part["status"] == "ok", (name, part)
+        assert 0 < part["seconds"] <= part["budget_s"] + gpu_suite.GRACE
+    assert sum(report["budget_s"].values()) + 4 * 15 <= 600  # budgets + process start-up: within 10 minutes
+
+    tests = report["parts"]["tests"]["data"]
+    assert tests["tests"] > 0 and tests["failures"] == tests["errors"] == 0
+    if not gpu_suite.torch.cuda.is_available():
+        assert tests["skipped"] == tests["tests"] and all("no CUDA" in r for r in tests["skip_reasons"])
+
+    layer = report["parts"]["layer_speed"]["data"]
+    assert layer["complete"] and set(layer["results"]) == {"fp32", "bf16"}
+    for per_len in layer["results"].values():
+        for entries in per_len.values():
+            assert set(entries) == set(gpu_suite.LAYER_CONTENDERS)
+            assert all(e["min_ms"] > 0 for e in entries.values()), entries
+    assert all("gflop" in e for e in layer["results"]["fp32"]["256"].values())
+
+    train = report["parts"]["train"]["data"]
+    assert train["peaks"]["bf16"] > 0 and {r["model"] for r in train["rows"]} >= {"HF Llama (sdpa)", "BST:SH:S4"}
+    for row in train["rows"]:
+        assert row["tokens_per_s"] > 0 and row["mfu_bf16"] > 0 and row["size"] == "tiny"
+        if gpu_suite.torch.cuda.is_available():
+            # On a CPU without native bf16 matmuls the bf16 "peak" is an emulated path slower than an fp32 model.
+            assert row["mfu_bf16"] < 1
+
+    decode = report["parts"]["decode"]["data"]
+    modes = {(r["model"], r["mode"]) for r in decode["rows"]}
+    assert modes >= {
+        ("bst-s4", "eager"),
+        ("llama-static", "eager"),
+        ("bst-s4", "compiled"),
+        ("llama-static", "compiled"),
+    }
+    for kind, record in decode["compiled"].items():
+        assert "error" not in record and record["max_abs_logit_diff_vs_eager"] <= 1e-4, (kind, record)
+
+    targets = report["targets"]
+    assert len(targets) == 4 and all(t["measured"] > 0 and t["flop_bound"] > 1 for t in targets)
+
+
+def test_dry_run_markdown_sections(dry_run):
+    out, report, md = dry_run
+    sections = [line for line in md.splitlines() if line.startswith("#")]
+    assert sections == [
+        "# BST GPU suite: DRY RUN (CPU, tiny sizes: the numbers mean nothing)",
+        "## Machine",
+        "## Paper targets",
+        "## gpu tests",
+        "## Layer speed (paper Fig. 3 left)",
+        "## Training throughput",
+        "## Decode",
+        "## Skipped and errors",
+    ]
+    assert "BST:SH < 2x Slide at L = 4k; BRecT 6-11x slower than BST:SH" in md
+    assert md.count("| BST:SH:S4 / Slide < 2x |") == 2 and "| tiny | 128 | BST:SH:S4 |" in md
+    assert (out / "tests.log").exists() and (out / "gpu_tests.xml").exists()
+
+
+def test_budget_skips_and_failures_are_recorded(tmp_path):
+    part = gpu_suite.Part(tmp_path / "p.json", budget_s=5)
+    assert part.fits("small", 1.0) and not part.fits("layer speed bf16 L=65536", 60.0)
+    assert json.loads((tmp_path / "p.json").read_text())["skipped"] == [
+        "layer speed bf16 L=65536: estimated 60 s > 5 s left"
+    ]
+    report = {
+        "dry_run": False,
+        "seconds": 600.0,
+        "meta": dict(device="GPU", torch="t", cuda="c", transformers="x", python="p", model_code="m", started="s"),
+        "parts": {
+            "tests": {"status": "ok", "seconds": 1, "budget_s": 120, "data": {"error": "no junit report written"}},
+            "layer_speed": {"status": "ok", "seconds": 1, "budget_s": 150, "data": {**part.data, "results": {}}},
+            "train": {"status": "timed out after 170 s (partial results kept)", "seconds": 170, "budget_s": 150},
+            "decode": {"status": "failed (rc 1)", "seconds": 3, "budget_s": 120, "log_tail": ["RuntimeError: boom"]},
+        },
+    }
+    report["meta"]["command"] = "bash benchmarks/gpu_suite.sh out"
+    report["targets"] = gpu_suite.targets(report)
+    md = "\n".join(gpu_suite.markdown(report))
+    assert report["targets"] == [] and "# BST GPU suite: GPU run" in md
+    assert "- layer_speed: skipped layer speed bf16 L=65536: estimated 60 s > 5 s left" in md
+    assert "- train: timed out after 170 s" in md and "RuntimeError: boom" in md
+
+
+def test_gpu_layer_speed_times_flex_attention_too():
+    """On a GPU the layer benchmark also times Slide and SH with attn_implementation="flex_attention"; a "(flex)"
+    contender is the same layer (same weights -> same output within float rounding) on the flex backend."""
+    import torch
+
+    from benchmarks import layer_speed
+
+    assert gpu_suite.layer_contenders("cpu") == gpu_suite.LAYER_CONTENDERS
+    assert gpu_suite.layer_contenders("cuda")[-2:] == ["Slide (flex)", "BST:SH:S4 (flex)"]
+    x = torch.randn(1, 2 * layer_speed.W, layer_speed.D)
+    sdpa, _ = layer_speed.bst_layer("Slide", x.shape[1], 0)
+    flex, _ = layer_speed.bst_layer("Slide (flex)", x.shape[1], 0)
+    assert sdpa.config._attn_implementation != "flex_attention" == flex.config._attn_implementation
+    flex.load_state_dict(sdpa.state_dict())
+    with torch.no_grad():
+        a, b = sdpa(x), flex(x)
+    a, b = (a[0], b[0]) if isinstance(a, tuple) else (a, b)
+    torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
+def test_train_profile_names_the_top_ops(tmp_path):
+    """--profile: a training step of BST and Llama under torch.profiler; the top ops by self time go into the part's
+    data (and the markdown), the profiler's tables beside the part's result (the sitting brings them back)."""
+    part = gpu_suite.Part(tmp_path / "train.json", budget_s=300)
+    gpu_suite.profile_train(part, gpu_suite.PLANS["dry"])
+    profile = part.data["profile"]
+    assert set(profile) == {"bst", "llama"} and part.data["errors"] == []
+    for kind, prof in profile.items():
+        assert prof["top"] and all(o["self_ms"] > 0 and 0 < o["share"] <= 1 for o in prof["top"])
+        assert (tmp_path / prof["table"]).read_text().startswith(f"profile train tiny L=128 {kind}")
+    report = {
+        "dry_run": True,
+        "seconds": 1.0,
+        "meta": dict(device="cpu", torch="t", cuda=None, transformers="x", python="p", model_code="m", started="s"),
+        "parts": {"train": {"status": "ok", "seconds": 1, "budget_s": 1, "data": {**part.data, "rows": []}}},
+    }
+    report["meta"]["command"] = "c"
+    report["parts"].update({n: {"status": "ok", "seconds": 0, "budget_s": 0, "data": {}} for n in gpu_suite.PARTS})
+    report["parts"]["train"]["data"] = dict(part.data, rows=[dict(size="tiny", seq_len=128, model="m", dtype="fp32",
+        params=1e6, tokens_per_s=1.0, vs_llama=1.0, flop_ratio=1.0, mfu_bf16=0.1)], peaks={"bf16": 1e12, "fp32": 1e12},
+        flash_attn=False)  # fmt: skip
+    report["targets"] = []
+    md = "\n".join(gpu_suite.markdown(report))
+    assert "Profile: profile train tiny L=128 bst, 1 step(s)" in md and "| op | calls | self ms | share |" in md
