@@ -105,7 +105,7 @@ class BSTModel(nn.Module):
         self.eps = config.rms_norm_eps
 
     def forward(self, input_ids, positions, inputs_embeds=None):
-        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds.float()
         for layer in self.layers:
             hidden = layer(hidden, positions)
         return rms_norm(hidden, self.norm.weight, self.eps)
@@ -125,6 +125,9 @@ class BSTForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.logit_scale = config.logit_scale
+        # float32 whatever the engine's dtype (vLLM's "auto" downcasts float32 checkpoints to bfloat16 on the CPU):
+        # greedy parity with modeling_bst's float32 generate(), and the state vLLM allocates is float32.
+        self.float()
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
