@@ -333,14 +333,22 @@ class BSTLayerMath(nn.Module):
         ck, cv = self.lift_tokens(y)  # (T, H, d)
         ctx_k, ctx_v = state[3], state[4]
         m = p0 % w  # tokens of the current block before the chunk
-        keys = torch.cat([ctx_k[:m], ck]).transpose(0, 1)
+        keys = torch.cat([ctx_k[:m], ck]).transpose(0, 1)  # (H, m + T, d), positions p0 - m ..
         values = torch.cat([ctx_v[:m], cv]).transpose(0, 1)
-        cpos = torch.arange(p0 - m, p0 + t, device=x.device)
-        same_block = (cpos[None] // w) == (pos[:, None] // w)
-        upper = cpos[None] <= pos[:, None] if cfg.cross_mask == "inclusive" else cpos[None] < pos[:, None]
-        valid = same_block & upper
-        mask = torch.zeros(valid.shape, dtype=qc.dtype, device=x.device).masked_fill(~valid, torch.finfo(qc.dtype).min)
-        out = attend(qc.transpose(0, 1), keys, values, mask).transpose(0, 1)
+        qc = qc.transpose(0, 1)
+        outs = []
+        for start in range(p0 - m, p0 + t, w):  # block by block: a block's queries see only its own states
+            a, b = max(p0, start), min(p0 + t, start + w)
+            qpos = torch.arange(a, b, device=x.device)[:, None]
+            kpos = torch.arange(start, b, device=x.device)[None]
+            valid = kpos <= qpos if cfg.cross_mask == "inclusive" else kpos < qpos
+            mask = torch.zeros(valid.shape, dtype=qc.dtype, device=x.device)
+            mask = mask.masked_fill(~valid, torch.finfo(qc.dtype).min)
+            k0 = start - (p0 - m)
+            outs.append(
+                attend(qc[:, a - p0 : b - p0], keys[:, k0 : b - start + k0], values[:, k0 : b - start + k0], mask)
+            )
+        out = torch.cat(outs, 1).transpose(0, 1)  # (T, H, d)
         # Keep the context states of the current (last) block's tokens.
         first = max(p0, ((p0 + t - 1) // w) * w)
         idx = torch.arange(first, p0 + t, device=x.device)
