@@ -3,9 +3,9 @@
 The fixtures (``fixtures/``, written by ``scripts/make_fixtures.py`` in the main venv) hold tiny random BST
 checkpoints and the greedy tokens ``generate()`` gives for 8 prompts of 1 to 150 tokens (block length 16: up to 9
 blocks). Here vLLM serves each checkpoint through the plugin, offline (``LLM``) and through the OpenAI-compatible
-server on 127.0.0.1, and must return exactly those tokens. The engines run with at most 4 sequences and 64 tokens
-per step, so that long prompts are prefilled in chunks continuing a saved state, steps mix decodes with prefill
-chunks, and later requests take over the state slots of finished ones.
+server on 127.0.0.1, and must return exactly those tokens. The engines run with at most 4 sequences, 64 tokens per
+step and 4 state slots, so that long prompts are prefilled in chunks continuing a saved state, steps mix decodes
+with prefill chunks, and later requests take over the state slots of finished ones.
 
 Run with ``integrations/vllm/scripts/test.sh`` (it sets ``VLLM_CPU_KVCACHE_SPACE`` and the offline variables).
 """
@@ -27,7 +27,9 @@ import pytest
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 EXPECTED = json.loads((FIXTURES / "expected.json").read_text())
 MODELS = list(EXPECTED["models"])
-ENGINE = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
+# 5 state blocks (one per running request, and vLLM's null block): requests 5 to 8 must reuse the slots of
+# finished ones.
+ENGINE = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks_override=5)
 SERVED = ["bst-sh-s4", "bst-mf-s4"]
 
 
@@ -82,6 +84,7 @@ def server(request, tmp_path_factory):
         "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
         "--max-model-len", str(ENGINE["max_model_len"]), "--max-num-seqs", str(ENGINE["max_num_seqs"]),
         "--max-num-batched-tokens", str(ENGINE["max_num_batched_tokens"]),
+        "--num-gpu-blocks-override", str(ENGINE["num_gpu_blocks_override"]),
     ]  # fmt: skip
     with open(log, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
