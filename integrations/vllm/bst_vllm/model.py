@@ -1,0 +1,173 @@
+"""``BSTForCausalLM`` for vLLM: a BST checkpoint served as an attention-free, stateful model.
+
+Design: every per-request quantity a BST layer keeps has a fixed size (see ``layers.py``): the block
+self-attention sees only the W previous tokens, so its keys/values fit a W-slot ring, and the S4D state and the
+context keys/values are fixed-size too. vLLM's attention backends cannot run BST's self-attention (T5 relative bias
+added before a learned per-head scale, L2-normalised queries/keys, a window of exactly the W previous tokens), so
+the model declares itself attention-free (``IsAttentionFree``, ``HasInnerState``, as vLLM's Mamba model does) and
+every decoder layer is a ``MambaBase`` layer whose "mamba state" is the tuple of these tensors; the attention is
+computed here in PyTorch. vLLM then hands each request one state slot (``state_indices_tensor_d`` /
+``_p`` of the metadata), splits every batch into decodes (first) and prefill chunks, and schedules chunked prefill
+as for Mamba. All layers declare the same state tuple (a block layer leaves the SSM / context part unused), so
+that all layers share one page size.
+
+Prefix caching is not supported: the model does not implement vLLM's Mamba prefix caching (``align`` mode).
+"""
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+from .config import check_supported
+from .layers import BSTLayerMath, rms_norm
+
+
+def state_shapes(config) -> tuple[tuple[int, ...], ...]:
+    """The state tuple every layer of the model declares: a BST layer's if the model has one, else a block layer's."""
+    return BSTLayerMath.state_shapes(config, "bst" in config.bst_layer_types)
+
+
+class BSTServingLayer(BSTLayerMath, MambaBase):
+    """A decoder layer with its per-request state in vLLM's Mamba-style state cache (``self.kv_cache``)."""
+
+    def __init__(self, config, layer_idx: int, prefix: str):
+        super().__init__(config, config.bst_layer_types[layer_idx] == "bst")
+        self.layer_idx = layer_idx
+        self.prefix = prefix
+        self.shapes = state_shapes(config)
+        context = get_current_vllm_config().compilation_config.static_forward_context
+        if prefix in context:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        context[prefix] = self
+        self.kv_cache = (torch.tensor([]),)
+
+    # -- MambaBase ----------------------------------------------------------------------------------------------
+    def get_state_shape(self):
+        return self.shapes
+
+    def get_state_dtype(self):
+        return (torch.float32,) * len(self.shapes)
+
+    @property
+    def mamba_type(self):
+        # The generic Mamba metadata (query starts, state slots, decode/prefill split) is all this layer reads.
+        return MambaAttentionBackendEnum.SHORT_CONV
+
+    # -- forward --------------------------------------------------------------------------------------------------
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        metadata = get_forward_context().attn_metadata
+        metadata = metadata.get(self.prefix) if isinstance(metadata, dict) else None
+        if metadata is None:
+            # vLLM's profiling / warm-up run: no state slots; one sequence on a scratch state.
+            scratch = tuple(torch.zeros(s, dtype=torch.float32, device=hidden.device) for s in self.shapes)
+            return self.forward_chunk(hidden, 0, scratch)
+        out = hidden.clone()
+        nd = metadata.num_decode_tokens
+        if metadata.num_decodes:
+            slots = metadata.state_indices_tensor_d
+            slots = (slots[:, 0] if slots.dim() > 1 else slots)[: metadata.num_decodes].long()
+            pos = positions[:nd]
+            fresh = pos == 0  # a one-token prompt is scheduled as a decode
+            if bool(fresh.any()):
+                for state in self.kv_cache:
+                    state[slots[fresh]] = 0
+            out[:nd] = self.decode(hidden[:nd], pos, self.kv_cache, slots)
+        if metadata.num_prefills:
+            starts = metadata.query_start_loc_p.tolist()
+            slots = metadata.state_indices_tensor_p
+            slots = (slots[:, 0] if slots.dim() > 1 else slots).tolist()
+            for i in range(metadata.num_prefills):
+                s, e = nd + starts[i], nd + starts[i + 1]
+                p0 = int(positions[s])
+                state = tuple(t[slots[i]] for t in self.kv_cache)
+                if p0 == 0:  # a new request: its slot may hold an earlier request's state
+                    for t in state:
+                        t.zero_()
+                out[s:e] = self.forward_chunk(hidden[s:e], p0, state)
+        return out
+
+
+class BSTModel(nn.Module):
+    def __init__(self, config, prefix: str):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            [BSTServingLayer(config, i, f"{prefix}.layers.{i}") for i in range(config.num_hidden_layers)]
+        )
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(config.hidden_size))
+        self.eps = config.rms_norm_eps
+
+    def forward(self, input_ids, positions, inputs_embeds=None):
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds.float()
+        for layer in self.layers:
+            hidden = layer(hidden, positions)
+        return rms_norm(hidden, self.norm.weight, self.eps)
+
+
+class BSTForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
+    """A ``modeling_bst`` checkpoint (block and BST layers, S4D SSM, SH / MH / MF context states) in vLLM."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        check_supported(config)
+        if vllm_config.parallel_config.tensor_parallel_size != 1:
+            raise ValueError("BST serving: tensor_parallel_size must be 1 (the plugin's layers are not sharded).")
+        self.config = config
+        self.model = BSTModel(config, "model")
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.logit_scale = config.logit_scale
+        # float32 whatever the engine's dtype (vLLM's "auto" downcasts float32 checkpoints to bfloat16 on the CPU):
+        # greedy parity with modeling_bst's float32 generate(), and the state vLLM allocates is float32.
+        self.float()
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
+        return self.model(input_ids, positions, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        head = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return nn.functional.linear(hidden_states * self.logit_scale, head)
+
+    # -- the state vLLM allocates per request ---------------------------------------------------------------------
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
+        return state_shapes(vllm_config.model_config.hf_config)
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig):
+        return (torch.float32,) * len(state_shapes(vllm_config.model_config.hf_config))
+
+    # -- weights --------------------------------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load a ``modeling_bst`` checkpoint: the parameter names are the same."""
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # the tied head is the embedding
+            if name not in params:
+                raise ValueError(f"BST serving: unexpected checkpoint tensor {name!r} (shape {tuple(tensor.shape)}).")
+            param = params[name]
+            if param.shape != tensor.shape:
+                raise ValueError(
+                    f"BST serving: {name} has shape {tuple(tensor.shape)} in the checkpoint, "
+                    f"{tuple(param.shape)} in the model."
+                )
+            with torch.no_grad():
+                param.copy_(tensor.to(param.dtype))
+            loaded.add(name)
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"BST serving: the checkpoint lacks {sorted(missing)}.")
+        return loaded
