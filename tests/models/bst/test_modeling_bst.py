@@ -876,6 +876,25 @@ def test_cache_with_a_different_batch_size_raises():
         model(torch.ones(3, 1, dtype=torch.long), past_key_values=cache, use_cache=True)
 
 
+@pytest.mark.parametrize("variant", ["sh-s4", "brect"])
+def test_padding_inside_a_continued_chunk_raises(variant):
+    """docs/reliability.md: padding inside a continued (cached) chunk is refused, not silently mis-encoded. This is
+    the scenario of transformers' test_recurrent_layers_mask_padding_on_continued_forward (a cached continuation
+    whose row 1 starts with padding, the mask covering the cache and the chunk), which the mixin skips for BST
+    (no `layer_types` of its recurrent kinds); a continuation without padding is taken."""
+    model = model_for(variant)
+    ids = random_ids(2, 7)
+    mask = torch.ones_like(ids)
+    mask[1, 4:5] = 0
+    cache = model(ids[:, :4], attention_mask=mask[:, :4], use_cache=True).past_key_values
+    with pytest.raises(ValueError, match="Padding inside a continued sequence"):
+        model(ids[:, 4:], attention_mask=mask, past_key_values=cache, use_cache=True)
+    cache = model(ids[:, :4], attention_mask=mask[:, :4], use_cache=True).past_key_values
+    full = model(ids, attention_mask=torch.ones_like(ids)).logits
+    continued = model(ids[:, 4:], attention_mask=torch.ones_like(ids), past_key_values=cache, use_cache=True).logits
+    torch.testing.assert_close(continued, full[:, 4:], rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("variant", ["sh-unstruct", "mf-unstruct"])
 def test_unstruct_beyond_max_position_embeddings_raises_without_the_finite_filter(variant):
     model = model_for(variant, unstruct_finite_filter=False)
