@@ -5,4 +5,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-python -m pytest -q -m "not slow" -p no:cacheprovider "$@"
+# Tests run in parallel worker processes (pytest-xdist; each test uses one torch thread): one per core, at most 4.
+# BST_TEST_WORKERS=0 runs them in this process; "-n N" among the arguments overrides it too.
+WORKERS="${BST_TEST_WORKERS:-$(( $(nproc) < 4 ? $(nproc) : 4 ))}"
+python -m pytest -q -m "not slow" -p no:cacheprovider -n "$WORKERS" "$@"
