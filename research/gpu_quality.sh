@@ -77,7 +77,8 @@ if [ "${1:-}" = "--mqar" ]; then
     if [ "${1:-}" = "--dry-run" ]; then
         shift
         out="$(mktemp -d)"
-        "${mqar[@]}" --device cpu --threads 1 --jobs 2 --steps 2 --batch-size 2 --models attention slide bst-sh-s4 \
+        # One process: the runs take no time here and --jobs has its own test (research/tests/test_mqar.py).
+        "${mqar[@]}" --device cpu --threads 1 --jobs 1 --steps 2 --batch-size 2 --models attention slide bst-sh-s4 \
             --lengths 128 256 --pairs 4 8 --length-for-pairs 128 --pairs-at-lengths 4 \
             --output "$out/research/results/mqar_gpu" --docs "$out/docs/results.md" "$@"
         if [ ${#ablation[@]} -gt 0 ]; then

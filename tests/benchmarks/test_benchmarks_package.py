@@ -2,11 +2,11 @@
 ``python -m benchmarks.<name>``, no file in it edits ``sys.path``, and nothing runs a benchmark by its path."""
 
 import ast
+import json
 import os
 import re
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -39,20 +39,39 @@ def test_no_benchmark_edits_sys_path(name):
         assert not set(names) & set(MODULES), f"{name}.py line {node.lineno}: import benchmarks.<module> instead"
 
 
+# Runs each benchmark as ``python -m benchmarks.<name> --help`` would (``runpy.run_module`` as __main__, the
+# repository root first on sys.path), all in one interpreter so torch and transformers are imported once.
+HELP_RUNNER = """
+import contextlib, io, json, runpy, sys
+results = {}
+for name in sys.argv[1:]:
+    out, err = io.StringIO(), io.StringIO()
+    sys.argv = [f"benchmarks.{name}", "--help"]
+    code = None
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_module(f"benchmarks.{name}", run_name="__main__", alter_sys=True)
+        except SystemExit as exc:
+            code = exc.code
+        except BaseException as exc:
+            code = f"{type(exc).__name__}: {exc}"
+    results[name] = dict(code=code, stdout=out.getvalue(), stderr=err.getvalue())
+print(json.dumps(results))
+"""
+
+
 def test_every_benchmark_prints_help_as_a_module():
     """``python -m benchmarks.<name> --help`` from the repository root: imports and exits 0 with its usage."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
     env.pop("PYTHONPATH", None)
-
-    def run(name):
-        cmd = [sys.executable, "-m", f"benchmarks.{name}", "--help"]
-        return name, subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(run, SCRIPTS))
-    for name, proc in results:
-        assert proc.returncode == 0, f"{name}: {proc.stderr[-2000:]}"
-        assert proc.stdout.startswith("usage:") and "--help" in proc.stdout, name
+    cmd = [sys.executable, "-c", HELP_RUNNER, *SCRIPTS]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.splitlines()[-1])
+    assert list(results) == SCRIPTS
+    for name, result in results.items():
+        assert result["code"] in (0, None), f"{name}: exit {result['code']}: {result['stderr'][-2000:]}"
+        assert result["stdout"].startswith("usage:") and "--help" in result["stdout"], name
 
 
 def test_nothing_runs_a_benchmark_by_its_path():

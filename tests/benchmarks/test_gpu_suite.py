@@ -47,7 +47,7 @@ def test_dry_run_json_schema(dry_run):
         for entries in per_len.values():
             assert set(entries) == set(gpu_suite.LAYER_CONTENDERS)
             assert all(e["min_ms"] > 0 for e in entries.values()), entries
-    assert all("gflop" in e for e in layer["results"]["fp32"]["256"].values())
+    assert all("gflop" in e for e in layer["results"]["fp32"]["128"].values())
 
     train = report["parts"]["train"]["data"]
     assert train["peaks"]["bf16"] > 0 and {r["model"] for r in train["rows"]} >= {"HF Llama (sdpa)", "BST:SH:S4"}

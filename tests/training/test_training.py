@@ -349,7 +349,9 @@ def test_evaluation_shows_progress_over_the_scored_tokens(trained, corpus, capsy
 
 
 # ---------------------------------------------------------------------------------------------------- DDP
-@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+# accelerate's launcher also runs in the default tests (tests/training/test_fsdp.py), and the command it builds from
+# configs/accelerate/ddp_cpu.yaml is checked there (test_accelerate_launch_dry_run); its DDP run is in the slow runs.
+@pytest.mark.parametrize("launcher", ["torchrun", pytest.param("accelerate", marks=pytest.mark.slow)])
 def test_two_process_ddp_run(corpus, tmp_path, launcher):
     out = tmp_path / "ddp"
     with socket.socket() as sock:  # a free port, so that parallel test runs do not collide
