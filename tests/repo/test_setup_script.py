@@ -1,6 +1,6 @@
-"""``scripts/setup.sh`` (run by both README commands' scripts and CI): pip runs on the first call and again only when
-setup.cfg, pyproject.toml, the script or the checkout's path change, or when BST_SETUP_FORCE=1; a failed install
-leaves no stamp. Checked on a copy of the files it reads, with a stand-in .venv whose pip records its calls."""
+"""``scripts/setup.sh`` (run by the README's test command, scripts/test_oldest.sh and CI): pip runs on the first call
+and again only when setup.cfg, pyproject.toml, the script, the extra requirements or the checkout's path change, or
+when BST_SETUP_FORCE=1; a failed install leaves no stamp. Checked on a copy of the files it reads, with a stand-in .venv whose pip records its calls."""
 
 import os
 import shutil
@@ -29,9 +29,9 @@ def checkout(tmp_path):
     return root
 
 
-def setup(root: Path, **env) -> tuple[int, list[str]]:
+def setup(root: Path, *args: str, **env) -> tuple[int, list[str]]:
     proc = subprocess.run(
-        ["bash", str(root / "scripts" / "setup.sh")], env={**os.environ, **env}, capture_output=True, text=True
+        ["bash", str(root / "scripts" / "setup.sh"), *args], env={**os.environ, **env}, capture_output=True, text=True
     )
     calls = root / ".venv" / "bin" / "pip.calls"
     lines = calls.read_text().splitlines() if calls.exists() else []
@@ -58,3 +58,19 @@ def test_a_failed_install_leaves_no_stamp(checkout):
     assert rc == 1 and calls == ["install -q -e .[test,train]"]
     assert not (checkout / ".venv" / ".bst-setup-stamp").exists()
     assert setup(checkout) == (0, ["install -q -e .[test,train]"])  # tried again
+
+
+def test_another_venv_with_a_pinned_requirement_has_its_own_stamp(checkout):
+    """scripts/test_oldest.sh: ``setup.sh .venv-oldest transformers==5.23.0``; a different pin reinstalls."""
+    other = checkout / ".venv-oldest" / "bin"
+    shutil.copytree(checkout / ".venv" / "bin", other)
+    (other / "activate").write_text(f'export PATH="{other}:$PATH"\n')
+    pinned = ["install -q -e .[test,train] transformers==5.23.0"]
+    assert setup(checkout, ".venv-oldest", "transformers==5.23.0") == (0, [])  # the calls land in .venv-oldest
+    assert (other / "pip.calls").read_text().splitlines() == pinned
+    (other / "pip.calls").unlink()
+    assert setup(checkout, ".venv-oldest", "transformers==5.23.0") == (0, [])
+    assert not (other / "pip.calls").exists()  # stamped: no pip
+    setup(checkout, ".venv-oldest", "transformers==5.24.0")
+    assert (other / "pip.calls").read_text().splitlines() == ["install -q -e .[test,train] transformers==5.24.0"]
+    assert not (checkout / ".venv" / ".bst-setup-stamp").exists()  # .venv untouched
