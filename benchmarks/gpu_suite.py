@@ -91,7 +91,7 @@ PLANS = {
     "dry": dict(
         device="cpu",
         tests=["tests/models/bst/test_gpu.py"],
-        layer_speed=dict(lengths=[128], dtypes=["fp32", "bf16"], rounds=2),  # one block (W = 128)
+        layer_speed=dict(lengths=[128], dtypes=["fp32", "bf16"], rounds=1),  # one block (W = 128), one timed round
         flop_length=128,
         train=dict(sizes=["tiny"], seq_lens=[128], dtypes=["fp32"], rounds=1, steps=1, peak_size=256),
         profile=dict(size="tiny", seq_len=128, dtype="fp32", kinds=["bst", "llama"], steps=1),

@@ -200,8 +200,11 @@ trap pack EXIT
     echo "source commit: $commit"
 } > "$out/env.txt" 2>&1
 cat "$out/env.txt"
-device=$(python3 -c "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')" 2>/dev/null | tr '\t' ' ')
-[ ${#dry[@]} -gt 0 ] && device="cpu (dry run)"
+if [ ${#dry[@]} -gt 0 ]; then
+    device="cpu (dry run)"
+else
+    device=$(python3 -c "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')" 2>/dev/null | tr '\t' ' ')
+fi
 
 if [ -n "$mqar" ]; then
     # the runs stop themselves at --deadline-minutes (saving their state); timeout is the backstop. timeout runs its

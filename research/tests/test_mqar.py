@@ -339,10 +339,13 @@ def test_report_names_its_section_folder_and_machine(tmp_path, monkeypatch):
     not (mqar.ROOT / ".venv" / "bin" / "python").exists(),
     reason="gpu_quality.sh runs in the repository's .venv (without one it would create it: scripts/setup.sh)",
 )
+@pytest.mark.slow
 def test_gpu_protocol_mqar_dry_run():
     """`bash research/gpu_quality.sh --mqar --dry-run`: the accelerator protocol's MQAR sweep on the CPU at 2 steps
     of 2 sequences (3 models and the BST:SH:unstruct ablation, 3 tiny cells) into a temporary folder: records, section
-    and plot there, docs/ and research/results/ untouched."""
+    and plot there, docs/ and research/results/ untouched. Slow (~25 s of CPU: two spawned interpreters, twelve runs):
+    the default run has the same pipeline at toy size in one process (test_pipeline_at_toy_size) and the committed
+    GPU checkpoints continuing under the default command."""
     import shutil
     import subprocess
 
@@ -438,8 +441,9 @@ def test_an_ablation_is_a_run_and_a_report_row_of_its_own(tmp_path, monkeypatch)
 
 @pytest.mark.slow
 def test_gpu_sitting_mqar_dry_run(tmp_path):
-    """`bash scripts/gpu_sitting.sh --dry-run --mqar 1`: the MQAR sweep's dry run (runs side by side) beside the `gpu`
-    tests part, its log and the packed archive in $OUT; minutes that are not whole are refused."""
+    """`bash scripts/gpu_sitting.sh --dry-run --mqar 1`: the MQAR sweep's dry run beside the `gpu` tests part, its log
+    and the packed archive in $OUT; minutes that are not whole are refused. (The dry run takes the runs one at a time;
+    runs side by side under --jobs: test_runs_side_by_side_give_the_records_of_runs_one_after_another.)"""
     import os
     import subprocess
     import tarfile
@@ -451,7 +455,7 @@ def test_gpu_sitting_mqar_dry_run(tmp_path):
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     log = (tmp_path / "mqar.log").read_text()
-    assert "dry run complete" in log and "mqar rc 0" in log and "runs to do, 2 at a time" in log
+    assert "dry run complete" in log and "mqar rc 0" in log and "9 runs to do\n" in log
     assert "tests: ok" in (tmp_path / "tests.log").read_text()
     with tarfile.open(tmp_path / "results.tgz") as tar:
         assert any(n.endswith("gpu_suite.json") for n in tar.getnames())

@@ -2,11 +2,14 @@
 done, what waits for the next sitting), flags refused before anything runs, and the dry run on the CPU writing its
 results and the updated state under $OUT as the parts finish."""
 
+import json
 import os
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from benchmarks import gpu_suite
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,7 +82,19 @@ def test_dry_run_writes_the_plan_results_and_state_under_out(tmp_path):
     proc = sitting("--dry-run", "--parts", "tests", "--state", str(state), out=out, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert (out / "plan.txt").read_text().startswith("gpu_sitting plan: 660 s in all")
-    assert (out / "tests" / "gpu_suite.json").exists() and (out / "results.tgz").exists()
+    assert (out / "results.tgz").exists()
+    # the part's own report: the GPU suite's first part, `pytest -m gpu` (tests/benchmarks/test_gpu_suite.py runs the
+    # suite's other parts): the tests collected, none failed; without CUDA every one skipped, saying why
+    report = json.loads((out / "tests" / "gpu_suite.json").read_text())
+    assert report["dry_run"] is True and report["parts"]["tests"]["status"] == "ok"
+    assert all(report["parts"][name]["status"] == "skipped (not selected)" for name in gpu_suite.PARTS[1:])
+    tests = report["parts"]["tests"]["data"]
+    assert tests["tests"] > 0 and tests["failures"] == tests["errors"] == 0
+    if not gpu_suite.torch.cuda.is_available():
+        assert tests["skipped"] == tests["tests"] and all("no CUDA" in r for r in tests["skip_reasons"])
+    md = (out / "tests" / "gpu_suite.md").read_text()
+    assert f"`pytest -m gpu`: {tests['passed']} passed, 0 failed, 0 errors, {tests['skipped']} skipped." in md
+    assert (out / "tests" / "tests.log").exists() and (out / "tests" / "gpu_tests.xml").exists()
     lines = (out / "gpu_sitting_state.txt").read_text().splitlines()
     assert lines[-1].split("\t")[0] == "tests" and "cpu (dry run)" in lines[-1]
     assert state.read_text() == "# part\tutc\tcommit\tdevice\tnote\n"
@@ -90,13 +105,15 @@ def test_dry_run_writes_the_plan_results_and_state_under_out(tmp_path):
 
 @pytest.mark.slow
 def test_dry_run_of_every_part_stops_what_does_not_fit(tmp_path):
-    """Every part's own dry run in the sitting's order; with --total 420 the first quality pair (deadline 150 s) runs
-    after a, b and c and the second pair waits for the next sitting."""
+    """Every part's own dry run in the sitting's order; with --total 455 and --deadline 240 the first quality pair runs
+    after a, b and c (it needs 240 + 30 + 15 s left: true while a, b and c take under 170 s; ~45-70 s here) and the
+    second waits for the next sitting (true once the first pair and a, b, c took over 170 s together; the pair's dry
+    run alone takes ~200 s here). The sitting decides on the time left, so --total sits between those two."""
     state = tmp_path / "state.txt"
     state.write_text("# part\tutc\tcommit\tdevice\tnote\n")
     out = tmp_path / "out"
     proc = sitting(
-        "--dry-run", "--state", str(state), "--total", "900", "--deadline", "240",
+        "--dry-run", "--state", str(state), "--total", "455", "--deadline", "240",
         "--models", "bst-sh-s4 trsf-xl slide gss-hybrid", out=out, timeout=1200,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
