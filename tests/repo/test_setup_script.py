@@ -1,6 +1,7 @@
 """``scripts/setup.sh`` (run by the README's test command, scripts/test_oldest.sh and CI): pip runs on the first call
 and again only when setup.cfg, pyproject.toml, the script, the extra requirements or the checkout's path change, or
-when BST_SETUP_FORCE=1; a failed install leaves no stamp. Checked on a copy of the files it reads, with a stand-in .venv whose pip records its calls."""
+when BST_SETUP_FORCE=1; a failed install leaves no stamp. Checked on a copy of the files it reads, with a stand-in
+.venv whose pip records its calls."""
 
 import os
 import shutil
