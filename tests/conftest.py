@@ -1,6 +1,9 @@
 """Shared helpers for the BST test suite: tiny configs, variants, seeding, dtype hygiene.
 
-Kept small and import-safe: test modules may ``from conftest import tiny_config, VARIANTS, make_model``.
+Kept small and import-safe: test modules may ``from conftest import tiny_config, VARIANTS, make_model``. torch and
+the package are imported where tests run (``pytest_configure`` below, and the helpers), not at this module's import:
+pytest-xdist's controller process loads this file too and runs no test, and importing them there (~6 s on a 2-core VM)
+would delay the start of every worker.
 """
 
 import os
@@ -12,14 +15,18 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 import random  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import modeling_bst  # noqa: E402,F401  (registers model_type "bst" with the Auto classes)
-from modeling_bst import BSTConfig, BSTForCausalLM  # noqa: E402
 
 
-# The models under test are tiny: intra-op threading only adds overhead (10x slower on a loaded 2-core box).
-torch.set_num_threads(1)
+def pytest_configure(config):
+    if config.getoption("numprocesses", None) and not hasattr(config, "workerinput"):
+        return  # pytest-xdist's controller: it only hands out tests
+    import torch
+
+    import modeling_bst  # noqa: F401  (registers model_type "bst" with the Auto classes)
+
+    # The models under test are tiny: intra-op threading only adds overhead (10x slower on a loaded 2-core box).
+    torch.set_num_threads(1)
+
 
 TINY_DEFAULTS = dict(
     vocab_size=97,
@@ -57,28 +64,40 @@ VARIANTS = {
 SEQ_LEN = 18
 
 
-def tiny_config(**overrides) -> BSTConfig:
+def tiny_config(**overrides):
     """A tiny BSTConfig (vocab 97, hidden 32, 3 layers, 2 heads x 8, W=4, N=4, no dropout) with ``overrides``."""
+    from modeling_bst import BSTConfig
+
     fields = dict(TINY_DEFAULTS)
     fields.update(overrides)
     return BSTConfig(**fields)
 
 
 def seed_all(seed: int = 0) -> None:
+    import torch
+
     random.seed(seed)
     torch.manual_seed(seed)
 
 
-def make_model(variant: str | None = None, dtype=torch.float32, seed: int = 0, model_cls=BSTForCausalLM, **overrides):
-    """A seeded, eval-mode model of ``variant`` (a key of VARIANTS, or None for the plain tiny config)."""
+def make_model(variant: str | None = None, dtype=None, seed: int = 0, model_cls=None, **overrides):
+    """A seeded, eval-mode model of ``variant`` (a key of VARIANTS, or None for the plain tiny config): a
+    ``BSTForCausalLM`` unless ``model_cls``, in ``dtype`` (default float32)."""
+    import torch
+
+    from modeling_bst import BSTForCausalLM
+
+    model_cls = BSTForCausalLM if model_cls is None else model_cls
     fields = dict(VARIANTS[variant]) if variant is not None else {}
     fields.update(overrides)
     seed_all(seed)
-    return model_cls(tiny_config(**fields)).to(dtype).eval()
+    return model_cls(tiny_config(**fields)).to(torch.float32 if dtype is None else dtype).eval()
 
 
 @pytest.fixture(autouse=True)
 def _restore_default_dtype():
+    import torch
+
     dtype = torch.get_default_dtype()
     yield
     torch.set_default_dtype(dtype)
@@ -90,13 +109,22 @@ def _seed():
     yield
 
 
-class DecodeStep(torch.nn.Module):
-    """One decode step taking and returning the cache (what an exported step runs)."""
+def __getattr__(name):
+    """``DecodeStep``, a ``torch.nn.Module``, is made on first use (torch is not imported at this module's import)."""
+    if name != "DecodeStep":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import torch
 
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
+    class DecodeStep(torch.nn.Module):
+        """One decode step taking and returning the cache (what an exported step runs)."""
 
-    def forward(self, token, cache):
-        out = self.model(token, past_key_values=cache, use_cache=True)
-        return out.logits, out.past_key_values
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, token, cache):
+            out = self.model(token, past_key_values=cache, use_cache=True)
+            return out.logits, out.past_key_values
+
+    globals()["DecodeStep"] = DecodeStep
+    return DecodeStep
