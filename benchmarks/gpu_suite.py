@@ -74,7 +74,9 @@ PLANS = {
     "full": dict(
         device="cuda",
         tests=["tests/models/bst/test_gpu.py"],
-        layer_speed=dict(lengths=[1024, 2048, 4096, 8192, 16384, 32768, 65536], dtypes=["bf16", "fp32"], rounds=5),
+        layer_speed=dict(
+            lengths=[1024, 2048, 4096, 8192, 16384, 32768, 65536], dtypes=["bf16", "fp32"], rounds=5, hidden=512
+        ),
         flop_length=4096,
         train=dict(sizes=["60m", "200m"], seq_lens=[4096, 16384], dtypes=["bf16"], rounds=2, steps=2, peak_size=8192),
         profile=dict(size="60m", seq_len=4096, dtype="bf16", kinds=["bst", "llama"], steps=2),
@@ -91,7 +93,9 @@ PLANS = {
     "dry": dict(
         device="cpu",
         tests=["tests/models/bst/test_gpu.py"],
-        layer_speed=dict(lengths=[128], dtypes=["fp32", "bf16"], rounds=1),  # one block (W = 128), one timed round
+        # One block (W = 128), one timed round, layers of width 64 (2 heads): at the paper's D = 512 the same code
+        # only builds and runs ~2x longer.
+        layer_speed=dict(lengths=[128], dtypes=["fp32", "bf16"], rounds=1, hidden=64),
         flop_length=128,
         train=dict(sizes=["tiny"], seq_lens=[128], dtypes=["fp32"], rounds=1, steps=1, peak_size=256),
         profile=dict(size="tiny", seq_len=128, dtype="fp32", kinds=["bst", "llama"], steps=1),
@@ -144,7 +148,10 @@ def part_layer_speed(part: Part, plan: dict):
 
     device, cfg = plan["device"], plan["layer_speed"]
     contenders = layer_contenders(device)
-    part.data.update(results={}, contenders=contenders, setup=dict(hidden=ls.D, block_len=ls.W, heads=ls.HEADS))
+    hidden = cfg["hidden"]
+    part.data.update(
+        results={}, contenders=contenders, setup=dict(hidden=hidden, block_len=ls.W, heads=hidden // ls.HEAD_DIM)
+    )
     for dtype in cfg["dtypes"]:
         last = None  # (length, seconds) of the previous length
         for seq_len in cfg["lengths"]:
@@ -161,6 +168,7 @@ def part_layer_speed(part: Part, plan: dict):
                 recurrent_states=512,
                 count_flops=dtype == cfg["dtypes"][0] and seq_len == plan["flop_length"],
                 device=device,
+                hidden=hidden,
             )
             last = (seq_len, time.perf_counter() - start)
             part.data["results"].setdefault(dtype, {})[str(seq_len)] = entries

@@ -118,16 +118,20 @@ def warm_up(seconds: float):
 FLEX = " (flex)"  # a contender name ending in it runs the same layer with attn_implementation="flex_attention"
 
 
-def bst_layer(name: str, seq_len: int, recurrent_states: int, device: str = "cpu", ssm_hidden: int = D):
+def bst_layer(
+    name: str, seq_len: int, recurrent_states: int, device: str = "cpu", ssm_hidden: int | None = None, hidden: int = D
+):
+    """One layer of contender ``name`` at width ``hidden`` (heads of HEAD_DIM, MLP 4x; the paper's setup at D) and
+    SSM input ``ssm_hidden`` (default ``hidden``); returns ``(layer, forward)``."""
     flex = name.endswith(FLEX)
     name = name.removesuffix(FLEX)
     common = dict(
         vocab_size=16,
-        hidden_size=D,
+        hidden_size=hidden,
         num_hidden_layers=1,
-        num_attention_heads=HEADS,
+        num_attention_heads=hidden // HEAD_DIM,
         head_dim=HEAD_DIM,
-        intermediate_size=MLP,
+        intermediate_size=MLP * hidden // D,
         block_len=W,
         ssm_state_size=N,
         max_position_embeddings=seq_len,
@@ -143,7 +147,8 @@ def bst_layer(name: str, seq_len: int, recurrent_states: int, device: str = "cpu
             bst_layer_indices=[0],
             context_mode=mode.lower(),
             ssm_kind=kind.lower(),
-            ssm_hidden_size=ssm_hidden,  # paper's speed setup: SSM input D = 512, no down-projection
+            # The paper's speed setup: SSM input D = 512, no down-projection.
+            ssm_hidden_size=hidden if ssm_hidden is None else ssm_hidden,
             num_context_states=32,
         )
     config = BSTConfig(**common)
@@ -156,15 +161,15 @@ def bst_layer(name: str, seq_len: int, recurrent_states: int, device: str = "cpu
     return layer, lambda x: layer(x)
 
 
-def lucidrains_layer(seq_len: int, recurrent_states: int, device: str = "cpu"):
+def lucidrains_layer(seq_len: int, recurrent_states: int, device: str = "cpu", hidden: int = D):
     from block_recurrent_transformer_pytorch import BlockRecurrentTransformer
 
     model = BlockRecurrentTransformer(
         num_tokens=16,
-        dim=D,
+        dim=hidden,
         depth=1,
         dim_head=HEAD_DIM,
-        heads=HEADS,
+        heads=hidden // HEAD_DIM,
         ff_mult=4,
         max_seq_len=seq_len,
         block_width=W,
@@ -177,10 +182,10 @@ def lucidrains_layer(seq_len: int, recurrent_states: int, device: str = "cpu"):
     return model, lambda x: model(tokens)
 
 
-def build(name: str, seq_len: int, recurrent_states: int, device: str = "cpu"):
+def build(name: str, seq_len: int, recurrent_states: int, device: str = "cpu", hidden: int = D):
     if name == "lucidrains":
-        return lucidrains_layer(seq_len, recurrent_states, device)
-    return bst_layer(name, seq_len, recurrent_states, device)
+        return lucidrains_layer(seq_len, recurrent_states, device, hidden)
+    return bst_layer(name, seq_len, recurrent_states, device, hidden=hidden)
 
 
 def has_lucidrains() -> bool:
@@ -234,17 +239,21 @@ def executed_gflop(fn, x) -> float:
     return counter.get_total_flops() / 1e9
 
 
-def time_length(names, seq_len, dtype, rounds, budget_s, recurrent_states, count_flops=False, device="cpu"):
-    """Min / median ms per forward for each contender at one length, contenders alternated round by round."""
-    x = torch.randn(1, seq_len, D, device=device)
+def time_length(
+    names, seq_len, dtype, rounds, budget_s, recurrent_states, count_flops=False, device="cpu", hidden: int = D
+):
+    """Min / median ms per forward for each contender at one length, contenders alternated round by round (layers of
+    width ``hidden``: the paper's D unless a dry run asks for less)."""
+    x = torch.randn(1, seq_len, hidden, device=device)
     fns, times, errors, flops, flop_errors = {}, {n: [] for n in names}, {}, {}, {}
     for name in names:
-        need = 6 * HEADS * D * 2 * seq_len * 4 if name == "BST:MH:S4" else 0  # ~6 live (16, 512, 2L) fp32 buffers
+        # ~6 live (heads, hidden, 2L) fp32 buffers: (16, 512, 2L) at the paper's D
+        need = 6 * (hidden // HEAD_DIM) * hidden * 2 * seq_len * 4 if name == "BST:MH:S4" else 0
         if need > 0.8 * available_memory(device):
             errors[name] = f"skipped: needs ~{need / 2**30:.0f} GiB of FFT buffers"
             continue
         try:
-            _, fn = build(name, seq_len, recurrent_states, device)
+            _, fn = build(name, seq_len, recurrent_states, device, hidden)
             with torch.no_grad(), autocast_ctx(dtype, device):
                 fn(x)  # warm-up (allocations, kernel selection)
             fns[name] = fn

@@ -2,8 +2,9 @@
 
 ``ModelTesterMixin``, ``GenerationTesterMixin`` and ``ConfigTester`` (fetched for the installed transformers version,
 see ``tests/hf_common/fetch.py`` and docs/hf-common-tests.md) run against ``BSTModel``, ``BSTForCausalLM`` and
-``BSTForSequenceClassification`` on tiny configs of four variants: SH:S4 (the full suite), MH:S4, MF:S4 and
-SH:unstruct (subclasses of the SH:S4 test case, with transformers' loading/saving plumbing tests marked slow).
+``BSTForSequenceClassification`` on tiny configs: SH:S4 (the full suite), then MF:S4 after a BRecT layer and
+SH:unstruct (subclasses of the SH:S4 test case, with transformers' loading/saving plumbing tests marked slow); MH:S4,
+MF:S4 and BRecT each on its own are the same subclasses in the slow run.
 
 No model test is skipped here: the skips in a run are the mixins' own capability checks (no GPU, no flash
 attention, no RoPE, ...), listed with their reasons in docs/hf-common-tests.md; a skip added here must quote the
@@ -225,18 +226,17 @@ def mark_plumbing_slow(test_case):
     return test_case
 
 
+# The default run takes the mixins' tests over two more variants: MF:S4 after a Block-Recurrent layer (BRecT's state
+# and MF's context states in one model) and SH:unstruct (the other SSM kind and its cache). MH:S4, MF:S4 and BRecT,
+# each on its own, run in the slow run: their layers are these variants' (MH's context read-out is SH's with one
+# state per head), and tests/models/bst/ checks each of them by default (causality, decoding, padding, save/load).
 @mark_known_bugs
 @mark_plumbing_slow
-class BSTMHS4ModelTest(BSTModelTest):
-    variant_id = "mh-s4"
-    variant = {"context_mode": "mh", "ssm_kind": "s4"}
+class BSTMFBRecTModelTest(BSTModelTest):
+    """MF:S4 with a Block-Recurrent Transformer layer (the paper's BRecT baseline) before it."""
 
-
-@mark_known_bugs
-@mark_plumbing_slow
-class BSTMFS4ModelTest(BSTModelTest):
-    variant_id = "mf-s4"
-    variant = {"context_mode": "mf", "ssm_kind": "s4"}
+    variant_id = "mf-s4+brect"
+    variant = {"context_mode": "mf", "ssm_kind": "s4", "recurrent_layer_indices": [0]}
 
 
 @mark_known_bugs
@@ -246,6 +246,23 @@ class BSTSHUnstructModelTest(BSTModelTest):
     variant = {"context_mode": "sh", "ssm_kind": "unstruct"}
 
 
+@pytest.mark.slow
+@mark_known_bugs
+@mark_plumbing_slow
+class BSTMHS4ModelTest(BSTModelTest):
+    variant_id = "mh-s4"
+    variant = {"context_mode": "mh", "ssm_kind": "s4"}
+
+
+@pytest.mark.slow
+@mark_known_bugs
+@mark_plumbing_slow
+class BSTMFS4ModelTest(BSTModelTest):
+    variant_id = "mf-s4"
+    variant = {"context_mode": "mf", "ssm_kind": "s4"}
+
+
+@pytest.mark.slow
 @mark_known_bugs
 @mark_plumbing_slow
 class BSTBRecTModelTest(BSTModelTest):
