@@ -17,8 +17,10 @@
 # folder per part; a sitting stopped from outside still brings back what its finished parts wrote):
 #   $OUT/plan.txt, env.txt, sitting.log; $OUT/<part>/ (gpu_suite.json/.md, logs, partial rows); $OUT/quality-*.log;
 #   $OUT/gpu_sitting_state.txt: the state file with this sitting's finished parts added; $OUT/results.tgz at the end
-#   (the LM records, report and logs). Here, after the sitting: copy $OUT/gpu_sitting_state.txt over
-#   docs/results/gpu_sitting_state.txt, unpack results.tgz in the repository, and commit both.
+#   (the LM records, report and logs) and $OUT/parts.tgz (the parts' folders and logs, which then leave $OUT: the
+#   device tool brings back 8 files at most). Here, after the sitting: copy $OUT/gpu_sitting_state.txt over
+#   docs/results/gpu_sitting_state.txt, unpack results.tgz in the repository, the parts' reports from parts.tgz into
+#   docs/results/gpu_<card>/, and commit them.
 #
 #   bash scripts/gpu_sitting.sh --prepare     here, once (network: PyPI): wheels of this package's pinned transformers
 #       and of datasets (and what datasets needs that such an image may lack) into .whl/, and the `allbooks` corpus
@@ -185,9 +187,24 @@ pack() {
         research/results/lm_long_gpu docs/results/lm_long_gpu.png research/results/mqar_gpu docs/results/mqar_gpu.png \
         docs/results.md runs/lm_quality/logs runs/lm_quality/long-gpu "$out/tests" 2>/dev/null
     [ -d runs/lm_quality/token_losses ] && tar czf "$out/token_losses.tgz" runs/lm_quality/token_losses
-    # MQAR runs stopped at their deadline: their checkpoints, in parts below the 16 MiB a returned file may have
+    # The device tool brings back at most 8 files, two folders down: the parts' folders and logs go back as one
+    # archive, parts.tgz (unpack it anywhere: its paths are the parts' names); on a real sitting they leave $OUT so
+    # that the few top-level files are all that is there. A dry run keeps them in place too.
+    local extra=() f
+    for f in "$out"/*; do
+        case "${f##*/}" in
+            plan.txt|env.txt|sitting.log|gpu_sitting_state.txt|results.tgz|token_losses.tgz|parts.tgz|mqar_ckpt.tgz.part-*) ;;
+            *) extra+=("${f##*/}") ;;
+        esac
+    done
+    if [ ${#extra[@]} -gt 0 ]; then
+        tar czf "$out/parts.tgz" -C "$out" "${extra[@]}"
+        [ ${#dry[@]} -eq 0 ] && (cd "$out" && rm -rf -- "${extra[@]}")
+    fi
+    # MQAR runs stopped at their deadline (an --mqar sitting): their checkpoints, in parts below the 16 MiB a
+    # returned file may have
     local ckpts=(research/results/mqar_gpu/*.ckpt.safetensors)
-    if [ -e "${ckpts[0]}" ]; then
+    if [ -n "$mqar" ] && [ -e "${ckpts[0]}" ]; then
         tar czf - "${ckpts[@]}" | split -b 15M -d - "$out/mqar_ckpt.tgz.part-"
     fi
     echo "sitting done at $(elapsed) s; state: $STATE_OUT"
