@@ -65,13 +65,39 @@ def tracing() -> bool:
     return torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing()
 
 
+# Set by [`accelerator_code_path`]: CPU tensors take the code path of an accelerator.
+_ACCELERATOR_PATH = [False]
+
+
+class accelerator_code_path:
+    """Context manager: inside it the model takes, on CPU tensors, the code path it takes on an accelerator (no host
+    reads of tensor values, the attention forms chosen for GPU kernels). The results are the same; this is for
+    counting and testing that path where no GPU is (``benchmarks/train_ops.py``, the tests)."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+
+    def __enter__(self):
+        self.previous = _ACCELERATOR_PATH[0]
+        _ACCELERATOR_PATH[0] = self.enabled
+        return self
+
+    def __exit__(self, *exc):
+        _ACCELERATOR_PATH[0] = self.previous
+
+
+def on_accelerator(t: torch.Tensor) -> bool:
+    """Whether ``t`` takes the accelerator code path: it is on an accelerator, or inside [`accelerator_code_path`]."""
+    return t.device.type != "cpu" or _ACCELERATOR_PATH[0]
+
+
 def host_can_branch(t: torch.Tensor) -> bool:
     """Whether Python may read values of ``t``: a CPU tensor in eager mode, where no device sync is involved.
 
     Under tracing (``torch.export``, ``torch.compile``, ``torch.jit``) or on an accelerator, code must not branch on
     tensor values: the callers then take the branch-free form, which gives the same result.
     """
-    return t.device.type == "cpu" and not tracing()
+    return not on_accelerator(t) and not tracing()
 
 
 # A host mirror of a BSTCache that is not known (derived from the tensors on its next eager read).
