@@ -214,6 +214,26 @@ def memoised(store: dict, slot: str, key: tuple, params, compute, max_bytes: int
     return value
 
 
+# Entries a module's [`constant_memo`] keeps (index maps and masks of recent shapes).
+CONSTANT_MEMO_ENTRIES = 16
+
+
+def constant_memo(module, key: tuple, compute):
+    """``compute()`` for tensors that depend on no parameter (index maps, windows, masks of a shape), built once per
+    ``key`` (which names the device and dtype) and kept on ``module`` (not in its state dict). A training or
+    prefill forward then does not rebuild them. Under tracing they are computed in the graph (the compiler folds
+    them), so a compiled graph holds no stale tensor."""
+    if tracing():
+        return compute()
+    store = module.__dict__.setdefault("_constant_memo", {})
+    value = store.get(key)
+    if value is None:
+        if len(store) >= CONSTANT_MEMO_ENTRIES:
+            store.clear()
+        value = store[key] = compute()
+    return value
+
+
 def maybe_any(mask: torch.Tensor) -> bool:
     """``bool(mask.any())`` where reading it costs nothing ([`host_can_branch`]), else ``True`` (do the work)."""
     return bool(mask.any()) if host_can_branch(mask) else True

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention_bst import BSTRMSNorm, additive_mask, l2_normalize
-from .cache_bst import BSTLayerCache, decode_memo, gather_rows, maybe_any, tracing
+from .cache_bst import BSTLayerCache, constant_memo, decode_memo, gather_rows, maybe_any, tracing
 from .configuration_bst import BSTConfig
 from .ssm_bst import PerFilterS4D, S4DKernel, UnstructFilter, upcast_ssm
 
@@ -207,9 +207,13 @@ class TokenContextStates(BSTContextStates):
         if cfg.bidirectional:
             mask, zero_first = None, False
         else:
-            i = torch.arange(w, device=z.device)
-            allowed = i[None] <= i[:, None] if cfg.cross_mask == "inclusive" else i[None] < i[:, None]
-            mask = additive_mask(allowed, ck.dtype)
+
+            def build():
+                i = torch.arange(w, device=z.device)
+                allowed = i[None] <= i[:, None] if cfg.cross_mask == "inclusive" else i[None] < i[:, None]
+                return additive_mask(allowed, ck.dtype)
+
+            mask = constant_memo(self, ("cross", ck.dtype, str(z.device)), build)  # (W, W), built once
             zero_first = cfg.cross_mask == "strict"
         if fill_cache:
             lens = self._fill_ssm_state(ssm, z, lengths, state0, layer_cache)

@@ -59,10 +59,12 @@ from .attention_bst import (
 from .cache_bst import (
     BSTCache,
     BSTLayerCache,
+    constant_memo,
     decode_memo,
     gather_rows,
     host_can_branch,
     maybe_any,
+    on_accelerator,
     tracing,
 )
 from .configuration_bst import BSTConfig
@@ -120,6 +122,7 @@ def attention(module, q, k, v, mask, dropout, return_weights: bool = False):
         and mask is not None
         and mask.requires_grad
         and torch.is_grad_enabled()
+        and not on_accelerator(q)  # CUDA's memory-efficient SDPA kernel returns the mask's gradient itself
         and not torch.compiler.is_compiling()
     ):
         return learned_mask_attention(q, k, v, mask, dropout)
@@ -130,6 +133,31 @@ def attention(module, q, k, v, mask, dropout, return_weights: bool = False):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out, weights = interface(module, q, k, v, mask, dropout=dropout, scaling=1.0, is_causal=False)
     return (out, weights) if return_weights else out
+
+
+def plain_linears(*modules) -> bool:
+    """Whether ``modules`` are plain ``nn.Linear`` layers without a bias, hooks or a replaced ``forward`` (nothing
+    that calling the module would run besides ``F.linear``), with their weights in one dtype and device: their
+    weights may then be stacked into one matmul."""
+    first = modules[0].weight if isinstance(modules[0], nn.Linear) else None
+    return first is not None and all(
+        type(m) is nn.Linear
+        and m.bias is None
+        and not (m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__)
+        and m.weight.dtype == first.dtype
+        and m.weight.device == first.device
+        for m in modules
+    )
+
+
+def plain_embedding(module) -> bool:
+    """Whether ``module`` is a plain ``nn.Embedding`` (no max_norm, hooks or replaced ``forward``): its weight may be
+    used directly."""
+    return (
+        type(module) is nn.Embedding
+        and module.max_norm is None
+        and not (module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
+    )
 
 
 def learned_mask_attention(q, k, v, mask, dropout: float) -> torch.Tensor:
@@ -309,12 +337,25 @@ class BSTBlockSelfAttention(nn.Module):
         return x.unflatten(-1, (self.config.num_attention_heads, self.config.head_dim))
 
     def project(self, xn):
-        """Queries (scaled), keys, values `(B, T, H, d_h)` of the normalised input ``xn`` `(B, T, D)`."""
-        q = self._heads(self.q_proj(xn))
-        k = self._heads(self.k_proj(xn))
-        v = self._heads(self.v_proj(xn))
-        if self.config.qk_norm:
-            q, k = l2_normalize(q), l2_normalize(k)
+        """Queries (scaled), keys, values `(B, T, H, d_h)` of the normalised input ``xn`` `(B, T, D)`.
+
+        Where the three projections are plain ``nn.Linear`` modules they run as one matmul against their stacked
+        weights, and queries and keys are L2-normalised together: the same numbers in fewer kernels. A projection
+        that is wrapped or hooked (PEFT's LoRA, quantisation, offloading) is called as a module, so that its
+        wrapper runs."""
+        heads, hd = self.config.num_attention_heads, self.config.head_dim
+        if plain_linears(self.q_proj, self.k_proj, self.v_proj):
+            weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+            qk, v = F.linear(xn, weight).unflatten(-1, (3 * heads, hd)).split([2 * heads, heads], -2)
+            if self.config.qk_norm:
+                qk = l2_normalize(qk)
+            q, k = qk.chunk(2, -2)
+        else:
+            q = self._heads(self.q_proj(xn))
+            k = self._heads(self.k_proj(xn))
+            v = self._heads(self.v_proj(xn))
+            if self.config.qk_norm:
+                q, k = l2_normalize(q), l2_normalize(k)
         return q * self.scale.to(q.dtype)[:, None], k, v
 
     def bias(self, relative_position):
@@ -387,27 +428,12 @@ class BSTBlockSelfAttention(nn.Module):
             previous = self.previous_block(layer_cache, positions)
         if not weights and use_flex(self, q, drop, k, v):
             return flex_block_attention(self, q, k, v, lengths, previous).reshape(bsz, seq_len, heads * hd), None
-        qb = q.view(bsz * nb, w, heads, hd).transpose(1, 2)
-        keys, values, key_valid = self.block_keys(k, v, previous, lengths)
         if weights or cfg.bidirectional:
+            qb = q.view(bsz * nb, w, heads, hd).transpose(1, 2)
+            keys, values, key_valid = self.block_keys(k, v, previous, lengths)
             out, probs = self.attend(qb, keys, values, key_valid, drop, weights)
         else:
-            # Causal: only block 0 can see keys that are not held (its previous block is absent, or cached and
-            # partly masked). All blocks run with the shared bias and window (no per-row mask); then block 0 again,
-            # unless every row continues a fully held block.
-            out, probs = self.attend(qb, keys, values, None, drop)
-            first, own = slice(0, None, nb), slice(w, None)  # block 0 of every row; its own block's keys
-            out_first = None
-            if previous is None:
-                # A fresh sequence: block 0 sees its own block only, under one bias for all rows.
-                bias = self.block_mask(w, 0, w, q.dtype, q.device)
-                out_first = attention(self, qb[first], keys[first][:, :, own], values[first][:, :, own], bias, drop)
-                if not cfg.attend_self:  # the first token sees nothing: zeros (meliad's safe softmax)
-                    out_first = torch.cat([torch.zeros_like(out_first[:, :1]), out_first[:, 1:]], 1)
-            elif maybe_any(~previous[2]):
-                out_first, _ = self.attend(qb[first], keys[first], values[first], key_valid[first], drop)
-            if out_first is not None:
-                out = torch.cat([out_first[:, None], out.view(bsz, nb, w, heads, hd)[:, 1:]], 1)
+            out, probs = self.windowed(q, k, v, previous, drop), None
         if weights:
             n = num_positions or seq_len
             probs = self.weights_by_column(probs, bsz, n, previous is not None)  # (B, H, n, K)
@@ -416,6 +442,87 @@ class BSTBlockSelfAttention(nn.Module):
             out = torch.matmul(probs, values[:, : probs.shape[-1]].transpose(1, 2)).transpose(1, 2)
             out = F.pad(out, (0, 0, 0, 0, 0, seq_len - n))
         return out.reshape(bsz, seq_len, heads * hd), probs
+
+    def query_chunk(self, q: torch.Tensor) -> int:
+        """Queries per window of the causal form ([`windowed`]): ``config.attention_query_chunk`` if set; else W
+        on an accelerator (one attention call per layer: launches cost more than the masked work), and
+        ``resolved_attention_query_chunk`` on the CPU (the work skipped is time there)."""
+        cfg = self.config
+        if cfg.attention_query_chunk is not None:
+            return cfg.attention_query_chunk
+        return self.block_len if on_accelerator(q) else cfg.resolved_attention_query_chunk
+
+    def window_constants(self, chunk: int, device):
+        """The parameter-free parts of [`window_bias`], built once per chunk size and device ([`constant_memo`]):
+        the T5 bucket and window validity of every distance a window spans, and the distance index of each
+        (query, key) pair, `(c, W + c)`."""
+        cfg, w = self.config, self.block_len
+
+        def build():
+            lowest = -w - chunk + 1  # key - query over c queries and the W + c keys from W before the first
+            distances = torch.arange(lowest, chunk, device=device)
+            buckets = t5_relative_bucket(
+                distances, cfg.bidirectional, cfg.relative_attention_num_buckets, cfg.relative_attention_max_distance
+            )
+            index = torch.arange(-w, chunk, device=device)[None] - torch.arange(chunk, device=device)[:, None]
+            return buckets, ~self.window_valid(distances)[:, None], index - lowest
+
+        return constant_memo(self, ("window", chunk, str(device)), build)
+
+    def window_bias(self, chunk: int, dtype, device) -> torch.Tensor:
+        """Additive mask `(H, c, W + c)` of a window: the scaled T5 bias, and the sliding window, of c queries at
+        positions 0 .. c-1 over keys at -W .. c-1 ([`block_mask`]'s numbers, from cached index maps)."""
+        buckets, outside, index = self.window_constants(chunk, device)
+        if plain_embedding(self.relative_bias):  # scale the (buckets, H) table once, then look it up
+            per_distance = F.embedding(buckets, self.relative_bias.weight * self.scale).to(dtype)  # (n, H)
+        else:
+            per_distance = self.relative_bias(buckets).to(dtype) * self.scale.to(dtype)
+        return per_distance.masked_fill(outside, masked_fill_value(dtype)).t()[:, index]
+
+    def window_keys_absent(self, previous, bsz: int, seq_len: int, chunk: int, device):
+        """Which of each window's W + c keys are not held, `(B * T / c, 1, 1, W + c)` bool: the keys before the
+        sequence are absent (a fresh sequence) or the cached previous block's keys that are not held."""
+        w = self.block_len
+        if previous is None:
+
+            def build():
+                absent = torch.arange(seq_len + w, device=device) < w  # positions before the sequence
+                return absent.unfold(0, w + chunk, chunk)  # (T / c, W + c)
+
+            absent = constant_memo(self, ("absent", seq_len, chunk, str(device)), build)
+            absent = absent.expand(bsz, -1, -1)
+        else:
+            absent = F.pad(~previous[2], (0, seq_len)).unfold(1, w + chunk, chunk)
+        return absent.reshape(-1, 1, 1, w + chunk)
+
+    def windowed(self, q, k, v, previous, dropout):
+        """The causal full-sequence form as one attention call: the sequence's queries in windows of c
+        ([`query_chunk`]) over the W + c keys each window reaches (the previous block's held keys, or nothing,
+        before the first), one mask of the T5 bias, the window and which keys are held. `(B, T, H, d)` x 3 ->
+        `(B, T, H, d)`. A query without any key (the first one, ``attend_self=False``, no held previous key) gets
+        zeros, as in meliad's safe softmax."""
+        bsz, seq_len, heads, hd = q.shape
+        w = self.block_len
+        chunk = self.query_chunk(q)
+        n = bsz * (seq_len // chunk)
+        if previous is None:
+            kp, vp = F.pad(k, (0, 0, 0, 0, w, 0)), F.pad(v, (0, 0, 0, 0, w, 0))  # (B, W + T, H, d)
+        else:
+            kp, vp = torch.cat([previous[0].to(k.dtype), k], 1), torch.cat([previous[1].to(v.dtype), v], 1)
+        # window i holds the keys at padded positions i c .. i c + W + c - 1: those of queries i c .. i c + c - 1
+        keys = kp.unfold(1, w + chunk, chunk).permute(0, 1, 2, 4, 3).reshape(n, heads, w + chunk, hd)
+        values = vp.unfold(1, w + chunk, chunk).permute(0, 1, 2, 4, 3).reshape(n, heads, w + chunk, hd)
+        queries = q.reshape(n, chunk, heads, hd).transpose(1, 2)  # (n, H, c, d)
+        absent = self.window_keys_absent(previous, bsz, seq_len, chunk, q.device)
+        mask = self.window_bias(chunk, q.dtype, q.device).masked_fill(absent, masked_fill_value(q.dtype))
+        out = attention(self, queries, keys, values, mask, dropout).view(bsz, seq_len, heads, hd)
+        if not self.config.attend_self:
+            # The sequence's first query sees only the previous block: zeros where none of it is held.
+            if previous is None:
+                return F.pad(out[:, 1:], (0, 0, 0, 0, 1, 0))
+            keep = previous[2].any(-1).to(out.dtype)[:, None, None, None]
+            return torch.cat([out[:, :1] * keep, out[:, 1:]], 1)
+        return out
 
     def block_keys(self, k, v, previous, lengths):
         """The keys and values each block's queries see, `(B * nb, H, K, d)` x 2, and which of them are held,
@@ -589,7 +696,8 @@ class BSTCrossAttention(nn.Module):
         qb = q.view(bsz * nb, w, heads, hd).transpose(1, 2)
         kb = keys.reshape(bsz * nb, s, heads, hd).transpose(1, 2)
         vb = values.reshape(bsz * nb, s, heads, hd).transpose(1, 2)
-        chunk = min(cfg.resolved_attention_query_chunk, w)
+        # one call on an accelerator (the masked half of the work costs less than more launches), chunks on the CPU
+        chunk = cfg.attention_query_chunk or (w if on_accelerator(q) else min(cfg.resolved_attention_query_chunk, w))
         probs = None
         if weights:
             out, probs = attention(self, qb, kb, vb, mask, drop, return_weights=True)  # probs (B*nb, H, W, S)

@@ -7,7 +7,8 @@
 
 The YAML holds three sections, ``model`` (:class:`ModelArguments`), ``data`` (:class:`DataArguments`) and
 ``training`` (``transformers.TrainingArguments``); every field can be overridden on the command line by its name
-(``--max_steps 20 --seq_len 256``); command-line values win. ``bf16: auto`` means bf16 where the device supports it.
+(``--max_steps 20 --seq_len 256``); command-line values win. ``bf16: auto`` means bf16 where the device supports it,
+``torch_compile: auto`` a compiled model on a CUDA GPU.
 The run writes Trainer checkpoints (``--resume_from_checkpoint DIR|true`` continues exactly), ``log_history.json``
 and, in ``<output_dir>/final``, the model with its tokenizer and ``use_cache=true`` (loads with
 ``AutoModelForCausalLM``/``AutoTokenizer``).
@@ -179,9 +180,22 @@ def read_recipe(path: str | os.PathLike) -> dict:
     return flat
 
 
+def _auto_value(field: str) -> bool:
+    """What ``auto`` means for a recipe field: ``bf16`` where the GPU supports it; ``torch_compile`` on a CUDA GPU
+    (a compiled training step there is one graph, without the eager per-op launches that bound BST's step; on the
+    CPU the first compile takes minutes for little gain, docs/performance.md)."""
+    if field == "bf16":
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    return bool(torch.cuda.is_available())
+
+
+AUTO_FIELDS = ("bf16", "torch_compile")
+
+
 def _resolve_auto(values: dict) -> dict:
-    if values.get("bf16") == "auto":
-        values["bf16"] = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    for field in AUTO_FIELDS:
+        if values.get(field) == "auto":
+            values[field] = _auto_value(field)
     if isinstance(values.get("model_overrides"), dict):
         values["model_overrides"] = json.dumps(values["model_overrides"])
     return values
@@ -194,6 +208,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments), allow_abbrev=False)
     parser.add_argument("--config", default=None, help="recipe YAML (configs/train/*.yaml)")
     known = {a.dest for a in parser._actions}
+    # `--bf16 auto` / `--torch_compile auto` on the command line.
+    for i, a in enumerate(argv[:-1]):
+        if a.startswith("--") and a[2:] in AUTO_FIELDS and argv[i + 1] == "auto":
+            argv[i + 1] = str(_auto_value(a[2:]))
     pre, _ = parser.parse_known_args(argv)  # only to find --config
     defaults: dict = {}
     if pre.config:
@@ -201,10 +219,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
         unknown = sorted(set(defaults) - known)
         if unknown:
             raise ValueError(f"{pre.config}: unknown fields {unknown}")
-    # `--bf16 auto` on the command line.
-    for i, a in enumerate(argv[:-1]):
-        if a == "--bf16" and argv[i + 1] == "auto":
-            argv[i + 1] = str(bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported()))
     defaults = _resolve_auto(defaults)
     # Without a GPU, say so: accelerate only forms a CPU process group (gloo, torchrun / accelerate launch) when
     # TrainingArguments.use_cpu is set; otherwise every process would silently train alone.

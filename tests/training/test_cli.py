@@ -143,3 +143,39 @@ def test_resuming_a_finished_run_trains_nothing_and_does_not_warn(tmp_path):
     assert not [r for r in records if "missing keys" in r.getMessage()]
     after = load_file(str(out / "final" / "model.safetensors"))
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("where", ["recipe", "command line"])
+def test_torch_compile_auto_compiles_on_cuda_only(where, tmp_path, monkeypatch):
+    """``torch_compile: auto`` (the GPU recipes) resolves to a compiled model on a CUDA GPU and to eager elsewhere,
+    from a recipe or from ``--torch_compile auto``; an explicit value wins."""
+    import yaml
+
+    recipe = yaml.safe_load(Path(TINY).read_text())
+    argv = []
+    if where == "recipe":
+        recipe["training"]["torch_compile"] = "auto"
+    else:
+        argv = ["--torch_compile", "auto"]
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert T.parse_args(["--config", str(path), *argv])[2].torch_compile is False  # no CUDA here
+    # what auto resolves to on a CUDA machine (TrainingArguments itself cannot be built for CUDA without one)
+    monkeypatch.setattr(T.torch.cuda, "is_available", lambda: True)
+    assert T._resolve_auto({"torch_compile": "auto"}) == {"torch_compile": True}
+    monkeypatch.undo()
+    assert T.parse_args(["--config", str(path), "--torch_compile", "false"])[2].torch_compile is False
+
+
+def test_gpu_recipes_compile_on_cuda():
+    """The recipes meant for GPUs (fused AdamW) compile there."""
+    for path in sorted(Path(TINY).parent.glob("*.yaml")):
+        recipe = yaml_load(path)
+        if recipe["training"].get("optim") == "adamw_torch_fused":
+            assert recipe["training"].get("torch_compile") == "auto", path.name
+
+
+def yaml_load(path):
+    import yaml
+
+    return yaml.safe_load(Path(path).read_text())
