@@ -1,8 +1,8 @@
 """Ops per training step and per decode step: BST:SH:S4, Slide and HF Llama counted in one process (issue #44).
 
 On a GPU a small eager model is launch-bound: each op costs ~20 us of host time (Python, dispatcher, autograd,
-launch) whatever its size, so the step time ranks the op counts, not the architectures
-(/work/shared/notes/gpu-training-launch-bound.md). This benchmark counts those ops on the CPU, exactly:
+launch) whatever its size, so the step time ranks the op counts, not the architectures (the launch-bound study
+of 2026-11-27: ~20 us per eager op predicted the H200's eager step times of all three within 5%). This benchmark counts those ops on the CPU, exactly:
 
 1. **eager training step**: every aten op the dispatcher runs in the forward and in the backward (a
    ``TorchDispatchMode``; views and ``_unsafe_view`` left out: an op is a view when one of its schema's returns
@@ -443,7 +443,8 @@ def write_docs(result: dict):
         f"{{0, 5, 6}}, W = {meta['block_len']}) at a narrow width (hidden 64, 8 heads of 8, MLP 128, vocabulary 512): "
         "the width changes no op of the sequence. An op = one aten op through the dispatcher (a `TorchDispatchMode`), "
         "views and `_unsafe_view` not counted. On a GPU each eager op costs ~20 us of host time, so a small eager "
-        "model's step time follows these counts (/work/shared/notes/gpu-training-launch-bound.md). Code path "
+        "model's step time follows these counts (on the H200, ~20 us per op predicted all three step times within "
+        "5%). Code path "
         "`accelerator`: CPU tensors take the code a GPU takes (`accelerator_code_path()`).",
         "",
     ]
