@@ -84,8 +84,12 @@ class OpCounter(TorchDispatchMode):
         self.views = collections.Counter()
         self.complex_outputs = 0
 
+    paused = 0  # > 0 inside an emulated fused kernel ([`FusedAttention`]): its pieces are not counted
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if self.paused:
+            return out
         name = op_name(func)
         if name == "_unsafe_view" or is_view(func):
             self.views[name] += 1
@@ -109,6 +113,73 @@ class OpCounter(TorchDispatchMode):
         )
 
 
+# -- the accelerator's fused attention, on the CPU --------------------------------------------------------------------
+# SDPA with an additive mask that needs a gradient (BST's learned T5 bias in training) is one kernel on CUDA, forward
+# (`_scaled_dot_product_efficient_attention`) and backward (`_efficient_attention_backward`): the memory-efficient
+# kernel returns the mask's gradient. On the CPU, SDPA decomposes it into its math form (~15 ops forward, more
+# backward). Counting the accelerator path on the CPU, [`fused_attention_as_on_cuda`] counts such a call as the one
+# kernel of each direction that CUDA runs (its math still runs, uncounted, for the numbers).
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
+def _counter():
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    mode = _get_current_dispatch_mode()
+    return mode if isinstance(mode, OpCounter) else None
+
+
+class FusedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask, kwargs):
+        counter = _counter()
+        if counter is not None:
+            counter.paused += 1
+        try:
+            out = _SDPA(q, k, v, attn_mask=mask, **kwargs)
+        finally:
+            if counter is not None:
+                counter.paused -= 1
+                counter.counts["_scaled_dot_product_efficient_attention"] += 1
+        ctx.save_for_backward(q, k, v, mask)
+        ctx.kwargs = kwargs
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        counter = _counter()
+        if counter is not None:
+            counter.paused += 1
+        try:
+            inputs = [t.detach().requires_grad_(True) for t in ctx.saved_tensors]
+            with torch.enable_grad():
+                out = _SDPA(*inputs[:3], attn_mask=inputs[3], **ctx.kwargs)
+            grads = torch.autograd.grad(out, inputs, grad)
+        finally:
+            if counter is not None:
+                counter.paused -= 1
+                counter.counts["_efficient_attention_backward"] += 1
+        return (*grads, None)
+
+
+def _sdpa_as_on_cuda(query, key, value, attn_mask=None, **kwargs):
+    if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
+        return FusedAttention.apply(query, key, value, attn_mask, kwargs)
+    return _SDPA(query, key, value, attn_mask=attn_mask, **kwargs)
+
+
+class fused_attention_as_on_cuda:
+    """Context manager: ``F.scaled_dot_product_attention`` with a mask that needs a gradient counts as CUDA's one
+    fused kernel per direction (see above); every other call is unchanged."""
+
+    def __enter__(self):
+        torch.nn.functional.scaled_dot_product_attention = _sdpa_as_on_cuda
+        return self
+
+    def __exit__(self, *exc):
+        torch.nn.functional.scaled_dot_product_attention = _SDPA
+
+
 # -- eager training step ----------------------------------------------------------------------------------------------
 def count_training(kind: str, seq_len: int, accelerator: bool, size: str = NARROW, batch: int = 1, **shape) -> dict:
     """Ops of one training step (forward with the LM loss, then backward) of ``kind``, bf16 autocast, on the CPU code
@@ -117,7 +188,7 @@ def count_training(kind: str, seq_len: int, accelerator: bool, size: str = NARRO
     model = tt.build(kind, seq_len, size, **shape).train()
     ids = torch.randint(0, model.config.vocab_size, (batch, seq_len))
     result = {}
-    with accelerator_code_path(accelerator):
+    with accelerator_code_path(accelerator), fused_attention_as_on_cuda() if accelerator else _nothing():
         for counted in (False, True):
             fwd, bwd = OpCounter(), OpCounter()
             with torch.autocast("cpu", dtype=torch.bfloat16):

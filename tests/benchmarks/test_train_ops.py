@@ -145,3 +145,25 @@ def test_inductor_compiled_step_counts_llama():
     assert row["launches"] == row["kernel_calls"] + row["library_calls"] + row["fallback_calls"] + row["custom_calls"]
     assert row["complex_nodes"] == 0 and len(row["aot_graphs"]) == 2
     assert (row["graph_count"], row["graph_breaks"]) == (1, 0)
+
+
+def test_learned_bias_attention_counts_as_cudas_fused_kernel():
+    """On the accelerator path an SDPA call whose mask needs a gradient counts as CUDA's one kernel per direction;
+    its numbers (output and every gradient) are SDPA's own."""
+    import torch
+
+    q, k, v = (torch.randn(2, 2, 8, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    mask = torch.randn(1, 2, 8, 8, dtype=torch.float64, requires_grad=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v, mask))
+    counter = train_ops.OpCounter()
+    with train_ops.fused_attention_as_on_cuda(), counter:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v, mask))
+    assert torch.nn.functional.scaled_dot_product_attention is train_ops._SDPA  # restored
+    torch.testing.assert_close(out, ref)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r)
+    assert counter.counts["_scaled_dot_product_efficient_attention"] == 1
+    assert counter.counts["_efficient_attention_backward"] == 1
+    assert not any(name in counter.counts for name in ("bmm", "_softmax", "_safe_softmax"))
