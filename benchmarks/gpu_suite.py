@@ -15,11 +15,19 @@ removed when gpu_suite.json is written), so a suite stopped midway keeps the par
 * ``layer_speed`` (150 s): paper Fig. 3 (left), one layer forward, D = 512, W = 128, N = 16, 16 heads, batch 1,
   Slide / BST:SH,MH,MF:S4 / BST:SH:unstruct / BRecT at L = 1k..65k, bf16 autocast then fp32
   (benchmarks/layer_speed.py's ``time_length`` with ``device="cuda"``), executed GFLOP at L = 4096;
-* ``train`` (150 s): training tokens/s and MFU (useful FLOPs / the GPU's measured bf16 matmul rate) of the ~60M and
-  ~200M presets against HF Llama of the same shape with SDPA (and flash-attention-2 where ``flash_attn`` is
-  installed), L = 4096 and 16384, bf16 autocast, batch 1 (benchmarks/train_throughput.py's ``measure``); with
-  ``--profile``, then two steps of BST:SH:S4 and of Llama (~60M, L = 4096, bf16) under torch.profiler: the top ops
-  by device self time go into the report, the profiler's tables to OUTDIR/train_profile_<kind>.txt;
+* ``train`` (150 s; the GPU sitting gives it 240 s and runs it first): BST:SH:S4, Slide and HF Llama (SDPA; and
+  flash-attention-2 in eager bf16 where ``flash_attn`` is installed) of the ~60M preset trained in one process and
+  mode per row, the most important rows first: L = 4096 batch 1 eager, then compiled (``torch.compile(model)``,
+  default mode, a fresh compile per row; its first step, the compile, not timed and recorded), then L = 16384 eager
+  and compiled, then batch 8, then ~200M at L = 16384; bf16 autocast, fused AdamW on CUDA
+  (benchmarks/train_throughput.py's ``measure``). Per row: tokens/s (batch x L / the best step), MFU (useful FLOPs /
+  the GPU's measured bf16 matmul rate), and from two steps under torch.profiler the device events (kernels, copies)
+  per step and the GPU busy fraction: the union of those events' intervals per step / the best unprofiled step. A
+  row estimated beyond the time left is skipped and recorded (later rows that fit still run); a contender whose
+  compile fails, or that runs out of memory, is an error row. With ``--profile``, then two steps of BST:SH:S4 and of
+  Llama (~60M, L = 4096, bf16) under torch.profiler: the top ops by device self time go into the report, the
+  profiler's tables to OUTDIR/train_profile_<kind>.txt (``python -m benchmarks.train_ops`` counts the ops behind
+  these step times);
 * ``decode`` (120 s): decode ms per step after a prefill of 1k..64k tokens, hidden 512, 8 layers, batch 1 and
   batch 8 (``batch`` rows; ``tokens_per_s`` = batch / step time): BST S4 and unstruct (BSTCache), HF Llama with
   DynamicCache and StaticCache, eager; then BST S4 and Llama StaticCache with ``torch.compile(mode="reduce-overhead")``
@@ -78,7 +86,27 @@ PLANS = {
             lengths=[1024, 2048, 4096, 8192, 16384, 32768, 65536], dtypes=["bf16", "fp32"], rounds=5, hidden=512
         ),
         flop_length=4096,
-        train=dict(sizes=["60m", "200m"], seq_lens=[4096, 16384], dtypes=["bf16"], rounds=2, steps=2, peak_size=8192),
+        # (size, L, batch, mode), the most important first: the budget skips the tail (issue #44, item 4)
+        train=dict(
+            rows=[
+                ("60m", 4096, 1, "eager"),
+                ("60m", 4096, 1, "compiled"),
+                ("60m", 16384, 1, "eager"),
+                ("60m", 16384, 1, "compiled"),
+                ("60m", 4096, 8, "eager"),
+                ("60m", 4096, 8, "compiled"),
+                ("60m", 16384, 8, "eager"),
+                ("60m", 16384, 8, "compiled"),
+                ("200m", 16384, 1, "eager"),
+            ],
+            dtypes=["bf16"],
+            compile="default",  # torch.compile(model): inductor, no CUDA graphs
+            compile_estimate_s=150,  # the first compiled row: three cold compiles of a 60m model (~40-60 s each)
+            rounds=2,
+            steps=2,
+            busy_steps=2,
+            peak_size=8192,
+        ),
         profile=dict(size="60m", seq_len=4096, dtype="bf16", kinds=["bst", "llama"], steps=2),
         decode=dict(
             hidden=512,
@@ -97,7 +125,17 @@ PLANS = {
         # only builds and runs ~2x longer.
         layer_speed=dict(lengths=[128], dtypes=["fp32", "bf16"], rounds=1, hidden=64),
         flop_length=128,
-        train=dict(sizes=["tiny"], seq_lens=[128], dtypes=["fp32"], rounds=1, steps=1, peak_size=256),
+        # dynamo with the eager backend for the compiled row: no inductor build (minutes on a CPU)
+        train=dict(
+            rows=[("tiny", 128, 1, "eager"), ("tiny", 128, 1, "compiled"), ("tiny", 128, 2, "eager")],
+            dtypes=["fp32"],
+            compile="eager",
+            compile_estimate_s=30,
+            rounds=1,
+            steps=1,
+            busy_steps=1,
+            peak_size=256,
+        ),
         profile=dict(size="tiny", seq_len=128, dtype="fp32", kinds=["bst", "llama"], steps=1),
         decode=dict(
             hidden=64,
@@ -176,7 +214,21 @@ def part_layer_speed(part: Part, plan: dict):
             print(f"layer {dtype} L={seq_len}: {last[1]:.1f} s", flush=True)
 
 
+def size_cost(size: str) -> float:
+    """Relative cost per token of a train_throughput preset (hidden^2 x layers), for the budget's estimates."""
+    from benchmarks import train_throughput as tt
+
+    shape = tt.SIZES[size]
+    return shape["hidden"] ** 2 * shape["layers"]
+
+
 def part_train(part: Part, plan: dict):
+    """BST:SH:S4, Slide and HF Llama (sdpa; flash-attention-2 too in eager bf16 where installed) trained in one
+    process and mode per row of ``plan["train"]["rows"]`` (size, L, batch, eager or compiled), in that order: tokens/s,
+    MFU, and on a GPU kernels per step and GPU busy fraction ([`train_throughput.device_busy`]). Fused AdamW on CUDA.
+    A row whose estimated time (from the last row of the same mode: its fixed part, the compiles, plus its timed
+    steps scaled by tokens x size) does not fit what is left is skipped and recorded; a contender that fails to
+    compile or runs out of memory is an error row."""
     from benchmarks import train_throughput as tt
 
     device, cfg = plan["device"], plan["train"]
@@ -184,31 +236,56 @@ def part_train(part: Part, plan: dict):
         "fp32": tt.matmul_peak(torch.float32, size=cfg["peak_size"], device=device),
         "bf16": tt.matmul_peak(torch.bfloat16, size=cfg["peak_size"], device=device),
     }
-    part.data.update(peaks=peaks, flash_attn=tt.has_flash())
-    last = None
-    for size in cfg["sizes"]:
-        for seq_len in cfg["seq_lens"]:
-            for dtype in cfg["dtypes"]:
-                kinds = ["llama", "bst", "slide"] + (["llama-flash"] if dtype == "bf16" and tt.has_flash() else [])
-                # Scales with tokens x parameters; attention in Llama grows faster, so round up.
-                estimate = 0.0 if last is None else last[1] * 1.5 * seq_len / last[0]
-                what = f"train {size} L={seq_len} {dtype}"
-                if not part.fits(what, estimate):
-                    continue
-                start = time.perf_counter()
-                try:
-                    rows = tt.measure(kinds, seq_len, dtype, cfg["rounds"], cfg["steps"], peaks, device, size)
-                except torch.OutOfMemoryError as exc:
-                    part.data["errors"].append(f"{what}: out of memory ({str(exc).splitlines()[0][:120]})")
-                    rows = []
-                last = (seq_len, time.perf_counter() - start)
-                for row in rows:
-                    row.update(size=size, seq_len=seq_len)
-                    row.pop("step_times_s", None)
-                part.data["rows"] += rows
-                part.save()
-                empty_device_cache(device)
-                print(f"{what}: {last[1]:.1f} s", flush=True)
+    part.data.update(peaks=peaks, flash_attn=tt.has_flash(), compile=cfg["compile"])
+    history = {}  # mode -> (fixed seconds, timed-step seconds, tokens x cost) of the last row in that mode
+    for size, seq_len, batch, mode in cfg["rows"]:
+        for dtype in cfg["dtypes"]:
+            flash = ["llama-flash"] if dtype == "bf16" and mode == "eager" and tt.has_flash() else []
+            kinds = ["llama", "bst", "slide"] + flash
+            work = batch * seq_len * size_cost(size)
+            if mode in history:
+                fixed, variable, work0 = history[mode]
+                estimate = fixed + 1.3 * variable * work / work0
+            else:
+                estimate = cfg["compile_estimate_s"] if mode == "compiled" else 0.0
+            what = f"train {size} L={seq_len} batch {batch} {mode} {dtype}"
+            if not part.fits(what, estimate):
+                continue
+            if mode == "compiled":
+                torch._dynamo.reset()  # a fresh, static-shape compile for every row
+            start = time.perf_counter()
+            try:
+                rows = tt.measure(
+                    kinds,
+                    seq_len,
+                    dtype,
+                    cfg["rounds"],
+                    cfg["steps"],
+                    peaks,
+                    device,
+                    size,
+                    batch=batch,
+                    compile=cfg["compile"] if mode == "compiled" else None,
+                    busy_steps=cfg["busy_steps"],
+                    errors_as_rows=True,
+                )
+            except Exception as exc:  # out of memory in a timed step, or any failure: the row's error, not the end
+                part.data["errors"].append(f"{what}: {type(exc).__name__}: {str(exc).strip()[:200]}")
+                rows = []
+            seconds = time.perf_counter() - start
+            timed = sum(sum(r.get("step_times_s", [])) for r in rows)
+            per_row_steps = cfg["rounds"] * cfg["steps"] + cfg["busy_steps"]
+            variable = sum(min(r["step_times_s"]) for r in rows if r.get("step_times_s")) * per_row_steps
+            history[mode] = (max(seconds - timed, 0.0), variable, work)
+            for row in rows:
+                row.update(size=size, seq_len=seq_len)
+                row.pop("step_times_s", None)
+                if "error" in row:
+                    part.data["errors"].append(f"{what} {row['model']}: {row['error']}")
+            part.data["rows"] += rows
+            part.save()
+            empty_device_cache(device)
+            print(f"{what}: {seconds:.1f} s", flush=True)
     if plan.get("profile_train"):
         profile_train(part, plan)
 
@@ -580,18 +657,30 @@ def markdown(report: dict) -> list[str]:
     lines += ["", "## Training throughput", ""]
     if train.get("rows"):
         lines += [
-            f"One sequence per step (forward, backward, AdamW), batch 1. MFU = useful FLOPs/token x tokens/s / the "
-            f"measured bf16 matmul rate ({train['peaks']['bf16'] / 1e12:.1f} TFLOP/s; fp32 "
-            f"{train['peaks']['fp32'] / 1e12:.1f}); flash-attention-2 installed: {train['flash_attn']}.",
+            f"`batch` sequences of L tokens per step (forward, backward, AdamW; fused AdamW on CUDA), the contenders of "
+            f"a row in one process and mode (eager, or compiled = `torch.compile(model)` with "
+            f"`{train.get('compile', 'default')}`; its first step, the compile, not timed: `first step s`). MFU = useful "
+            f"FLOPs/token x tokens/s / the measured bf16 matmul rate ({train['peaks']['bf16'] / 1e12:.1f} TFLOP/s; "
+            f"fp32 {train['peaks']['fp32'] / 1e12:.1f}); GPU busy = the union of the device events' intervals "
+            "(kernels, copies) per step in a short torch.profiler run / the best unprofiled step; kernels = device "
+            f"events per step; flash-attention-2 installed: {train['flash_attn']}.",
             "",
-            "| size | L | model | dtype | params | tokens/s | vs Llama (sdpa) | FLOP ratio Llama/model | MFU (bf16) |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| size | L | model | batch | mode | dtype | params | tokens/s | vs Llama (sdpa) | FLOP ratio Llama/model | "
+            "MFU (bf16) | GPU busy | kernels/step | first step s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
-        lines += [
-            f"| {r['size']} | {r['seq_len']} | {r['model']} | {r['dtype']} | {r['params'] / 1e6:.1f}M | "
-            f"{r['tokens_per_s']:.0f} | {r['vs_llama']:.2f}x | {r['flop_ratio']:.2f}x | {100 * r['mfu_bf16']:.1f}% |"
-            for r in train["rows"]
-        ]
+        for r in train["rows"]:
+            head = f"| {r['size']} | {r['seq_len']} | {r['model']} | {r.get('batch', 1)} | {r.get('mode', 'eager')} | "
+            if "error" in r:
+                lines.append(head + f"{r['dtype']} | error: {r['error'][:120].replace('|', '/')} |" + " |" * 7)
+                continue
+            busy = r.get("gpu_busy")
+            lines.append(
+                head + f"{r['dtype']} | {r['params'] / 1e6:.1f}M | {r['tokens_per_s']:.0f} | "
+                f"{fmt(r['vs_llama'], '{:.2f}x')} | {fmt(r['flop_ratio'], '{:.2f}x')} | {100 * r['mfu_bf16']:.1f}% | "
+                f"{fmt(None if busy is None else 100 * busy, '{:.0f}%')} | {fmt(r.get('kernels_per_step'), '{:.0f}')} | "
+                f"{fmt(r.get('first_step_s'), '{:.1f}')} |"
+            )
         for prof in (train.get("profile") or {}).values():
             lines += [
                 "",

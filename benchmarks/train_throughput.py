@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -56,14 +57,20 @@ SIZES = {
     "60m": dict(hidden=512, layers=8, mlp=2048, heads=8, head_dim=64, bst_layers=[0, 5, 6], block_len=512),
     "200m": dict(hidden=1024, layers=12, mlp=4096, heads=8, head_dim=128, bst_layers=[0, 7, 9], block_len=512),
     "tiny": dict(hidden=128, layers=2, mlp=256, heads=2, head_dim=64, bst_layers=[0], block_len=64),  # dry runs
+    # benchmarks/train_ops.py counts ops: the 60m layer structure (and W) at a narrow width and a small vocabulary,
+    # which change no op of the sequence, only each op's size
+    "60m-narrow": dict(
+        hidden=64, layers=8, mlp=128, heads=8, head_dim=8, bst_layers=[0, 5, 6], block_len=512, vocab=512
+    ),
 }
 ATTENTION = {"llama": "sdpa", "llama-flash": "flash_attention_2"}
 
 
-def build(kind: str, seq_len: int, size: str = "60m"):
-    shape = SIZES[size]
+def build(kind: str, seq_len: int, size: str = "60m", **overrides):
+    """A contender of the preset ``size``; ``overrides`` replace entries of its shape (``block_len=64`` for example)."""
+    shape = {**SIZES[size], **overrides}
     common = dict(
-        vocab_size=32000,
+        vocab_size=shape.get("vocab", 32000),
         hidden_size=shape["hidden"],
         num_hidden_layers=shape["layers"],
         intermediate_size=shape["mlp"],
@@ -107,7 +114,12 @@ def flops_per_token(model, kind: str, seq_len: int) -> float:
 
 
 class Contender:
-    """A model with its optimiser; ``step()`` times one training step (forward, backward, AdamW)."""
+    """A model with its optimiser; ``step()`` times one training step (forward, backward, AdamW).
+
+    ``batch`` sequences of ``seq_len`` tokens per step; ``compile``: None (eager), ``"default"`` (``torch.compile(model)``,
+    inductor), another ``torch.compile`` mode, or ``"eager"`` (dynamo with the eager backend: the CPU dry runs);
+    ``fused``: ``AdamW(fused=True)`` (default: on CUDA). The first step (the compile, for a compiled model) is not
+    timed; its seconds are ``first_step_s``."""
 
     def __init__(
         self,
@@ -117,9 +129,12 @@ class Contender:
         device: str = "cpu",
         size: str = "60m",
         checkpointing: bool = False,
+        batch: int = 1,
+        compile: str | None = None,
+        fused: bool | None = None,
     ):
         torch.manual_seed(0)
-        self.kind, self.dtype, self.device = kind, dtype, device
+        self.kind, self.dtype, self.device, self.batch, self.compile = kind, dtype, device, batch, compile
         self.model = build(kind, seq_len, size).to(device)
         if checkpointing:  # the same transformers call for every contender: each layer's activations recomputed
             # later transformers 5.x name it activation_checkpointing_enable (the old name warns); take what exists
@@ -128,21 +143,63 @@ class Contender:
             else:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        self.ids = torch.randint(0, 32000, (1, seq_len), device=device)
+        self.step_model = self.model if compile is None else compiled(self.model, compile)
+        fused = torch.device(device).type == "cuda" if fused is None else fused
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, **({"fused": True} if fused else {}))
+        self.fused = fused
+        self.ids = torch.randint(0, self.model.config.vocab_size, (batch, seq_len), device=device)
         self.times = []
-        self.step(record=False)  # warm-up: optimiser state, allocator, kernel selection
+        start = time.perf_counter()
+        self.step(record=False)  # warm-up: optimiser state, allocator, kernel selection (and the compile)
+        self.first_step_s = clock(device) - start
 
     def step(self, record: bool = True):
         start = clock(self.device)
         device_type = torch.device(self.device).type
         with torch.autocast(device_type, dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16):
-            loss = self.model(input_ids=self.ids, labels=self.ids).loss
+            loss = self.step_model(input_ids=self.ids, labels=self.ids).loss
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if record:
             self.times.append(clock(self.device) - start)
+
+
+def compiled(model, mode: str):
+    """``torch.compile`` of ``model`` for training steps: ``"default"`` = ``torch.compile(model)``, ``"eager"`` = dynamo
+    with the eager backend (no code generation), any other name a ``torch.compile`` mode."""
+    if mode == "default":
+        return torch.compile(model)
+    if mode == "eager":
+        return torch.compile(model, backend="eager")
+    return torch.compile(model, mode=mode)
+
+
+def device_busy(contender: Contender, steps: int = 2) -> dict:
+    """Kernels per step and GPU busy fraction of ``contender`` from ``steps`` steps under torch.profiler: the device
+    events (kernels, copies, memsets) per step, and the union of their intervals per step over the contender's best
+    timed (unprofiled) step. On a CPU: ``{}`` (no device events)."""
+    if torch.device(contender.device).type != "cuda":
+        return {}
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            contender.step(record=False)
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    busy_us, end = 0.0, float("-inf")
+    for a, b in spans:  # union of the intervals: overlapping streams counted once
+        if b > end:
+            busy_us += b - max(a, end)
+            end = b
+    per_step_s = busy_us / 1e6 / steps
+    best = min(contender.times) if contender.times else None
+    return dict(
+        kernels_per_step=len(spans) / steps,
+        device_busy_ms_per_step=per_step_s * 1000,
+        gpu_busy=per_step_s / best if best else None,
+    )
 
 
 NAMES = {
@@ -163,42 +220,75 @@ def measure(
     device="cpu",
     size="60m",
     checkpointing: bool = False,
+    batch: int = 1,
+    compile: str | None = None,
+    fused: bool | None = None,
+    busy_steps: int = 0,
+    errors_as_rows: bool = False,
 ):
     """One row per contender (``kinds``, "llama" among them: the reference), contenders alternated round by round,
-    tokens/s from each one's fastest step. ``peaks``: measured matmul FLOP/s, keys "fp32" and "bf16".
-    ``checkpointing``: gradient checkpointing for every contender (the useful FLOPs do not count the recomputation)."""
+    tokens/s (``batch`` x ``seq_len`` per step) from each one's fastest step. ``peaks``: measured matmul FLOP/s, keys
+    "fp32" and "bf16". ``checkpointing``: gradient checkpointing for every contender (the useful FLOPs do not count
+    the recomputation). ``compile``, ``fused``: see [`Contender`]. ``busy_steps``: that many profiled steps per
+    contender after the timing ([`device_busy`]: kernels per step, GPU busy fraction). ``errors_as_rows``: a
+    contender that fails to build or to take its first step (a compile error, out of memory) becomes a row with an
+    ``error`` and the others are measured; otherwise the exception propagates."""
     if dtype_name not in peaks or "llama" not in kinds:  # before any model is built, not after the timing
         raise ValueError(f"dtype {dtype_name!r} (valid: {', '.join(peaks)}) and kinds {kinds} (must include llama)")
     dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
-    contenders = [Contender(kind, seq_len, dtype, device, size, checkpointing) for kind in kinds]
+    mode = "eager" if compile is None else f"compiled ({compile})"
+    contenders, failed = [], {}
+    for kind in kinds:
+        try:
+            contenders.append(
+                Contender(kind, seq_len, dtype, device, size, checkpointing, batch=batch, compile=compile, fused=fused)
+            )
+        except Exception as exc:
+            if not errors_as_rows:
+                raise
+            failed[kind] = (
+                f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
+            )
+            if torch.device(device).type == "cuda":
+                torch.cuda.empty_cache()
     # Alternate contenders and keep each one's best, so a machine-state flip hits all of them.
     for r in range(rounds):
         for c in contenders:
             for _ in range(steps):
                 c.step()
         print(
-            f"{dtype_name} round {r + 1}/{rounds}: "
-            + "  ".join(f"{c.kind} {seq_len / min(c.times):.0f} tok/s" for c in contenders),
+            f"{dtype_name} {mode} batch {batch} round {r + 1}/{rounds}: "
+            + "  ".join(f"{c.kind} {batch * seq_len / min(c.times):.0f} tok/s" for c in contenders),
             flush=True,
         )
-    tps = {c.kind: seq_len / min(c.times) for c in contenders}
+    tps = {c.kind: batch * seq_len / min(c.times) for c in contenders}
     fpt = {c.kind: flops_per_token(c.model, c.kind, seq_len) for c in contenders}
-    return [
-        dict(
-            model=NAMES[c.kind],
-            dtype=dtype_name,
-            params=sum(p.numel() for p in c.model.parameters()),
-            flops_per_token=fpt[c.kind],
-            tokens_per_s=tps[c.kind],
-            step_times_s=c.times,
-            vs_llama=tps[c.kind] / tps["llama"],
-            flop_ratio=fpt["llama"] / fpt[c.kind],
-            mfu=fpt[c.kind] * tps[c.kind] / peaks[dtype_name],
-            mfu_bf16=fpt[c.kind] * tps[c.kind] / peaks["bf16"],
-            gradient_checkpointing=checkpointing,
+    rows = []
+    for c in contenders:
+        busy = device_busy(c, busy_steps) if busy_steps else {}
+        rows.append(
+            dict(
+                model=NAMES[c.kind],
+                dtype=dtype_name,
+                batch=batch,
+                mode=mode,
+                fused_adamw=c.fused,
+                params=sum(p.numel() for p in c.model.parameters()),
+                flops_per_token=fpt[c.kind],
+                tokens_per_s=tps[c.kind],
+                step_times_s=c.times,
+                first_step_s=c.first_step_s,
+                vs_llama=tps[c.kind] / tps["llama"] if "llama" in tps else None,
+                flop_ratio=fpt["llama"] / fpt[c.kind] if "llama" in fpt else None,
+                mfu=fpt[c.kind] * tps[c.kind] / peaks[dtype_name],
+                mfu_bf16=fpt[c.kind] * tps[c.kind] / peaks["bf16"],
+                gradient_checkpointing=checkpointing,
+                **busy,
+            )
         )
-        for c in contenders
-    ]
+    rows += [dict(model=NAMES[k], dtype=dtype_name, batch=batch, mode=mode, error=e) for k, e in failed.items()]
+    del contenders
+    return rows
 
 
 def has_flash() -> bool:

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # One time-limited GPU sitting (issue #35, item 3): on one H100 or H200, within ~12 minutes of device time, in this
 # order, each part under its own timeout and only if it fits in the time left:
-#   (a) tests        the `gpu` tests (benchmarks/gpu_suite.sh --parts tests)
-#   (b) decode       decode ms/token at 1k..64k, batch 1 and batched, eager and with CUDA graphs
+#   (a) train        first (issue #44): BST:SH:S4, Slide and HF Llama trained in one process per row, most important
+#                    rows first: 60m L = 4k batch 1 eager and compiled (torch.compile), then L = 16k, then batch 8,
+#                    then 200m; bf16 autocast, fused AdamW; tokens/s, MFU, GPU busy fraction and kernels per step
+#                    (a short torch.profiler run); the rows that do not fit the budget (240 s) are skipped and
+#                    recorded; then a few steps of BST and Llama under torch.profiler (top ops in the report, the
+#                    profiler's tables in train/train_profile_<kind>.txt; --no-profile)
+#   (b) tests        the `gpu` tests (benchmarks/gpu_suite.sh --parts tests)
+#   (c) decode       decode ms/token at 1k..64k, batch 1 and batched, eager and with CUDA graphs
 #                    (torch.compile reduce-overhead; `cudagraph_skips` must be 0) against compiled Llama StaticCache
-#   (c) train        training tokens/s and MFU of the ~60M and ~200M presets vs HF Llama (SDPA; flash-attention-2
-#                    where installed) at L = 4k and 16k, bf16; then a few steps of BST and Llama under torch.profiler
-#                    (top ops in the report, the profiler's tables in train/train_profile_<kind>.txt; --no-profile)
 #   (d) quality:M-sS the accelerator LM protocol's next runs (research/gpu_quality.sh), two models at a time
 #                    sharing the GPU (~7-8 minutes a pair): BST:MF:S4 with independent filters, BRecT, Transformer-XL,
 #                    GSS-Hybrid (Slide and BST:SH:S4 seeds 0-2 are in research/results/lm_long_gpu already)
@@ -26,7 +29,7 @@
 #       and of datasets (and what datasets needs that such an image may lack) into .whl/, and the `allbooks` corpus
 #       and tokenizer into runs/lm_quality/{data,tokenizers}. Send .whl, runs/lm_quality/data and
 #       runs/lm_quality/tokenizers along (ignored paths, ~40 MB).
-#   bash scripts/gpu_sitting.sh [--total 660] [--parts "tests decode train quality layer_speed"]
+#   bash scripts/gpu_sitting.sh [--total 660] [--parts "train tests decode quality layer_speed"]
 #       [--models "bst-mf-s4-indep brect-fixed-skip trsf-xl gss-hybrid"] [--seeds 0] [--deadline 480]
 #       [--redo "decode"] [--no-profile]     there: the sitting. --total: seconds for all of it (the device tool's
 #       machine start is not in it); --deadline: seconds a quality pair may take (a run unfinished then is lost: its
@@ -45,7 +48,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
 STATE="docs/results/gpu_sitting_state.txt"
-ALL_PARTS="tests decode train quality layer_speed"
+ALL_PARTS="train tests decode quality layer_speed"
 parts="$ALL_PARTS" models="bst-mf-s4-indep brect-fixed-skip trsf-xl gss-hybrid" seeds="0" deadline=480 total=660
 redo="" profile=(--profile) prepare=0 plan_only=0 dry=() mqar=""
 while [ $# -gt 0 ]; do
@@ -107,9 +110,9 @@ commit="${BST_SOURCE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo un
 # -- the plan ------------------------------------------------------------------------------------------------------------
 # Budgets (seconds of the part itself; gpu_suite parts get GRACE = 20 s more before they are killed, plus start-up) and
 # the least time left for which a part is started at all.
-declare -A BUDGET=([tests]=120 [decode]=170 [train]=210 [layer_speed]=120)
-declare -A NEED=([tests]=60 [decode]=100 [train]=120 [layer_speed]=60)
-units=()  # the plan's units in order: tests decode train quality:<model>-s<seed>... layer_speed
+declare -A BUDGET=([train]=240 [tests]=120 [decode]=170 [layer_speed]=120)
+declare -A NEED=([train]=150 [tests]=60 [decode]=100 [layer_speed]=60)
+units=()  # the plan's units in order: train tests decode quality:<model>-s<seed>... layer_speed
 for p in $ALL_PARTS; do
     [[ " $parts " == *" $p "* ]] || continue
     if [ "$p" = quality ]; then

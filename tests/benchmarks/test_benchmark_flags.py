@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 SCRIPTS = ["compile_speed", "eval_memory", "generation_speed", "gpu_suite", "layer_speed", "ssm_scaling"]
-SCRIPTS += ["train_throughput", "generate_compile"]
+SCRIPTS += ["train_throughput", "generate_compile", "train_ops"]
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +45,8 @@ BAD_NAMES = [
     ("train_throughput", ["--dtypes", "fp32", "float16"], "float16", ["fp32", "bf16"]),
     ("train_throughput", ["--kinds", "llama", "mamba"], "mamba", ["llama", "bst", "slide"]),
     ("train_throughput", ["--size", "1b"], "1b", ["60m", "200m", "tiny"]),
+    ("train_ops", ["--kinds", "llama", "mamba"], "mamba", ["bst", "slide", "llama"]),
+    ("train_ops", ["--paths", "gpu"], "gpu", ["cpu", "accelerator"]),
     ("compile_speed", ["--modes", "backward"], "backward", ["forward", "train"]),
     ("compile_speed", ["--fft", "cufft"], "cufft", ["disable", "inductor", "op"]),
     ("eval_memory", ["--dtype", "float16"], "float16", ["float32", "bfloat16"]),

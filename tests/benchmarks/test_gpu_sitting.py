@@ -14,7 +14,7 @@ from benchmarks import gpu_suite
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "scripts" / "gpu_sitting.sh")
-UNITS = ["tests", "decode", "train", "quality:bst-mf-s4-indep-s0", "quality:brect-fixed-skip-s0"]
+UNITS = ["train", "tests", "decode", "quality:bst-mf-s4-indep-s0", "quality:brect-fixed-skip-s0"]
 UNITS += ["quality:trsf-xl-s0", "quality:gss-hybrid-s0", "layer_speed"]
 
 
@@ -32,10 +32,10 @@ def test_plan_order_and_budgets_without_gpu_or_writes(tmp_path):
     proc = sitting("--plan", "--state", str(tmp_path / "none.txt"))
     assert proc.returncode == 0, proc.stderr
     units = plan_units(proc.stdout)
-    assert [u for u, _ in units] == UNITS  # (a) tests (b) decode (c) train (d) quality pairs (e) layer speed
+    assert [u for u, _ in units] == UNITS  # (a) train (b) tests (c) decode (d) quality pairs (e) layer speed
     assert all(what.startswith("to run") for _, what in units)
     # whole budgets: a, b, c fit the default 660 s; the pairs (480 s each) and the layer speed wait
-    assert "expected this sitting (every part using its whole budget): tests decode train\n" in proc.stdout
+    assert "expected this sitting (every part using its whole budget): train tests decode\n" in proc.stdout
     assert not (ROOT / "gpu_sitting").exists() or not any((ROOT / "gpu_sitting").iterdir())
 
 
@@ -74,7 +74,7 @@ def test_bad_flags_exit_2_before_anything_runs(args, message, tmp_path):
 
 
 def test_dry_run_writes_the_plan_results_and_state_under_out(tmp_path):
-    """The dry run of the first part on the CPU: plan.txt, the part's suite report, and the state with the part
+    """The dry run of the tests part on the CPU: plan.txt, the part's suite report, and the state with the part
     added in $OUT; the repository's state file is read, not written."""
     state = tmp_path / "state.txt"
     state.write_text("# part\tutc\tcommit\tdevice\tnote\n")
@@ -106,7 +106,7 @@ def test_dry_run_writes_the_plan_results_and_state_under_out(tmp_path):
 @pytest.mark.slow
 def test_dry_run_of_every_part_stops_what_does_not_fit(tmp_path):
     """Every part's own dry run in the sitting's order; with --total 455 and --deadline 240 the first quality pair runs
-    after a, b and c (it needs 240 + 30 + 15 s left: true while a, b and c take under 170 s; ~45-70 s here) and the
+    after a, b and c (it needs 240 + 30 + 15 s left: true while a, b and c take under 170 s; ~90-120 s here) and the
     second waits for the next sitting (true once the first pair and a, b, c took over 170 s together; the pair's dry
     run alone takes ~200 s here). The sitting decides on the time left, so --total sits between those two."""
     state = tmp_path / "state.txt"
@@ -119,5 +119,5 @@ def test_dry_run_of_every_part_stops_what_does_not_fit(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     log = (out / "sitting.log").read_text()
     done = [line.split("\t")[0] for line in (out / "gpu_sitting_state.txt").read_text().splitlines()[1:]]
-    assert done[:3] == ["tests", "decode", "train"], log
+    assert done[:3] == ["train", "tests", "decode"], log
     assert "quality:slide-s0 quality:gss-hybrid-s0: wait for the next sitting" in log, log

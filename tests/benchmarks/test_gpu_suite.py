@@ -52,8 +52,17 @@ def test_dry_run_json_schema(dry_run):
 
     train = report["parts"]["train"]["data"]
     assert train["peaks"]["bf16"] > 0 and {r["model"] for r in train["rows"]} >= {"HF Llama (sdpa)", "BST:SH:S4"}
+    # the plan's rows in order, each with the three contenders in one mode: eager, compiled (dynamo's eager backend in
+    # the dry run), a larger batch; no errors
+    assert [(r["mode"], r["batch"]) for r in train["rows"][::3]] == [
+        ("eager", 1),
+        ("compiled (eager)", 1),
+        ("eager", 2),
+    ]
+    assert train["errors"] == [] and train["skipped"] == [] and train["compile"] == "eager"
     for row in train["rows"]:
-        assert row["tokens_per_s"] > 0 and row["mfu_bf16"] > 0 and row["size"] == "tiny"
+        assert row["tokens_per_s"] > 0 and row["mfu_bf16"] > 0 and row["size"] == "tiny" and row["first_step_s"] > 0
+        assert row["fused_adamw"] is False and "gpu_busy" not in row  # on a CPU: foreach AdamW, no device events
         if gpu_suite.torch.cuda.is_available():
             # On a CPU without native bf16 matmuls the bf16 "peak" is an emulated path slower than an fp32 model.
             assert row["mfu_bf16"] < 1
@@ -87,7 +96,8 @@ def test_dry_run_markdown_sections(dry_run):
         "## Skipped and errors",
     ]
     assert "BST:SH < 2x Slide at L = 4k; BRecT 6-11x slower than BST:SH" in md
-    assert md.count("| BST:SH:S4 / Slide < 2x |") == 2 and "| tiny | 128 | BST:SH:S4 |" in md
+    assert md.count("| BST:SH:S4 / Slide < 2x |") == 2 and "| tiny | 128 | BST:SH:S4 | 1 | eager | fp32 |" in md
+    assert "| tiny | 128 | Slide | 1 | compiled (eager) | fp32 |" in md
     assert "| tests | skipped (not selected) | 0 |" in md and not (out / "gpu_tests.xml").exists()
     assert all((out / f"{name}.log").exists() for name in MEASURED)
 
@@ -161,3 +171,46 @@ def test_train_profile_names_the_top_ops(tmp_path):
     report["targets"] = []
     md = "\n".join(gpu_suite.markdown(report))
     assert "Profile: profile train tiny L=128 bst, 1 step(s)" in md and "| op | calls | self ms | share |" in md
+
+
+def test_train_rows_in_plan_order_skip_what_does_not_fit_and_record_failed_compiles(tmp_path, monkeypatch):
+    """The train part measures its plan's rows in order; a compiled row estimated beyond the time left is skipped and
+    recorded, a later eager row that fits still runs; a contender whose compile fails is an error row beside the
+    others' measured rows (not the end of the part)."""
+    from benchmarks import train_throughput as tt
+
+    real = tt.compiled
+
+    def failing_for_bst(model, mode):
+        if isinstance(model, tt.BSTForCausalLM) and model.config.bst_layer_indices:
+            raise RuntimeError("inductor: complex codegen\nmore lines")
+        return real(model, mode)
+
+    monkeypatch.setattr(tt, "compiled", failing_for_bst)
+    train = dict(gpu_suite.PLANS["dry"]["train"], compile_estimate_s=1e6, rows=[("tiny", 64, 1, "compiled"),
+        ("tiny", 64, 1, "eager")])  # fmt: skip
+    part = gpu_suite.Part(tmp_path / "train.json", budget_s=300)
+    gpu_suite.part_train(part, dict(gpu_suite.PLANS["dry"], train=train))
+    (skipped,) = part.data["skipped"]
+    assert skipped.startswith("train tiny L=64 batch 1 compiled fp32: estimated 1000000 s > 29")
+    assert [r["mode"] for r in part.data["rows"]] == ["eager"] * 3
+
+    train["compile_estimate_s"] = 1
+    part = gpu_suite.Part(tmp_path / "train.json", budget_s=300)
+    gpu_suite.part_train(part, dict(gpu_suite.PLANS["dry"], train=dict(train, rows=train["rows"][:1])))
+    rows = {r["model"]: r for r in part.data["rows"]}
+    assert rows["BST:SH:S4"]["error"] == "RuntimeError: inductor: complex codegen"
+    assert rows["Slide"]["tokens_per_s"] > 0 and rows["HF Llama (sdpa)"]["vs_llama"] == 1
+    assert part.data["errors"] == ["train tiny L=64 batch 1 compiled fp32 BST:SH:S4: RuntimeError: inductor: complex "
+        "codegen"]  # fmt: skip
+    report = {
+        "dry_run": True,
+        "seconds": 1.0,
+        "targets": [],
+        "meta": dict(device="cpu", torch="t", cuda=None, transformers="x", python="p", model_code="m", started="s"),
+        "parts": {n: {"status": "ok", "seconds": 0, "budget_s": 0, "data": {}} for n in gpu_suite.PARTS},
+    }
+    report["meta"]["command"] = "c"
+    report["parts"]["train"]["data"] = part.data
+    md = "\n".join(gpu_suite.markdown(report))
+    assert "| tiny | 64 | BST:SH:S4 | 1 | compiled (eager) | fp32 | error: RuntimeError: inductor" in md
