@@ -1171,7 +1171,7 @@ class BSTModel(BSTPreTrainedModel):
         sync is cheap (an evaluation or prefill forward), never in training steps or decode steps (hot paths)."""
         if tracing():
             return False
-        return input_ids.device.type == "cpu" or not (self.training or decode_step)
+        return not on_accelerator(input_ids) or not (self.training or decode_step)
 
     def _check_unstruct_length(self, seq_len, cache, continuing):
         cfg = self.config
