@@ -317,40 +317,41 @@ _EXPONENT_TABLES: dict = {}
 
 
 @functools.lru_cache(maxsize=256)
-def chunk_exponents_layout(chunk: int, groups: int, num_groups: int, conv: bool):
+def chunk_exponents_layout(chunk: int, groups: int, conv: bool):
     """The exponent columns of [`S4DKernel.chunk_tables`] as Python lists ``(exponents, log_mask, offsets)``.
 
-    Columns: ``0.5`` and ``1`` (the discretisation), ``chunk - 1 .. 0`` (local chunk states, tokens in order),
-    ``0 .. chunk`` (read-outs; ``0`` only without ``conv``), then, if the chunks are scanned (``groups`` > 0),
-    ``chunk * (i - 1 - j)`` for ``i`` in ``[0, groups]``, ``j`` in ``[-1, groups)`` (within a group of chunks; column
-    ``j = -1`` carries the group's entering state) and ``chunk * groups * (G - c)`` for ``G, c < num_groups`` (across
-    groups). Negative exponents are masked (``log_mask`` -inf, exponent 0): those entries are exactly 0.
-    ``offsets``: where the token read-outs, the in-group grid and the cross-group grid start.
+    Columns: ``0.5`` and ``1`` (the discretisation); ``chunk - 1 .. 0`` (local chunk states, tokens in order), with
+    ``conv`` followed by ``chunk - 1`` zeros (the padding of the kernel's Toeplitz rows); the read-outs ``0 .. chunk``
+    (``0`` only without ``conv``); then, if chunks are scanned (``groups`` > 0), two lower-triangular ``(groups + 1)^2``
+    grids ``s (i - j)``, row-major, with ``s = chunk`` (within a group of chunks) and ``s = chunk * groups`` (across
+    groups). Zeros are masked entries (``log_mask`` -inf, exponent 0): exactly 0 in the table. ``offsets``: where the
+    read-outs and the grids start.
     """
     exps = [0.5, 1.0] + [float(t) for t in range(chunk - 1, -1, -1)]
+    mask = [0.0] * len(exps)
+    if conv:
+        exps += [0.0] * (chunk - 1)
+        mask += [-math.inf] * (chunk - 1)
     readout = len(exps)
     exps += [float(t) for t in range(chunk + 1 if conv else 1)]
-    mask = [0.0] * len(exps)
-    grid1 = len(exps)
-    for m in [i - 1 - j for i in range(groups + 1) for j in range(-1, groups)]:
-        exps.append(float(chunk * m) if m >= 0 else 0.0)
-        mask.append(0.0 if m >= 0 else -math.inf)
-    grid2 = len(exps)
-    for m in [g - c for g in range(num_groups) for c in range(num_groups)]:
-        exps.append(float(chunk * groups * m) if m >= 0 else 0.0)
-        mask.append(0.0 if m >= 0 else -math.inf)
-    return exps, mask, (readout, grid1, grid2)
+    mask += [0.0] * (len(exps) - len(mask))
+    grid = len(exps)
+    for scale in (chunk, chunk * groups) if groups else ():
+        for m in [i - j for i in range(groups + 1) for j in range(groups + 1)]:
+            exps.append(float(scale * m) if m >= 0 else 0.0)
+            mask.append(0.0 if m >= 0 else -math.inf)
+    return exps, mask, (readout, grid)
 
 
-def chunk_exponents(chunk: int, groups: int, num_groups: int, conv: bool, dtype: torch.dtype, device):
+def chunk_exponents(chunk: int, groups: int, conv: bool, dtype: torch.dtype, device):
     """[`chunk_exponents_layout`] as a `(2, E)` tensor (exponents, log-mask) and the offsets.
 
     Kept per device and dtype in eager mode (no host-to-device copy per forward: it would be a sync point on a GPU);
     built in the graph while tracing (a constant there)."""
-    exps, mask, offsets = chunk_exponents_layout(chunk, groups, num_groups, conv)
+    exps, mask, offsets = chunk_exponents_layout(chunk, groups, conv)
     if tracing():
         return torch.tensor([exps, mask], dtype=dtype, device=device), offsets
-    key = (chunk, groups, num_groups, conv, dtype, torch.device(device))
+    key = (chunk, groups, conv, dtype, torch.device(device))
     table = _EXPONENT_TABLES.get(key)
     if table is None:
         if len(_EXPONENT_TABLES) > 256:  # many distinct lengths: start over rather than grow
@@ -502,14 +503,14 @@ class S4DKernel(nn.Module):
         * ``rw`` `(Ds, T, C*T + 2 N2)`: ``[R | W]`` with the within-chunk convolution ``R[h, j, (c, t)] =
           K[c, h, t - j]`` (0 for j > t, ``K[0]`` with D added) and the local-state weights ``W[h, j, (p, n)] =
           (Bbar Abar^(T-1-j))_p`` (p: real, imaginary part). Without ``conv``: ``W`` only;
-        * ``g`` `(Ds, 2 N2, C*T)`: the free-response read-out, ``y[c, t] = sum_{p, n} x[p, n] g[(p, n), (c, t)]`` =
-          ``2 Re(C Abar^(t+1) x)`` for a state ``x`` stacked as ``(re, im)``. Without ``conv``: `(Ds, 2 N2, C)`,
-          ``2 Re(C x)``;
+        * ``g`` `(Ds, 2 N2, C*T)`: half the free-response read-out, ``sum_{p, n} x[p, n] g[(p, n), (c, t)]`` =
+          ``Re(C Abar^(t+1) x)`` for a state ``x`` stacked as ``(re, im)`` (callers multiply by 2 in their matmul).
+          Without ``conv``: `(Ds, 2 N2, C)`, ``Re(C x)``;
         * ``scan``: the three per-mode matrices of [`chunk_scan`] for ``num_chunks`` chunks (none for one chunk).
         """
         dtype = compute_dtype(self.log_dt)
         groups, num_groups = chunk_groups(num_chunks)
-        exps, (readout, grid1, grid2) = chunk_exponents(chunk, groups, num_groups, conv, dtype, self.log_dt.device)
+        exps, (readout, grid) = chunk_exponents(chunk, groups, conv, dtype, self.log_dt.device)
         modes, ds, out_channels = self.n_modes, self.channels, self.out_channels
         with _no_autocast(self.log_dt.device.type):
             neg_dt = -torch.exp(self.log_dt.to(dtype)).unsqueeze(-1)  # (Ds, 1)
@@ -521,47 +522,52 @@ class S4DKernel(nn.Module):
             cos, sin = torch.cos(phase), torch.sin(phase)
             # (Ds, 2, 2, N2, E): the 2 x 2 real block [[re, -im], [im, re]] of every power.
             powers = (torch.stack([cos, -sin, sin, cos], 1) * magnitude.unsqueeze(1)).unflatten(1, (2, 2))
+            # Column blocks by one split (one op in the backward, where separate slices would take one each).
+            sizes = [2, readout - 2, grid - readout, powers.shape[-1] - grid]
+            head, local, rows, grids = powers.split(sizes, -1)
             # Bbar = B expm1(dt Lambda) / Lambda. expm1(a + ib) = expm1(a) cos b - 2 sin^2(b/2) + i e^a sin b (no
             # cancellation for small dt); sin(b/2), cos b and e^a sin b are the table's columns 0 and 1.
-            e_re = torch.addcmul(torch.expm1(w[0]) * cos[..., 1], sin[..., 0], sin[..., 0], value=-2)
-            e_im = powers[:, 1, 0, :, 1]
+            sin_half = sin[..., 0]
+            e_re = torch.addcmul(torch.expm1(w[0]) * cos[..., 1], sin_half, sin_half, value=-2)
+            e_im = head[:, 1, 0, :, 1]
             # expm1 / Lambda = -expm1 conj(-Lambda) / |Lambda|^2; times B, with the minus sign kept in ``b_re``.
             y_re = torch.addcmul(e_re * lam[0], e_im, lam[1])  # Re(expm1 conj(-Lambda))
             y_im = torch.addcmul(e_re * lam[1], e_im, lam[0], value=-1)  # -Im(expm1 conj(-Lambda))
-            b = self.B.to(dtype)
-            b_re = torch.addcmul(b[..., 0] * y_re, b[..., 1], y_im)  # -|Lambda|^2 Re(Bbar)
-            b_im = torch.addcmul(b[..., 0] * y_im, b[..., 1], y_re, value=-1)  # |Lambda|^2 Im(Bbar)
+            b = self.B.to(dtype).unbind(-1)
+            b_re = torch.addcmul(b[0] * y_re, b[1], y_im)  # -|Lambda|^2 Re(Bbar)
+            b_im = torch.addcmul(b[0] * y_im, b[1], y_re, value=-1)  # |Lambda|^2 Im(Bbar)
             norm = torch.addcmul(lam[0] * lam[0], lam[1], lam[1])  # |Lambda|^2
-            # W = Bbar Abar^(T-1-j): (re, im) = Re(Bbar) (re, im)(A) + Im(Bbar) (-im, re)(A), the block's columns.
-            local = powers[..., 2:readout]  # (Ds, 2, 2, N2, T), exponents T-1 .. 0
+            # W = Bbar Abar^(T-1-j): (re, im) = Re(Bbar) (re, im)(A) + Im(Bbar) (-im, re)(A), the block's columns
+            # (with conv, T - 1 zero rows after them: the kernel comes out padded for its Toeplitz rows).
+            local = local.unbind(2)  # block columns (Ds, 2, N2, T | 2T - 1), exponents T-1 .. 0 (, zeros)
             b_re, b_im, norm = b_re[:, None, :, None], b_im[:, None, :, None], norm[:, None, :, None]
-            w_local = torch.addcmul(b_im * local[:, :, 1], b_re, local[:, :, 0], value=-1)  # |Lambda|^2 W
-            w_local = (w_local / norm).permute(0, 3, 1, 2).reshape(ds, chunk, 2 * modes)
-            # Read-out rows for x = (re, im): 2 Re(C A) = 2 (Re C re(A) - Im C im(A)) and -2 Im(C A), i.e. 2 Re(C) times
-            # the block's first row (re, -im) minus 2 Im(C) times its second row (im, re).
-            c2 = 2 * self.C.to(dtype)  # (C, Ds, N2, 2)
-            rows = powers[..., readout:grid1]  # (Ds, 2, 2, N2, T + 1 | 1): exponents 0 .. T
-            c_re, c_im = c2[..., 0][:, :, None, :, None], c2[..., 1][:, :, None, :, None]  # (C, Ds, 1, N2, 1)
-            g = torch.addcmul(c_re * rows[:, 0], c_im, rows[:, 1], value=-1)  # (C, Ds, 2, N2, T + 1)
-            g0 = g[..., 0].permute(1, 2, 3, 0).reshape(ds, 2 * modes, out_channels)  # 2 Re(C x)
+            w_local = torch.addcmul(b_im * local[1], b_re, local[0], value=-1)  # |Lambda|^2 W
+            w_local = (w_local / norm).permute(0, 3, 1, 2).reshape(ds, -1, 2 * modes)  # (Ds, T | 2T - 1, 2 N2)
+            # Read-out rows for x = (re, im): Re(C A) = Re C re(A) - Im C im(A) and -Im(C A), i.e. Re(C) times the
+            # block's first row (re, -im) minus Im(C) times its second row (im, re). Used as 2 g (``alpha=2``).
+            c_re, c_im = (c[:, :, None, :, None] for c in self.C.to(dtype).unbind(-1))  # (C, Ds, 1, N2, 1)
+            rows = rows.unbind(1)  # block rows (Ds, 2, N2, T + 1 | 1): exponents 0 .. T
+            g = torch.addcmul(c_re * rows[0], c_im, rows[1], value=-1)  # (C, Ds, 2, N2, T + 1)
+            g0 = g[..., 0].permute(1, 2, 3, 0).reshape(ds, 2 * modes, out_channels)  # Re(C x)
             scan = ()
             if groups:
-                blocks = powers[..., grid1:grid2].unflatten(-1, (groups + 1, groups + 1))  # (Ds, 2, 2, N2, i, j)
-                # rows (j, p_in), columns (i, p_out): right-multiplication by the in-group transition
-                in_group = blocks[..., 1:].permute(0, 3, 5, 2, 4, 1).reshape(ds * modes, 2 * groups, -1)
-                # Abar^(T i), i < groups: the group's entering state carried to its i-th chunk
-                carry = blocks[..., :groups, 0].permute(0, 3, 2, 4, 1).reshape(ds * modes, 2, 2 * groups)
-                across = powers[..., grid2:].unflatten(-1, (num_groups, num_groups))  # (Ds, 2, 2, N2, G, c)
-                across = across.permute(0, 3, 5, 2, 4, 1).reshape(ds * modes, 2 * num_groups, 2 * num_groups)
+                # Both grids (Ds, 2, 2, N2, 2, i, j) in one copy as (Ds N2, 2, (j, p_in), (i, p_out)): right-
+                # multiplication by the block [[re, -im], [im, re]] of Abar^(s (i - j)), s = T | T * groups.
+                blocks = grids.unflatten(-1, (2, groups + 1, groups + 1)).permute(0, 3, 4, 6, 2, 5, 1)
+                blocks = blocks.reshape(ds * modes, 2, 2 * groups + 2, 2 * groups + 2)
+                in_group = blocks[:, 0, 2:]  # rows j = 1 .. groups: chunk j - 1 of the group to the state at chunk i
+                carry = blocks[:, 0, :2, : 2 * groups]  # column j = 0: the entering state carried to chunk i < groups
+                across = blocks[:, 1, : 2 * num_groups, : 2 * num_groups]  # group j's end state to group i's start
                 scan = in_group, carry, across
             if not conv:
                 return w_local, g0, *scan
-            # The first T lags of the kernel, K[c, h, l] = 2 Re(C Bbar Abar^l) (+ D at l = 0), lag T-1-j at row j.
-            skip = F.pad(self.D.to(dtype).t().unsqueeze(1), (0, 0, chunk - 1, 0))  # (Ds, T, C): D at lag 0
-            k_rev = torch.baddbmm(skip, w_local, g0)  # (Ds, T, C)
-            # Toeplitz rows by one unfold: padded[h, j + i', c] = K[c, h, T-1-j-i'], so entry (j, T-1-t) is K[t-j].
-            toeplitz = F.pad(k_rev, (0, 0, 0, chunk - 1)).unfold(1, chunk, 1).flip(-1)  # (Ds, T, C, T)
-            rw = torch.cat([toeplitz.reshape(ds, chunk, out_channels * chunk), w_local], -1)
+            # The first T lags of the kernel, K[c, h, l] = 2 Re(C Bbar Abar^l) (+ D at l = 0), lag T-1-j at row j
+            # (rows T .. 2T - 2 zero).
+            skip = F.pad(self.D.to(dtype).t().unsqueeze(1), (0, 0, chunk - 1, chunk - 1))  # (Ds, 2T - 1, C)
+            k_rev = torch.baddbmm(skip, w_local, g0, alpha=2)  # (Ds, 2T - 1, C)
+            # Toeplitz rows by one unfold: window j holds K[T-1-j-i] at i, so entry (j, T-1-t) is K[t-j] (0 if t < j).
+            toeplitz = k_rev.unfold(1, chunk, 1).flip(-1)  # (Ds, T, C, T)
+            rw = torch.cat([toeplitz.reshape(ds, chunk, out_channels * chunk), w_local[:, :chunk]], -1)
             g = g[..., 1:].permute(1, 2, 3, 0, 4).reshape(ds, 2 * modes, out_channels * chunk)
             return rw, g, *scan
 
@@ -571,8 +577,8 @@ class S4DKernel(nn.Module):
         the state before the first chunk (``state``: complex `(B, Ds, N2)`, real `(B, Ds, N2, 2)` or None).
 
         ``x_k = sum_{j<k} A^(k-1-j) local_j + A^k state`` with ``A = Abar^T`` per mode, in two levels of per-mode
-        real matmuls (``scan``: the matrices from [`chunk_tables`], empty for one chunk): within groups of ~sqrt(nc) chunks, then across groups, then the
-        group's entering state carried to each of its chunks. Memory O(Ds N2 nc) (one level would need an nc x nc
+        real matmuls (``scan``: the matrices from [`chunk_tables`], empty for one chunk): within groups of ~sqrt(nc)
+        chunks, then across groups, then the group's entering state carried to each of its chunks. Memory O(Ds N2 nc) (one level would need an nc x nc
         matrix per mode: 4096 modes x 64^2 x 2 at L = 4096, more than the activations) and a fixed number of ops
         whatever the length (a log-depth scan would take 4-6 ops per round, log2(nc) rounds).
         """
@@ -585,8 +591,10 @@ class S4DKernel(nn.Module):
             return x0.reshape(ds, bsz, 2 * modes)
         in_group, carry, across = scan
         groups, num_groups = in_group.shape[1] // 2, across.shape[1] // 2
-        # (Ds * N2, B * groups', (j, p)): chunk-major within a group, p = re, im last
-        v = F.pad(local.view(ds, bsz, n_in, 2, modes).permute(0, 4, 1, 2, 3), (0, 0, 0, groups * num_groups - n_in))
+        # (Ds N2, B * groups', (j, p)): chunk-major within a group, p = re, im last
+        v = local.view(ds, bsz, n_in, 2, modes).permute(0, 4, 1, 2, 3)
+        if n_in < groups * num_groups:
+            v = F.pad(v, (0, 0, 0, groups * num_groups - n_in))
         x = torch.bmm(v.reshape(ds * modes, bsz * num_groups, 2 * groups), in_group)  # (.., (i <= groups, p))
         if num_groups > 1 or state is not None:
             ends = x.view(ds * modes, bsz, num_groups, groups + 1, 2)[:, :, : num_groups - 1, groups]
@@ -618,7 +626,7 @@ class S4DKernel(nn.Module):
         y = out[..., :width]
         if nc > 1 or state is not None:
             x0 = self.chunk_scan(out[..., width:].view(ds, bsz, nc, -1), state, scan, nc)
-            y = torch.baddbmm(y, x0, g)  # + the free response of every chunk
+            y = torch.baddbmm(y, x0, g, alpha=2)  # + the free response of every chunk
         y = y.view(ds, bsz, nc, self.out_channels, chunk).permute(1, 2, 4, 3, 0)
         return y.reshape(bsz, nc * chunk, self.out_channels, ds)[:, :length]
 
@@ -658,7 +666,9 @@ class S4DKernel(nn.Module):
             rw, g, *_ = constants if constants is not None else self.chunked_constants(chunk, z.dtype, nc)
             width = self.out_channels * chunk
             u = z.reshape(bsz * nc, chunk, ds).permute(2, 0, 1)  # (Ds, B*n, T)
-            y = torch.baddbmm(torch.bmm(u, rw[..., :width]), x0.reshape(ds, bsz * nc, -1), g)  # (Ds, B*n, C*T)
+            y = torch.baddbmm(
+                torch.bmm(u, rw[..., :width]), x0.reshape(ds, bsz * nc, -1), g, alpha=2
+            )  # (Ds, B*n, C*T)
             y = y.view(ds, bsz * nc, self.out_channels, chunk).permute(2, 0, 1, 3)
             return y.reshape(self.out_channels, ds, bsz * length)
 
@@ -776,7 +786,7 @@ class S4DKernel(nn.Module):
             x = self.chunk_scan(local.view(ds, bsz, nb, -1), state, scan, nb + 1, first=1)  # (Ds, B*nb, 2 N2)
             z_end = z[:, block_len - 1 :: block_len].permute(2, 0, 1).unsqueeze(-1)  # (Ds, B, nb, 1)
             skip = (z_end * self.D.to(z.dtype).t()[:, None, None]).view(ds, bsz * nb, self.out_channels)
-            y = torch.baddbmm(skip, x, readout)  # (Ds, B*nb, C)
+            y = torch.baddbmm(skip, x, readout, alpha=2)  # (Ds, B*nb, C)
             return y.view(ds, bsz, nb, self.out_channels).permute(1, 2, 3, 0)
 
     def complex_block_end_outputs(self, z: torch.Tensor, block_len: int, state: torch.Tensor | None = None):
