@@ -320,27 +320,22 @@ _EXPONENT_TABLES: dict = {}
 def chunk_exponents_layout(chunk: int, groups: int, conv: bool):
     """The exponent columns of [`S4DKernel.chunk_tables`] as Python lists ``(exponents, log_mask, offsets)``.
 
-    Columns: ``0.5`` and ``1`` (the discretisation); ``chunk - 1 .. 0`` (local chunk states, tokens in order), with
-    ``conv`` followed by ``chunk - 1`` zeros (the padding of the kernel's Toeplitz rows); the read-outs ``0 .. chunk``
-    (``0`` only without ``conv``); then, if chunks are scanned (``groups`` > 0), two lower-triangular ``(groups + 1)^2``
-    grids ``s (i - j)``, row-major, with ``s = chunk`` (within a group of chunks) and ``s = chunk * groups`` (across
-    groups). Zeros are masked entries (``log_mask`` -inf, exponent 0): exactly 0 in the table. ``offsets``: where the
-    read-outs and the grids start.
+    Columns: ``0.5`` and ``1`` (the discretisation); ``chunk - 1 .. 0`` (local chunk states, tokens in order); the
+    read-outs ``0 .. chunk`` (``0`` only without ``conv``); then, if chunks are scanned (``groups`` > 0), for ``s =
+    chunk`` (within a group of chunks) and ``s = chunk * groups`` (across groups): ``groups`` masked columns (log-mask
+    -inf: exactly 0 in the table) and ``s * m`` for ``m`` in ``[0, groups]``, whose windows of ``groups + 1`` are the
+    rows of the lower-triangular Toeplitz grid ``s (i - j)`` (reversed). ``offsets``: where the read-outs and the
+    scan's columns start.
     """
     exps = [0.5, 1.0] + [float(t) for t in range(chunk - 1, -1, -1)]
-    mask = [0.0] * len(exps)
-    if conv:
-        exps += [0.0] * (chunk - 1)
-        mask += [-math.inf] * (chunk - 1)
     readout = len(exps)
     exps += [float(t) for t in range(chunk + 1 if conv else 1)]
-    mask += [0.0] * (len(exps) - len(mask))
-    grid = len(exps)
-    for scale in (chunk, chunk * groups) if groups else ():
-        for m in [i - j for i in range(groups + 1) for j in range(groups + 1)]:
-            exps.append(float(scale * m) if m >= 0 else 0.0)
-            mask.append(0.0 if m >= 0 else -math.inf)
-    return exps, mask, (readout, grid)
+    mask = [0.0] * len(exps)
+    scan = len(exps)
+    for step in (chunk, chunk * groups) if groups else ():
+        exps += [0.0] * groups + [float(step * m) for m in range(groups + 1)]
+        mask += [-math.inf] * groups + [0.0] * (groups + 1)
+    return exps, mask, (readout, scan)
 
 
 def chunk_exponents(chunk: int, groups: int, conv: bool, dtype: torch.dtype, device):
@@ -348,9 +343,10 @@ def chunk_exponents(chunk: int, groups: int, conv: bool, dtype: torch.dtype, dev
 
     Kept per device and dtype in eager mode (no host-to-device copy per forward: it would be a sync point on a GPU);
     built in the graph while tracing (a constant there)."""
-    exps, mask, offsets = chunk_exponents_layout(chunk, groups, conv)
-    if tracing():
+    if tracing():  # the plain function (dynamo would warn about the lru_cache wrapper)
+        exps, mask, offsets = chunk_exponents_layout.__wrapped__(chunk, groups, conv)
         return torch.tensor([exps, mask], dtype=dtype, device=device), offsets
+    exps, mask, offsets = chunk_exponents_layout(chunk, groups, conv)
     key = (chunk, groups, conv, dtype, torch.device(device))
     table = _EXPONENT_TABLES.get(key)
     if table is None:
@@ -537,12 +533,11 @@ class S4DKernel(nn.Module):
             b_re = torch.addcmul(b[0] * y_re, b[1], y_im)  # -|Lambda|^2 Re(Bbar)
             b_im = torch.addcmul(b[0] * y_im, b[1], y_re, value=-1)  # |Lambda|^2 Im(Bbar)
             norm = torch.addcmul(lam[0] * lam[0], lam[1], lam[1])  # |Lambda|^2
-            # W = Bbar Abar^(T-1-j): (re, im) = Re(Bbar) (re, im)(A) + Im(Bbar) (-im, re)(A), the block's columns
-            # (with conv, T - 1 zero rows after them: the kernel comes out padded for its Toeplitz rows).
-            local = local.unbind(2)  # block columns (Ds, 2, N2, T | 2T - 1), exponents T-1 .. 0 (, zeros)
+            # W = Bbar Abar^(T-1-j): (re, im) = Re(Bbar) (re, im)(A) + Im(Bbar) (-im, re)(A), the block's columns.
+            local = local.unbind(2)  # block columns (Ds, 2, N2, T), exponents T-1 .. 0
             b_re, b_im, norm = b_re[:, None, :, None], b_im[:, None, :, None], norm[:, None, :, None]
             w_local = torch.addcmul(b_im * local[1], b_re, local[0], value=-1)  # |Lambda|^2 W
-            w_local = (w_local / norm).permute(0, 3, 1, 2).reshape(ds, -1, 2 * modes)  # (Ds, T | 2T - 1, 2 N2)
+            w_local = (w_local / norm).permute(0, 3, 1, 2).reshape(ds, chunk, 2 * modes)  # (Ds, T, 2 N2)
             # Read-out rows for x = (re, im): Re(C A) = Re C re(A) - Im C im(A) and -Im(C A), i.e. Re(C) times the
             # block's first row (re, -im) minus Im(C) times its second row (im, re). Used as 2 g (``alpha=2``).
             c_re, c_im = (c[:, :, None, :, None] for c in self.C.to(dtype).unbind(-1))  # (C, Ds, 1, N2, 1)
@@ -551,23 +546,27 @@ class S4DKernel(nn.Module):
             g0 = g[..., 0].permute(1, 2, 3, 0).reshape(ds, 2 * modes, out_channels)  # Re(C x)
             scan = ()
             if groups:
-                # Both grids (Ds, 2, 2, N2, 2, i, j) in one copy as (Ds N2, 2, (j, p_in), (i, p_out)): right-
-                # multiplication by the block [[re, -im], [im, re]] of Abar^(s (i - j)), s = T | T * groups.
-                blocks = grids.unflatten(-1, (2, groups + 1, groups + 1)).permute(0, 3, 4, 6, 2, 5, 1)
-                blocks = blocks.reshape(ds * modes, 2, 2 * groups + 2, 2 * groups + 2)
-                in_group = blocks[:, 0, 2:]  # rows j = 1 .. groups: chunk j - 1 of the group to the state at chunk i
-                carry = blocks[:, 0, :2, : 2 * groups]  # column j = 0: the entering state carried to chunk i < groups
-                across = blocks[:, 1, : 2 * num_groups, : 2 * num_groups]  # group j's end state to group i's start
+                # Both grids (Ds, 2, 2, N2, 2, i, j) from windows of their columns (Hankel; the flip makes them
+                # Toeplitz), in one copy as (Ds N2, 2, (j, p_in), (i, p_out)): right-multiplication by the block
+                # [[re, -im], [im, re]] of Abar^(s (i - j)), s = T | T * groups.
+                blocks = grids.unflatten(-1, (2, 2 * groups + 1)).unfold(-1, groups + 1, 1).flip(-1)
+                blocks = blocks.permute(0, 3, 4, 6, 2, 5, 1)
+                in_group, across = blocks.reshape(ds * modes, 2, 2 * groups + 2, 2 * groups + 2).unbind(1)
+                # column j = 0: the entering state carried to chunk i < groups; rows j = 1 .. groups: chunk j - 1 of
+                # the group to the state entering chunk i (i = groups: the group's end state)
+                carry, in_group = in_group.split([2, 2 * groups], 1)
+                carry = carry[..., : 2 * groups]
+                across = across[:, : 2 * num_groups, : 2 * num_groups]  # group j's end state to group i's start
                 scan = in_group, carry, across
             if not conv:
                 return w_local, g0, *scan
-            # The first T lags of the kernel, K[c, h, l] = 2 Re(C Bbar Abar^l) (+ D at l = 0), lag T-1-j at row j
-            # (rows T .. 2T - 2 zero).
-            skip = F.pad(self.D.to(dtype).t().unsqueeze(1), (0, 0, chunk - 1, chunk - 1))  # (Ds, 2T - 1, C)
-            k_rev = torch.baddbmm(skip, w_local, g0, alpha=2)  # (Ds, 2T - 1, C)
-            # Toeplitz rows by one unfold: window j holds K[T-1-j-i] at i, so entry (j, T-1-t) is K[t-j] (0 if t < j).
-            toeplitz = k_rev.unfold(1, chunk, 1).flip(-1)  # (Ds, T, C, T)
-            rw = torch.cat([toeplitz.reshape(ds, chunk, out_channels * chunk), w_local[:, :chunk]], -1)
+            # The first T lags of the kernel, K[c, h, l] = 2 Re(C Bbar Abar^l) (+ D at l = 0), lag T-1-j at row j.
+            skip = F.pad(self.D.to(dtype).t().unsqueeze(1), (0, 0, chunk - 1, 0))  # (Ds, T, C): D at lag 0
+            k_rev = torch.baddbmm(skip, w_local, g0, alpha=2)  # (Ds, T, C)
+            # Toeplitz rows by one unfold of the zero-padded lags: window j holds K[T-1-j-i] at i, so entry (j, T-1-t)
+            # is K[t-j] (0 for t < j).
+            toeplitz = F.pad(k_rev, (0, 0, 0, chunk - 1)).unfold(1, chunk, 1).flip(-1)  # (Ds, T, C, T)
+            rw = torch.cat([toeplitz.reshape(ds, chunk, out_channels * chunk), w_local], -1)
             g = g[..., 1:].permute(1, 2, 3, 0, 4).reshape(ds, 2 * modes, out_channels * chunk)
             return rw, g, *scan
 
