@@ -1,7 +1,8 @@
 """SSM kernels of the Block-State Transformer: diagonal S4 (S4D) and Hyena-style "unstruct" filters.
 
-Both kernels produce a causal long convolution over the whole sequence (computed with an FFT of size 2L in
-float32, also under bf16 autocast) plus a D skip term, behind one contract (each kernel with its own state):
+Both kernels produce a causal long convolution over the whole sequence (in float32, also under bf16 autocast: an
+FFT of size 2L; S4D in training, on accelerators and without a memoised spectrum in real arithmetic chunk by chunk,
+[`S4DKernel.chunked_forward`]) plus a D skip term, behind one contract (each kernel with its own state):
 
 * ``forward(z, state=None)``: full-sequence form, `(B, L, Ds)` -> `(B, L, C, Ds)`, continuing from ``state``;
 * ``final_state(z, state=None)``: the state after ``z`` (rows right-aligned: leading zeros are no input);
