@@ -179,14 +179,14 @@ class TokenContextStates(BSTContextStates):
         chunk = ssm.chunk_len
         nc = -(-length // chunk)
         zc = F.pad(upcast_ssm(z, ssm.log_dt), (0, 0, 0, nc * chunk - length))  # causal: zeros at the end are inert
-        x0 = ssm.chunk_start_states(zc, chunk, state)  # (B, nc, Ds, N2)
-        constants = ssm.chunked_constants(chunk, zc.dtype)
+        constants = ssm.chunked_constants(chunk, zc.dtype, nc)  # one discretisation for the states and segments
+        x0 = ssm.chunk_start_states(zc, chunk, state, constants)  # (Ds, B, nc, 2 N2)
         per = max(1, self.segment_len // chunk)  # chunks per segment
         keys, values = [], []
         for c0 in range(0, nc, per):
             c1 = min(nc, c0 + per)
             # (C, Ds, B*n): the segment's SSM outputs, lifted and projected at once
-            y = ssm.channel_major_chunks(zc[:, c0 * chunk : c1 * chunk], x0[:, c0:c1], chunk, constants)
+            y = ssm.channel_major_chunks(zc[:, c0 * chunk : c1 * chunk], x0[:, :, c0:c1], chunk, constants)
             k, v = self.lift_channel_major(y, bsz)
             keys.append(k)
             values.append(v)

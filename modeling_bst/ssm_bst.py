@@ -1,7 +1,8 @@
 """SSM kernels of the Block-State Transformer: diagonal S4 (S4D) and Hyena-style "unstruct" filters.
 
-Both kernels produce a causal long convolution over the whole sequence (computed with an FFT of size 2L in
-float32, also under bf16 autocast) plus a D skip term, behind one contract (each kernel with its own state):
+Both kernels produce a causal long convolution over the whole sequence (in float32, also under bf16 autocast: an
+FFT of size 2L; S4D in training, on accelerators and without a memoised spectrum in real arithmetic chunk by chunk,
+[`S4DKernel.chunked_forward`]) plus a D skip term, behind one contract (each kernel with its own state):
 
 * ``forward(z, state=None)``: full-sequence form, `(B, L, Ds)` -> `(B, L, C, Ds)`, continuing from ``state``;
 * ``final_state(z, state=None)``: the state after ``z`` (rows right-aligned: leading zeros are no input);
@@ -22,6 +23,7 @@ Shape legend: B batch, L length, C output channels per SSM channel (1 for SH, H 
 Ds SSM channels, N2 complex modes (ssm_state_size / 2), nb number of blocks, W block length.
 """
 
+import functools
 import math
 
 import torch
@@ -310,6 +312,61 @@ def stacked_states(x0: torch.Tensor) -> torch.Tensor:
     return torch.cat([x0.real, x0.imag], -1).permute(2, 0, 1, 3).reshape(ds, bsz * n, 2 * modes)
 
 
+# S4D's chunked training path ([`S4DKernel.chunked_forward`]) in real arithmetic: the exponents ``e`` of the powers
+# ``Abar^e`` it needs, and a log-mask that zeroes the entries above the diagonal of its chunk-level matrices.
+_EXPONENT_TABLES: dict = {}
+
+
+@functools.lru_cache(maxsize=256)
+def chunk_exponents_layout(chunk: int, groups: int, conv: bool):
+    """The exponent columns of [`S4DKernel.chunk_tables`] as Python lists ``(exponents, log_mask, offsets)``.
+
+    Columns: ``0.5`` and ``1`` (the discretisation); ``chunk - 1 .. 0`` (local chunk states, tokens in order); the
+    read-outs ``0 .. chunk`` (``0`` only without ``conv``); then, if chunks are scanned (``groups`` > 0), for ``s =
+    chunk`` (within a group of chunks) and ``s = chunk * groups`` (across groups): ``groups`` masked columns (log-mask
+    -inf: exactly 0 in the table) and ``s * m`` for ``m`` in ``[0, groups]``, whose windows of ``groups + 1`` are the
+    rows of the lower-triangular Toeplitz grid ``s (i - j)`` (reversed). ``offsets``: where the read-outs and the
+    scan's columns start.
+    """
+    exps = [0.5, 1.0] + [float(t) for t in range(chunk - 1, -1, -1)]
+    readout = len(exps)
+    exps += [float(t) for t in range(chunk + 1 if conv else 1)]
+    mask = [0.0] * len(exps)
+    scan = len(exps)
+    for step in (chunk, chunk * groups) if groups else ():
+        exps += [0.0] * groups + [float(step * m) for m in range(groups + 1)]
+        mask += [-math.inf] * groups + [0.0] * (groups + 1)
+    return exps, mask, (readout, scan)
+
+
+def chunk_exponents(chunk: int, groups: int, conv: bool, dtype: torch.dtype, device):
+    """[`chunk_exponents_layout`] as a `(2, E)` tensor (exponents, log-mask) and the offsets.
+
+    Kept per device and dtype in eager mode (no host-to-device copy per forward: it would be a sync point on a GPU);
+    built in the graph while tracing (a constant there)."""
+    if tracing():  # the plain function (dynamo would warn about the lru_cache wrapper)
+        exps, mask, offsets = chunk_exponents_layout.__wrapped__(chunk, groups, conv)
+        return torch.tensor([exps, mask], dtype=dtype, device=device), offsets
+    exps, mask, offsets = chunk_exponents_layout(chunk, groups, conv)
+    key = (chunk, groups, conv, dtype, torch.device(device))
+    table = _EXPONENT_TABLES.get(key)
+    if table is None:
+        if len(_EXPONENT_TABLES) > 256:  # many distinct lengths: start over rather than grow
+            _EXPONENT_TABLES.clear()
+        with torch.inference_mode(False):  # usable by later training steps (inference tensors are not)
+            table = _EXPONENT_TABLES[key] = torch.tensor([exps, mask], dtype=dtype, device=device)
+    return table, offsets
+
+
+def chunk_groups(num_chunks: int) -> tuple[int, int]:
+    """Chunks per group and groups of the two-level chunk scan ([`S4DKernel.chunk_scan`]): about sqrt(nc) each, so
+    that its per-mode matrices hold O(nc) entries. ``(0, 0)`` for one chunk (nothing to scan)."""
+    if num_chunks <= 1:
+        return 0, 0
+    groups = math.isqrt(num_chunks - 1) + 1  # ceil(sqrt(nc))
+    return groups, -(-num_chunks // groups)
+
+
 class S4DKernel(nn.Module):
     """Diagonal state-space kernel (S4D) with zero-order-hold discretisation.
 
@@ -392,10 +449,10 @@ class S4DKernel(nn.Module):
         """Full-sequence form. ``z`` `(B, L, Ds)` -> ``y`` `(B, L, C, Ds)` (float32).
 
         ``state`` (`(B, Ds, N2)` complex), if given, is the state before the first token (a continued sequence).
-        Sequences longer than ``2 * chunk_len`` (causal kernels) run chunk by chunk ([`chunked_forward`], see
-        [`use_chunks`]): the kernel and its spectrum then have ``chunk_len`` lags whatever the length, so time and
-        memory grow linearly in L also with many read-outs (MH: C = H) and in training, where nothing is memoised
-        (measured at L = 4096, D_s = 512, one thread: SH forward + backward 202 -> 156 ms, MH 3.6 -> 2.0 s).
+        Causal kernels run chunk by chunk in real arithmetic ([`chunked_forward`], see [`use_chunks`]): in training,
+        on accelerators and whenever no whole-length spectrum is memoised; time and memory grow linearly in L also
+        with many read-outs (MH: C = H). Otherwise (``chunk_len = 0``, bidirectional kernels, CPU evaluation with a
+        memoised spectrum) one FFT convolution over the whole length.
         """
         if use_real_arithmetic() or (state is not None and not state.is_complex()):
             return self.real_forward(z, state)
@@ -403,7 +460,7 @@ class S4DKernel(nn.Module):
             z = z.to(compute_dtype(self.log_dt))
             length = z.shape[1]
             if self.use_chunks(length, z.element_size()):
-                return self.chunked_forward(z, self.chunk_len, state)
+                return self.chunked_forward(z, min(self.chunk_len, length), state)
             u = z.transpose(1, 2)  # (B, Ds, L)
             y = fft_conv(u, memoised_spectrum(self, (length, z.dtype), lambda: self.spectrum(length)))  # (B, C, Ds, L)
             if state is not None:
@@ -414,15 +471,211 @@ class S4DKernel(nn.Module):
             return y.permute(0, 3, 1, 2)  # (B, L, C, Ds)
 
     def use_chunks(self, length: int, element_size: int) -> bool:
-        """Whether [`forward`] runs chunk by chunk: for causal kernels longer than two chunks, unless a memoised
-        whole-length spectrum can be reused (evaluation), which is faster while it fits the memo."""
-        if not self.chunk_len or length <= 2 * self.chunk_len or self.bidirectional:
+        """Whether [`forward`] runs chunk by chunk ([`chunked_forward`]): causal kernels with ``chunk_len`` set,
+        unless a memoised whole-length spectrum can be reused (CPU evaluation), which is faster while it fits the
+        memo (and for at most two chunks)."""
+        if not self.chunk_len or self.bidirectional:
             return False
+        if not spectrum_memo_usable(self):
+            return True  # training, gradients, accelerators, tracing: the real chunked form
         spectrum_bytes = self.out_channels * self.channels * (length + 1) * 2 * element_size
-        return not (spectrum_memo_usable(self) and spectrum_bytes <= SPECTRUM_MEMO_BYTES)
+        return length > 2 * self.chunk_len and spectrum_bytes > SPECTRUM_MEMO_BYTES
+
+    # -- the chunked form in real arithmetic (training, prefill on accelerators) -------------------------------------
+    # Per chunk of T tokens (the SSD / Mamba2 chunked form, for a diagonal complex state): the output is a causal
+    # convolution with the first T lags of the kernel (a lower-triangular T x T Toeplitz matrix per read-out and
+    # channel, D skip on its diagonal) plus the free response to the state entering the chunk; the chunk's own end
+    # state is a matmul against the powers ``Bbar Abar^(T-1-j)``; entering states come from a two-level scan over
+    # chunks ([`chunk_scan`]). Complex numbers are (re, im) pairs stacked in one real dimension (``2 N2``: real parts
+    # of the N2 modes, then imaginary ones), complex products by per-mode constants 2 x 2 real blocks
+    # ``[[re, -im], [im, re]]``: everything is a real batched matmul, one discretisation per forward and no complex
+    # tensor (inductor generates code for all of it; eager it is few large ops). Same maps as the complex forms,
+    # in float64 to ~1e-15.
+
+    def chunk_tables(self, chunk: int, num_chunks: int, conv: bool = True):
+        """What the real chunked form needs from the parameters, from one discretisation.
+
+        Returns ``(rw, g, *scan)`` (a flat tuple, so that it can be memoised):
+
+        * ``rw`` `(Ds, T, C*T + 2 N2)`: ``[R | W]`` with the within-chunk convolution ``R[h, j, (c, t)] =
+          K[c, h, t - j]`` (0 for j > t, ``K[0]`` with D added) and the local-state weights ``W[h, j, (p, n)] =
+          (Bbar Abar^(T-1-j))_p`` (p: real, imaginary part). Without ``conv``: ``W`` only;
+        * ``g`` `(Ds, 2 N2, C*T)`: half the free-response read-out, ``sum_{p, n} x[p, n] g[(p, n), (c, t)]`` =
+          ``Re(C Abar^(t+1) x)`` for a state ``x`` stacked as ``(re, im)`` (callers multiply by 2 in their matmul).
+          Without ``conv``: `(Ds, 2 N2, C)`, ``Re(C x)``;
+        * ``scan``: the three per-mode matrices of [`chunk_scan`] for ``num_chunks`` chunks (none for one chunk).
+        """
+        dtype = compute_dtype(self.log_dt)
+        groups, num_groups = chunk_groups(num_chunks)
+        exps, (readout, grid) = chunk_exponents(chunk, groups, conv, dtype, self.log_dt.device)
+        modes, ds, out_channels = self.n_modes, self.channels, self.out_channels
+        with _no_autocast(self.log_dt.device.type):
+            neg_dt = -torch.exp(self.log_dt.to(dtype)).unsqueeze(-1)  # (Ds, 1)
+            lam = torch.exp(self.A_log_real.to(dtype)), self.A_imag.to(dtype)  # -Lambda
+            w = lam[0] * neg_dt, lam[1] * neg_dt  # dt Lambda = log Abar, (Ds, N2)
+            # Abar^e for every exponent e: e^(e Re w) (cos(e Im w) + i sin(e Im w)), 0 where masked.
+            magnitude = torch.exp(torch.addcmul(exps[1], w[0].unsqueeze(-1), exps[0]))  # (Ds, N2, E)
+            phase = w[1].unsqueeze(-1) * exps[0]
+            cos, sin = torch.cos(phase), torch.sin(phase)
+            # (Ds, 2, 2, N2, E): the 2 x 2 real block [[re, -im], [im, re]] of every power.
+            powers = (torch.stack([cos, -sin, sin, cos], 1) * magnitude.unsqueeze(1)).unflatten(1, (2, 2))
+            # Column blocks by one split (one op in the backward, where separate slices would take one each).
+            sizes = [2, readout - 2, grid - readout, powers.shape[-1] - grid]
+            head, local, rows, grids = powers.split(sizes, -1)
+            # Bbar = B expm1(dt Lambda) / Lambda. expm1(a + ib) = expm1(a) cos b - 2 sin^2(b/2) + i e^a sin b (no
+            # cancellation for small dt); sin(b/2), cos b and e^a sin b are the table's columns 0 and 1.
+            sin_half = sin[..., 0]
+            e_re = torch.addcmul(torch.expm1(w[0]) * cos[..., 1], sin_half, sin_half, value=-2)
+            e_im = head[:, 1, 0, :, 1]
+            # expm1 / Lambda = -expm1 conj(-Lambda) / |Lambda|^2; times B, with the minus sign kept in ``b_re``.
+            y_re = torch.addcmul(e_re * lam[0], e_im, lam[1])  # Re(expm1 conj(-Lambda))
+            y_im = torch.addcmul(e_re * lam[1], e_im, lam[0], value=-1)  # -Im(expm1 conj(-Lambda))
+            b = self.B.to(dtype).unbind(-1)
+            b_re = torch.addcmul(b[0] * y_re, b[1], y_im)  # -|Lambda|^2 Re(Bbar)
+            b_im = torch.addcmul(b[0] * y_im, b[1], y_re, value=-1)  # |Lambda|^2 Im(Bbar)
+            norm = torch.addcmul(lam[0] * lam[0], lam[1], lam[1])  # |Lambda|^2
+            # W = Bbar Abar^(T-1-j): (re, im) = Re(Bbar) (re, im)(A) + Im(Bbar) (-im, re)(A), the block's columns.
+            local = local.unbind(2)  # block columns (Ds, 2, N2, T), exponents T-1 .. 0
+            b_re, b_im, norm = b_re[:, None, :, None], b_im[:, None, :, None], norm[:, None, :, None]
+            w_local = torch.addcmul(b_im * local[1], b_re, local[0], value=-1)  # |Lambda|^2 W
+            w_local = (w_local / norm).permute(0, 3, 1, 2).reshape(ds, chunk, 2 * modes)  # (Ds, T, 2 N2)
+            # Read-out rows for x = (re, im): Re(C A) = Re C re(A) - Im C im(A) and -Im(C A), i.e. Re(C) times the
+            # block's first row (re, -im) minus Im(C) times its second row (im, re). Used as 2 g (``alpha=2``).
+            c_re, c_im = (c[:, :, None, :, None] for c in self.C.to(dtype).unbind(-1))  # (C, Ds, 1, N2, 1)
+            rows = rows.unbind(1)  # block rows (Ds, 2, N2, T + 1 | 1): exponents 0 .. T
+            g = torch.addcmul(c_re * rows[0], c_im, rows[1], value=-1)  # (C, Ds, 2, N2, T + 1)
+            g0 = g[..., 0].permute(1, 2, 3, 0).reshape(ds, 2 * modes, out_channels)  # Re(C x)
+            scan = ()
+            if groups:
+                # Both grids (Ds, 2, 2, N2, 2, i, j) from windows of their columns (Hankel; the flip makes them
+                # Toeplitz), in one copy as (Ds N2, 2, (j, p_in), (i, p_out)): right-multiplication by the block
+                # [[re, -im], [im, re]] of Abar^(s (i - j)), s = T | T * groups.
+                blocks = grids.unflatten(-1, (2, 2 * groups + 1)).unfold(-1, groups + 1, 1).flip(-1)
+                blocks = blocks.permute(0, 3, 4, 6, 2, 5, 1)
+                in_group, across = blocks.reshape(ds * modes, 2, 2 * groups + 2, 2 * groups + 2).unbind(1)
+                # column j = 0: the entering state carried to chunk i < groups; rows j = 1 .. groups: chunk j - 1 of
+                # the group to the state entering chunk i (i = groups: the group's end state)
+                carry, in_group = in_group.split([2, 2 * groups], 1)
+                carry = carry[..., : 2 * groups]
+                across = across[:, : 2 * num_groups, : 2 * num_groups]  # group j's end state to group i's start
+                scan = in_group, carry, across
+            if not conv:
+                return w_local, g0, *scan
+            # The first T lags of the kernel, K[c, h, l] = 2 Re(C Bbar Abar^l) (+ D at l = 0), lag T-1-j at row j.
+            skip = F.pad(self.D.to(dtype).t().unsqueeze(1), (0, 0, chunk - 1, 0))  # (Ds, T, C): D at lag 0
+            k_rev = torch.baddbmm(skip, w_local, g0, alpha=2)  # (Ds, T, C)
+            # Toeplitz rows by one unfold of the zero-padded lags: window j holds K[T-1-j-i] at i, so entry (j, T-1-t)
+            # is K[t-j] (0 for t < j).
+            toeplitz = F.pad(k_rev, (0, 0, 0, chunk - 1)).unfold(1, chunk, 1).flip(-1)  # (Ds, T, C, T)
+            rw = torch.cat([toeplitz.reshape(ds, chunk, out_channels * chunk), w_local], -1)
+            g = g[..., 1:].permute(1, 2, 3, 0, 4).reshape(ds, 2 * modes, out_channels * chunk)
+            return rw, g, *scan
+
+    def chunk_scan(self, local: torch.Tensor, state: torch.Tensor | None, scan, num_chunks: int, first: int = 0):
+        """States entering chunks ``first .. num_chunks - 1``: `(Ds, B * n, 2 N2)` (stacked ``(re, im)``), from the
+        chunks' local end states ``local`` `(Ds, B, n_in, 2 N2)` (``n_in <= num_chunks``; missing ones are zero) and
+        the state before the first chunk (``state``: complex `(B, Ds, N2)`, real `(B, Ds, N2, 2)` or None).
+
+        ``x_k = sum_{j<k} A^(k-1-j) local_j + A^k state`` with ``A = Abar^T`` per mode, in two levels of per-mode
+        real matmuls (``scan``: the matrices from [`chunk_tables`], empty for one chunk): within groups of ~sqrt(nc)
+        chunks, then across groups, then the group's entering state carried to each of its chunks. Memory O(Ds N2 nc) (one level would need an nc x nc
+        matrix per mode: 4096 modes x 64^2 x 2 at L = 4096, more than the activations) and a fixed number of ops
+        whatever the length (a log-depth scan would take 4-6 ops per round, log2(nc) rounds).
+        """
+        ds, bsz, n_in = local.shape[0], local.shape[1], local.shape[2]
+        modes = self.n_modes
+        if state is not None:
+            state = (torch.view_as_real(state) if state.is_complex() else state).to(local.dtype)  # (B, Ds, N2, 2)
+        if not scan:  # one chunk: it starts from the given state
+            x0 = state.permute(1, 0, 3, 2) if state is not None else local.new_zeros(ds, bsz, 2, modes)
+            return x0.reshape(ds, bsz, 2 * modes)
+        in_group, carry, across = scan
+        groups, num_groups = in_group.shape[1] // 2, across.shape[1] // 2
+        # (Ds N2, B * groups', (j, p)): chunk-major within a group, p = re, im last
+        v = local.view(ds, bsz, n_in, 2, modes).permute(0, 4, 1, 2, 3)
+        if n_in < groups * num_groups:
+            v = F.pad(v, (0, 0, 0, groups * num_groups - n_in))
+        x = torch.bmm(v.reshape(ds * modes, bsz * num_groups, 2 * groups), in_group)  # (.., (i <= groups, p))
+        if num_groups > 1 or state is not None:
+            ends = x.view(ds * modes, bsz, num_groups, groups + 1, 2)[:, :, : num_groups - 1, groups]
+            if state is None:
+                entering = F.pad(ends, (0, 0, 1, 0))  # (Ds N2, B, groups, 2): zero before the first group
+            else:
+                entering = torch.cat([state.permute(1, 2, 0, 3).reshape(ds * modes, bsz, 1, 2), ends], 2)
+            entering = torch.bmm(entering.view(ds * modes, bsz, 2 * num_groups), across)  # (Ds N2, B, (G, p))
+            x = torch.baddbmm(x[..., : 2 * groups], entering.view(ds * modes, bsz * num_groups, 2), carry)
+        # (Ds, N2, B, chunks, 2) -> (Ds, B * n, 2 N2)
+        x = x.view(ds, modes, bsz, -1, 2)[:, :, :, first:num_chunks]
+        return x.permute(0, 2, 3, 4, 1).reshape(ds, bsz * (num_chunks - first), 2 * modes)
 
     def chunked_forward(self, z: torch.Tensor, chunk: int, state: torch.Tensor | None = None) -> torch.Tensor:
-        """[`forward`] evaluated chunk by chunk (causal kernels): the same outputs, linear cost in L.
+        """[`forward`] chunk by chunk in real arithmetic (causal kernels): the same outputs, linear cost in L.
+
+        One batched matmul per channel gives every chunk's within-chunk convolution and local end state (the
+        ``[R | W]`` of [`chunk_tables`]); [`chunk_scan`] the states entering the chunks; one more adds their free
+        response ``2 Re(C Abar^(t+1) x)``. ``z`` `(B, L, Ds)` in the compute dtype -> `(B, L, C, Ds)`.
+        """
+        bsz, length, ds = z.shape
+        nc = -(-length // chunk)
+        if nc * chunk != length:
+            z = F.pad(z, (0, 0, 0, nc * chunk - length))  # causal: zeros at the end change no earlier output
+        rw, g, *scan = self.chunked_constants(chunk, z.dtype, nc)
+        u = z.view(bsz * nc, chunk, ds).permute(2, 0, 1)  # (Ds, B*nc, T)
+        out = torch.bmm(u, rw)  # (Ds, B*nc, C*T + 2 N2): within-chunk outputs, local end states
+        width = self.out_channels * chunk
+        y = out[..., :width]
+        if nc > 1 or state is not None:
+            x0 = self.chunk_scan(out[..., width:].view(ds, bsz, nc, -1), state, scan, nc)
+            y = torch.baddbmm(y, x0, g, alpha=2)  # + the free response of every chunk
+        y = y.view(ds, bsz, nc, self.out_channels, chunk).permute(1, 2, 4, 3, 0)
+        return y.reshape(bsz, nc * chunk, self.out_channels, ds)[:, :length]
+
+    def chunk_start_states(
+        self, z: torch.Tensor, chunk: int, state: torch.Tensor | None = None, constants=None
+    ) -> torch.Tensor:
+        """The states entering every chunk of ``chunk`` tokens (the given ``state`` or zero, then the chunk-end
+        states), in the stacked real layout of [`chunk_scan`]: ``z`` `(B, nc * chunk, Ds)` (compute dtype) ->
+        `(Ds, B, nc, 2 N2)` (real parts of the N2 modes, then imaginary ones). ``constants``: [`chunked_constants`]
+        for ``nc`` chunks, if already computed."""
+        with _no_autocast(z.device.type):
+            bsz, length, ds = z.shape
+            nc = length // chunk
+            rw, _, *scan = constants if constants is not None else self.chunked_constants(chunk, z.dtype, nc)
+            u = z.reshape(bsz * nc, chunk, ds).permute(2, 0, 1)
+            local = torch.bmm(u, rw[..., rw.shape[-1] - 2 * self.n_modes :])  # (Ds, B*nc, 2 N2)
+            return self.chunk_scan(local.view(ds, bsz, nc, -1), state, scan, nc).view(ds, bsz, nc, -1)
+
+    def chunked_constants(self, chunk: int, dtype: torch.dtype, num_chunks: int = 1):
+        """[`chunk_tables`] for ``num_chunks`` chunks, memoised between evaluation forwards ([`memoised_spectrum`])."""
+        with _no_autocast(self.log_dt.device.type):
+            key = ("chunked", chunk, num_chunks, dtype)
+            return memoised_spectrum(self, key, lambda: self.chunk_tables(chunk, num_chunks))
+
+    def channel_major_chunks(self, z: torch.Tensor, x0: torch.Tensor, chunk: int, constants=None) -> torch.Tensor:
+        """[`chunked_forward`]'s outputs for whole chunks, laid out read-out and channel first.
+
+        ``z`` `(B, n * chunk, Ds)` (compute dtype) and ``x0`` the states entering its n chunks `(Ds, B, n, 2 N2)`
+        ([`chunk_start_states`]) -> `(C, Ds, B * n * chunk)`, tokens batch-major. Every read-out's outputs of a
+        channel are contiguous in time: a per-read-out projection over Ds (MH's lift) is then one batched matmul
+        without a copy. The same numbers as [`chunked_forward`] up to rounding. ``constants``: [`chunked_constants`]
+        if the caller runs several segments (computed, and differentiated, once).
+        """
+        with _no_autocast(z.device.type):
+            bsz, length, ds = z.shape
+            nc = length // chunk
+            rw, g, *_ = constants if constants is not None else self.chunked_constants(chunk, z.dtype, nc)
+            width = self.out_channels * chunk
+            u = z.reshape(bsz * nc, chunk, ds).permute(2, 0, 1)  # (Ds, B*n, T)
+            y = torch.baddbmm(
+                torch.bmm(u, rw[..., :width]), x0.reshape(ds, bsz * nc, -1), g, alpha=2
+            )  # (Ds, B*n, C*T)
+            y = y.view(ds, bsz * nc, self.out_channels, chunk).permute(2, 0, 1, 3)
+            return y.reshape(self.out_channels, ds, bsz * length)
+
+    # -- the complex chunked forms: references of the real ones (tests) ---------------------------------------------
+    def complex_chunked_forward(self, z: torch.Tensor, chunk: int, state: torch.Tensor | None = None):
+        """[`chunked_forward`] with complex states and an FFT within chunks (the earlier training path; a reference
+        for tests): the same outputs.
 
         Within a chunk of ``chunk`` tokens the output is the convolution with the first ``chunk`` lags of the
         kernel (one FFT conv over all chunks at once); what earlier chunks contribute is the free response to the
@@ -434,18 +687,18 @@ class S4DKernel(nn.Module):
         nc = -(-length // chunk)
         z = F.pad(z, (0, 0, 0, nc * chunk - length))  # causal: zeros at the end change no earlier output
         u = z.view(bsz * nc, chunk, ds).transpose(1, 2)  # (B*nc, Ds, T)
-        spectrum, readout = self.chunked_constants(chunk, z.dtype)
+        spectrum, readout = self.chunk_constants(chunk)
         y = fft_conv(u, spectrum).view(bsz, nc, self.out_channels, ds, chunk)  # within each chunk
         if nc > 1 or state is not None:
-            x0 = self.chunk_start_states(z, chunk, state)
+            x0 = self.complex_chunk_start_states(z, chunk, state)
             xs = stacked_states(x0)  # (Ds, B*nc, 2 N2)
             free = 2 * torch.bmm(xs, readout)  # (Ds, B*nc, C*T): the free response of every chunk
             y = y + free.view(ds, bsz, nc, self.out_channels, chunk).permute(1, 2, 3, 0, 4)
         return y.permute(0, 1, 4, 2, 3).reshape(bsz, nc * chunk, self.out_channels, ds)[:, :length]
 
-    def chunk_start_states(self, z: torch.Tensor, chunk: int, state: torch.Tensor | None = None) -> torch.Tensor:
-        """The states entering every chunk of ``chunk`` tokens: the given ``state`` (or zero), then the chunk-end
-        states of [`block_states`]. ``z`` `(B, nc * chunk, Ds)` (compute dtype) -> complex `(B, nc, Ds, N2)`."""
+    def complex_chunk_start_states(self, z: torch.Tensor, chunk: int, state: torch.Tensor | None = None):
+        """The states entering every chunk of ``chunk`` tokens as complex numbers: the given ``state`` (or zero), then
+        the chunk-end states of [`block_states`]. ``z`` `(B, nc * chunk, Ds)` (compute dtype) -> `(B, nc, Ds, N2)`."""
         with _no_autocast(z.device.type):
             dt_a, d_b = self.discretize()
             bsz, nc = z.shape[0], z.shape[1] // chunk
@@ -455,31 +708,6 @@ class S4DKernel(nn.Module):
             if nc > 1:
                 x0 = torch.cat([x0, self.block_states(z[:, : (nc - 1) * chunk], chunk, dt_a, d_b, state)], 1)
             return x0
-
-    def chunked_constants(self, chunk: int, dtype: torch.dtype):
-        """[`chunk_constants`], memoised between evaluation forwards ([`memoised_spectrum`])."""
-        with _no_autocast(self.log_dt.device.type):
-            return memoised_spectrum(self, ("chunked", chunk, dtype), lambda: self.chunk_constants(chunk))
-
-    def channel_major_chunks(self, z: torch.Tensor, x0: torch.Tensor, chunk: int, constants=None) -> torch.Tensor:
-        """[`chunked_forward`]'s outputs for whole chunks, laid out read-out and channel first.
-
-        ``z`` `(B, n * chunk, Ds)` (compute dtype) and ``x0`` the states entering its n chunks `(B, n, Ds, N2)`
-        ([`chunk_start_states`]) -> `(C, Ds, B * n * chunk)`, tokens batch-major. Every read-out's outputs of a
-        channel are contiguous in time: a per-read-out projection over Ds (MH's lift) is then one batched matmul
-        without a copy, and the free response is added to the within-chunk convolution in this layout, chunk by
-        chunk. The same numbers as [`chunked_forward`] up to rounding. ``constants``: [`chunked_constants`] if the
-        caller runs several segments (computed, and differentiated, once).
-        """
-        with _no_autocast(z.device.type):
-            bsz, length, ds = z.shape
-            nc = length // chunk
-            spectrum, readout = constants if constants is not None else self.chunked_constants(chunk, z.dtype)
-            u_f = torch.fft.rfft(z.reshape(bsz * nc, chunk, ds).permute(2, 0, 1), n=2 * chunk)  # (Ds, B*nc, T+1)
-            y = torch.fft.irfft(u_f * spectrum.unsqueeze(2), n=2 * chunk)[..., :chunk]  # (C, Ds, B*nc, T)
-            xs = stacked_states(x0)  # (Ds, B*nc, 2 N2)
-            free = torch.bmm(xs, readout).view(ds, bsz * nc, self.out_channels, chunk).permute(2, 0, 1, 3)
-            return torch.add(y, free, alpha=2).reshape(self.out_channels, ds, bsz * length)
 
     def final_state(self, z: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
         """State after the last token: ``x_T = Abar^T x0 + sum_j Abar^{T-1-j} Bbar z_j``. `(B, L, Ds)` -> `(B, Ds, N2)`.
@@ -536,13 +764,33 @@ class S4DKernel(nn.Module):
     def block_end_outputs(self, z: torch.Tensor, block_len: int, state: torch.Tensor | None = None):
         """SSM outputs of all C channels at the last token of every block, without an FFT per channel.
 
-        The C read-outs ``2 Re(C x) + D z`` of the block-end states ([`block_states`]).
-        ``z`` `(B, nb*W, Ds)` -> `(B, nb, C, Ds)`. Causal kernels only.
+        The C read-outs ``2 Re(C x) + D z`` of the block-end states, in real arithmetic: every block's local end
+        state is one batched matmul (the local-state weights of [`chunk_tables`] with blocks as chunks), then the
+        chunk scan ([`chunk_scan`]) and one more matmul for the read-outs. ``z`` `(B, nb*W, Ds)` -> `(B, nb, C, Ds)`.
+        Causal kernels only.
         """
         if self.bidirectional:
             raise ValueError("block_end_outputs is the causal fast path; use forward() for a bidirectional kernel.")
         if use_real_arithmetic() or (state is not None and not state.is_complex()):
             return self.real_block_end_outputs(z, block_len, state)
+        with _no_autocast(z.device.type):
+            z = z.to(compute_dtype(self.log_dt))
+            bsz, length, ds = z.shape
+            nb = length // block_len
+            if nb == 0:
+                return z.new_zeros(bsz, 0, self.out_channels, ds)
+            # Blocks as chunks; the states after them are those entering chunks 1 .. nb of nb + 1.
+            w_local, readout, *scan = self.chunk_tables(block_len, nb + 1, conv=False)
+            u = z[:, : nb * block_len].reshape(bsz * nb, block_len, ds).permute(2, 0, 1)  # (Ds, B*nb, W)
+            local = torch.bmm(u, w_local)  # (Ds, B*nb, 2 N2)
+            x = self.chunk_scan(local.view(ds, bsz, nb, -1), state, scan, nb + 1, first=1)  # (Ds, B*nb, 2 N2)
+            z_end = z[:, block_len - 1 :: block_len].permute(2, 0, 1).unsqueeze(-1)  # (Ds, B, nb, 1)
+            skip = (z_end * self.D.to(z.dtype).t()[:, None, None]).view(ds, bsz * nb, self.out_channels)
+            y = torch.baddbmm(skip, x, readout, alpha=2)  # (Ds, B*nb, C)
+            return y.view(ds, bsz, nb, self.out_channels).permute(1, 2, 3, 0)
+
+    def complex_block_end_outputs(self, z: torch.Tensor, block_len: int, state: torch.Tensor | None = None):
+        """[`block_end_outputs`] with complex states and the log-depth scan of [`block_states`] (a reference)."""
         with _no_autocast(z.device.type):
             z = z.to(compute_dtype(self.log_dt))
             dt_a, d_b = self.discretize()

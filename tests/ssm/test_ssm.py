@@ -297,10 +297,11 @@ def test_s4d_chunk_policy(monkeypatch):
     """Training and long evaluation run chunked; evaluation reuses a whole-length spectrum while it fits the memo."""
     kernel = make_s4d(out_channels=4)
     kernel.chunk_len = 4
-    assert not kernel.use_chunks(8, 8)  # at most two chunks: one FFT
+    assert kernel.train().use_chunks(8, 8)  # training: the real chunked form at any length
     assert kernel.train().use_chunks(40, 8)  # training: nothing memoised
     kernel.eval()
     with torch.no_grad():
+        assert not kernel.use_chunks(8, 8)  # at most two chunks: one memoised FFT
         assert not kernel.use_chunks(40, 8)  # the memoised spectrum (4 * 5 * 41 complex) fits
         monkeypatch.setattr(ssm_bst, "SPECTRUM_MEMO_BYTES", 1000)
         assert kernel.use_chunks(40, 8)  # it no longer fits: linear cost instead
@@ -361,12 +362,12 @@ def test_s4d_channel_major_chunks_equal_chunked_forward(per, with_state):
             state.grad = None
         kernel.chunk_len = chunk
         if segmented:
-            x0 = kernel.chunk_start_states(z, chunk, state)
-            assert x0.shape == (bsz, length // chunk, ds, 4)
-            constants = kernel.chunked_constants(chunk, z.dtype)
+            constants = kernel.chunked_constants(chunk, z.dtype, length // chunk)
+            x0 = kernel.chunk_start_states(z, chunk, state, constants)
+            assert x0.shape == (ds, bsz, length // chunk, 8)  # stacked (re, im) of the 4 modes
             parts = [
                 kernel.channel_major_chunks(
-                    z[:, c0 * chunk : (c0 + per) * chunk], x0[:, c0 : c0 + per], chunk, constants
+                    z[:, c0 * chunk : (c0 + per) * chunk], x0[:, :, c0 : c0 + per], chunk, constants
                 )
                 .unflatten(-1, (bsz, -1))  # (C, Ds, B, n)
                 .permute(2, 3, 0, 1)

@@ -75,7 +75,9 @@ def test_compiled_ssm_fullgraph_matches_eager(kind):
         outs.append([y.detach(), z.grad.clone()] + [p.grad.clone() for p in ssm.parameters() if p.grad is not None])
     assert len(outs[0]) == len(outs[1]) > 2
     for a, b in zip(*outs):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+        # S4D compiles to inductor kernels (real arithmetic; no opaque FFT op): float32 rounding of reordered sums,
+        # ~1e-6 of a gradient's scale (eager and compiled both within ~1e-6 of float64), so atol follows the scale.
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5 * max(1.0, a.abs().max().item()))
 
 
 @pytest.mark.slow

@@ -220,8 +220,9 @@ class OpDtypes(TorchDispatchMode):
 @pytest.mark.parametrize("variant", ["sh-s4", "mh-s4", "mf-s4", "sh-unstruct", "mf-unstruct", "gss-hybrid"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_ssm_and_fft_convolution_stay_float32_under_bf16_autocast(device, variant, monkeypatch):
-    """Under bf16 autocast every SSM output is float32 and every FFT runs on float32 / complex64 inputs (MF:S4 takes
-    the block-end states without an FFT: its SSM output is checked), while the matmuls around them run in bf16."""
+    """Under bf16 autocast every SSM output is float32 and every FFT runs on float32 / complex64 inputs (S4 trains in
+    real arithmetic without an FFT: its SSM output is checked; unstruct's long filters use FFTs), while the matmuls
+    around them run in bf16."""
     model = build(variant, device)
     outputs = []
 
@@ -246,7 +247,7 @@ def test_ssm_and_fft_convolution_stay_float32_under_bf16_autocast(device, varian
         model(ids, labels=ids, use_cache=False).loss.backward()
     assert outputs, f"{variant}: no SSM call observed"
     assert all(dtype == torch.float32 for _, dtype in outputs), f"SSM outputs not float32: {outputs}"
-    assert bool(ops.fft) == (variant != "mf-s4"), f"{variant}: FFT ops seen: {ops.fft}"
+    assert bool(ops.fft) == ("unstruct" in variant), f"{variant}: FFT ops seen: {ops.fft}"
     bad = [(name, dtype) for name, dtype in ops.fft if dtype not in (torch.float32, torch.complex64)]
     assert not bad, f"{variant}: FFTs ran in reduced precision under bf16 autocast: {bad}"
     assert torch.bfloat16 in ops.matmul, f"{variant}: no bf16 matmul: autocast was not in effect ({set(ops.matmul)})"

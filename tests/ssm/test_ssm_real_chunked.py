@@ -1,0 +1,203 @@
+"""S4D's chunked training path in real arithmetic (``S4DKernel.chunked_forward``, ``chunk_start_states``,
+``channel_major_chunks``, ``block_end_outputs``): equal to the complex forms and to the recurrence in float64 (outputs
+and every gradient), no complex tensor in its forward or backward, few backend ops, one graph under torch.compile."""
+
+import pytest
+import torch
+from conftest import tiny_config
+from reference import s4d_recurrence
+
+from benchmarks.ssm_ops import OpCounter, count, make_kernel
+from modeling_bst.ssm_bst import PerFilterS4D, S4DKernel, chunk_groups
+
+
+F64 = dict(atol=1e-12, rtol=1e-10)
+
+
+def make_s4d(channels=5, out_channels=3, state_size=8, dtype=torch.float64):
+    """An initialised S4D kernel moved off its structured init (B = 1, shared A, ...), as in test_ssm.py."""
+    kernel = S4DKernel(channels, out_channels, state_size, tiny_config()).to(dtype)
+    kernel.reset_parameters()
+    with torch.no_grad():
+        kernel.A_log_real.add_(0.3 * torch.randn_like(kernel.A_log_real))
+        kernel.A_imag.add_(0.5 * torch.randn_like(kernel.A_imag))
+        kernel.B.add_(0.3 * torch.randn_like(kernel.B))
+        kernel.log_dt.add_(0.5 * torch.randn_like(kernel.log_dt))
+    return kernel.train()
+
+
+def random_state(kernel, bsz=2):
+    return s4d_recurrence(kernel, torch.randn(bsz, 6, kernel.channels, dtype=torch.float64))[1]
+
+
+def outputs_and_grads(kernel, z, state, run):
+    """``run(kernel, z, state)`` and the gradients of a random projection of it to ``z``, ``state`` and every
+    parameter."""
+    kernel.zero_grad()
+    z = z.detach().clone().requires_grad_(True)
+    state = None if state is None else state.detach().clone().requires_grad_(True)
+    y = run(kernel, z, state)
+    weights = torch.randn(y.shape, generator=torch.Generator().manual_seed(7), dtype=y.dtype)  # any strides of y
+    (y * weights).sum().backward()
+    grads = [z.grad] + ([state.grad] if state is not None else []) + [p.grad.clone() for p in kernel.parameters()]
+    return y.detach(), grads
+
+
+def assert_same(a, b):
+    (ya, ga), (yb, gb) = a, b
+    torch.testing.assert_close(ya, yb, **F64)
+    assert len(ga) == len(gb)
+    for x, y in zip(ga, gb):
+        torch.testing.assert_close(x, y, **F64)
+
+
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "with-state"])
+@pytest.mark.parametrize("out_channels", [1, 3], ids=["C1", "C3"])
+@pytest.mark.parametrize("length,chunk", [(3, 4), (4, 4), (7, 4), (29, 4), (64, 4), (81, 4), (131, 8)])
+def test_real_chunked_forward_equals_complex_form_and_recurrence(length, chunk, out_channels, with_state):
+    """Outputs and gradients (input, carried state, every parameter) of the real chunked form are those of the
+    complex chunked form (FFT within chunks, complex scan) and of the per-token recurrence, for lengths that are not
+    multiples of the chunk, one chunk, a perfect square of chunks (64 / 4 = 16) and not (81 / 4 -> 21)."""
+    kernel = make_s4d(out_channels=out_channels).train()
+    kernel.chunk_len = chunk
+    assert kernel.use_chunks(length, 8)
+    z = torch.randn(2, length, 5, dtype=torch.float64)
+    state = random_state(kernel) if with_state else None
+    real = outputs_and_grads(kernel, z, state, lambda k, x, s: k(x, s))
+    chunk_used = min(chunk, length)
+    reference = outputs_and_grads(kernel, z, state, lambda k, x, s: k.complex_chunked_forward(x, chunk_used, s))
+    assert real[0].shape == (2, length, out_channels, 5)
+    assert_same(real, reference)
+    torch.testing.assert_close(real[0], s4d_recurrence(kernel, z, state)[0], **F64)
+
+
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "with-state"])
+@pytest.mark.parametrize("block_len,num_blocks", [(1, 5), (3, 1), (4, 7), (5, 4), (4, 16), (2, 30)])
+def test_real_block_end_outputs_equal_complex_form(block_len, num_blocks, with_state):
+    """MF's block-end outputs (local block states, two-level scan, read-out): outputs and gradients as the complex
+    form's (log-depth complex scan), outputs as the recurrence's."""
+    kernel = make_s4d(out_channels=4)
+    z = torch.randn(2, block_len * num_blocks, 5, dtype=torch.float64)
+    state = random_state(kernel) if with_state else None
+    real = outputs_and_grads(kernel, z, state, lambda k, x, s: k.block_end_outputs(x, block_len, s))
+    reference = outputs_and_grads(kernel, z, state, lambda k, x, s: k.complex_block_end_outputs(x, block_len, s))
+    assert real[0].shape == (2, num_blocks, 4, 5)
+    assert_same(real, reference)
+    torch.testing.assert_close(real[0], s4d_recurrence(kernel, z, state)[0][:, block_len - 1 :: block_len], **F64)
+
+
+def test_real_chunked_forward_real_form_state():
+    """A carried state in the real form `(B, Ds, N2, 2)` gives the same chunk-start states as the complex one."""
+    kernel = make_s4d(out_channels=2)
+    z = torch.randn(2, 24, 5, dtype=torch.float64)
+    state = random_state(kernel)
+    constants = kernel.chunked_constants(4, z.dtype, 6)
+    a = kernel.chunk_start_states(z, 4, state, constants)
+    b = kernel.chunk_start_states(z, 4, torch.view_as_real(state).clone(), constants)
+    torch.testing.assert_close(a, b, **F64)
+    # first chunk: the given state, stacked (re, im)
+    torch.testing.assert_close(a[:, :, 0], torch.cat([state.real, state.imag], -1).transpose(0, 1), **F64)
+
+
+@pytest.mark.parametrize("num_chunks", [1, 2, 3, 4, 5, 16, 17, 63, 64, 65, 256])
+def test_chunk_groups_cover_the_chunks(num_chunks):
+    groups, num_groups = chunk_groups(num_chunks)
+    if num_chunks == 1:
+        assert (groups, num_groups) == (0, 0)
+    else:
+        assert groups * num_groups >= num_chunks and num_groups <= groups and groups * groups < 2 * num_chunks + 2
+
+
+def no_complex_step(run):
+    """Forward and backward of ``run()`` (a tensor) inside a dispatch mode that fails on any complex output."""
+    with OpCounter(forbid_complex=True) as counter:
+        y = run()
+        (y * torch.randn(y.shape, dtype=y.dtype)).sum().backward()
+    return counter
+
+
+@pytest.mark.parametrize("kind", ["sh", "mh", "mf", "mf-per-filter", "short"])
+def test_training_path_creates_no_complex_tensor(kind):
+    """SH (C = 1), MH (C = H) and MF (block-end outputs; shared state or one SSM per filter) in training, float32,
+    under bf16 autocast as in training: no op returns a complex tensor, forward or backward."""
+    kernel = make_s4d(dtype=torch.float32, out_channels=1 if kind in ("sh", "short") else 4)
+    if kind == "mf-per-filter":
+        kernel = PerFilterS4D(5, 4, 8, tiny_config()).train()
+        kernel.kernel.reset_parameters()
+    length = 20 if kind == "short" else 300
+    z = torch.randn(2, length, 5, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        if kind.startswith("mf"):
+            no_complex_step(lambda: kernel.block_end_outputs(z.bfloat16(), 4))
+        else:
+            no_complex_step(lambda: kernel(z.bfloat16()))
+    assert z.grad is not None and torch.isfinite(z.grad).all()
+
+
+@pytest.mark.parametrize("variant", ["sh-s4", "mh-s4", "mf-s4"])
+def test_model_training_step_creates_no_complex_tensor(variant):
+    """A whole model's training forward and backward (the SSM inside BST layers: SH, MH's segmented path, MF)."""
+    from conftest import SEQ_LEN, make_model
+
+    model = make_model(variant).train()
+    for m in model.modules():
+        if isinstance(m, S4DKernel):
+            m.chunk_len = 4  # several chunks at the test length
+    ids = torch.randint(0, 97, (2, 4 * SEQ_LEN))
+    counter = no_complex_step(lambda: model(ids).logits)
+    assert counter.total > 0
+
+
+# Measured at L = 4096, Ds = 128, N = 64 (SH: C = 1), float32: 44 forward and 171 backward ops (the complex chunked
+# path it replaced: 106 and 286). The bounds leave room for small changes but fail on a return to the complex path.
+FORWARD_OPS_BOUND = 66
+BACKWARD_OPS_BOUND = 256
+
+
+@pytest.mark.parametrize("out_channels", [1, 8], ids=["SH", "MH"])
+def test_op_count_regression_bound(out_channels):
+    """Backend ops of one SSM's forward and backward at L = 4096 (a narrow kernel: the op sequence does not depend
+    on the width). The forward is ~2.4x fewer ops than the complex path's; see docs/performance.md."""
+    kernel = make_kernel(channels=4, out_channels=out_channels, state_size=64)
+    z = torch.randn(1, 4096, 4)
+    kernel(z).sum().backward()  # the exponent table's first build is not part of a step
+    fwd, bwd = count(kernel, z)
+    assert fwd.total <= FORWARD_OPS_BOUND, dict(fwd.counts)
+    assert bwd.total <= BACKWARD_OPS_BOUND, dict(bwd.counts)
+    for name in ("_fft_r2c", "_fft_c2r", "complex", "polar", "view_as_complex"):
+        assert name not in fwd.counts and name not in bwd.counts
+
+
+def test_exponent_table_built_in_inference_mode_serves_training():
+    """The exponent tables are kept between calls: one first built under inference_mode must not be an inference
+    tensor (a training step saves it for its backward)."""
+    kernel = make_s4d(dtype=torch.float32, out_channels=2).train()
+    kernel.chunk_len = 5  # a chunk length no other test uses: a fresh table
+    z = torch.randn(2, 33, 5)
+    with torch.inference_mode():
+        ref = kernel(z)
+    z.requires_grad_(True)
+    y = kernel(z)
+    y.sum().backward()
+    torch.testing.assert_close(y.detach(), ref)
+
+
+def test_compiled_fullgraph_forward_backward_matches_eager():
+    """torch.compile(fullgraph=True) of the SSM's forward and backward (aot_eager: AOTAutograd's graphs, eager
+    kernels): one graph, the eager numbers."""
+    torch._dynamo.reset()
+    kernel = make_s4d(dtype=torch.float32, out_channels=1).train()
+    kernel.chunk_len = 8
+    z = torch.randn(2, 70, 5, requires_grad=True)
+
+    def step(x):
+        y = kernel(x)
+        return (y * y).sum()
+
+    eager = step(z)
+    (grad_eager,) = torch.autograd.grad(eager, z)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    loss = compiled(z)
+    (grad,) = torch.autograd.grad(loss, z)
+    torch.testing.assert_close(loss, eager, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, grad_eager, rtol=1e-5, atol=1e-5)
