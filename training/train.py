@@ -193,9 +193,9 @@ AUTO_FIELDS = ("bf16", "torch_compile")
 
 
 def _resolve_auto(values: dict) -> dict:
-    for field in AUTO_FIELDS:
-        if values.get(field) == "auto":
-            values[field] = _auto_value(field)
+    for name in AUTO_FIELDS:
+        if values.get(name) == "auto":
+            values[name] = _auto_value(name)
     if isinstance(values.get("model_overrides"), dict):
         values["model_overrides"] = json.dumps(values["model_overrides"])
     return values
