@@ -3,7 +3,7 @@
 An op is every aten call a ``TorchDispatchMode`` sees, except views (any return whose ``alias_info`` is not a write)
 and ``_unsafe_view``: what an eager GPU step launches (or dispatches) once each. Usage::
 
-    python benchmarks/ssm_ops.py [--length 4096] [--channels 128] [--state 64] [--out-channels 1] [--time]
+    python -m benchmarks.ssm_ops [--length 4096] [--channels 128] [--state 64] [--out-channels 1] [--time]
 
 ``--time``: forward + backward in float32 on one thread, min over rounds (``--rounds``).
 """

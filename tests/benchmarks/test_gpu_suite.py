@@ -4,6 +4,7 @@ the three measuring parts; its first part, the `gpu` tests, is the one part of t
 in tests/benchmarks/test_gpu_sitting.py, which checks that part's report (run once, not twice)."""
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -192,7 +193,7 @@ def test_train_rows_in_plan_order_skip_what_does_not_fit_and_record_failed_compi
     part = gpu_suite.Part(tmp_path / "train.json", budget_s=300)
     gpu_suite.part_train(part, dict(gpu_suite.PLANS["dry"], train=train))
     (skipped,) = part.data["skipped"]
-    assert skipped.startswith("train tiny L=64 batch 1 compiled fp32: estimated 1000000 s > 29")
+    assert re.match(r"train tiny L=64 batch 1 compiled fp32: estimated 1000000 s > \d+ s left", skipped), skipped
     assert [r["mode"] for r in part.data["rows"]] == ["eager"] * 3
 
     train["compile_estimate_s"] = 1

@@ -60,10 +60,11 @@ def test_training_step_counts_are_sane(train_rows):
         assert r["_to_copy_forward"] > 0  # bf16 autocast's casts
         assert r["views"] > 0 and "view" not in r["forward_by_op"] and "_unsafe_view" not in r["forward_by_op"]
         assert len(r["top"]) == train_ops.TOP
-    # today BST runs several times Llama's ops; Llama has no complex arithmetic, BST's S4D has
-    assert bst_cpu["total"] > 2 * llama["total"] and bst_acc["total"] > 2 * llama["total"]
-    assert llama["vs_llama"] == 1 and bst_cpu["vs_llama"] > 2
-    assert llama["complex_outputs"] == 0 < bst_cpu["complex_outputs"]
+    # a BST layer has more sublayers than a Llama layer (SSM, context, cross-attention), but since issue #44 less than
+    # twice the ops per step on the accelerator path, no more there than on the CPU's, and no complex arithmetic
+    assert llama["total"] < bst_acc["total"] <= bst_cpu["total"]
+    assert bst_acc["total"] < 2 * llama["total"]
+    assert bst_cpu["complex_outputs"] == bst_acc["complex_outputs"] == llama["complex_outputs"] == 0
     # Llama's known forward: 423 compute ops and 57 _unsafe_view at any L (8 layers; the notes' table)
     assert (llama["forward"], llama["unsafe_view_forward"]) == (423, 57)
 
