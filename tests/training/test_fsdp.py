@@ -93,7 +93,11 @@ def test_fsdp_on_cpu_shards_and_matches_a_single_process(fsdp_run, corpus, tmp_p
     wa = load_file(str(out / "final" / "model.safetensors"))
     wb = load_file(str(tmp_path / "single" / "final" / "model.safetensors"))
     assert wa.keys() == wb.keys()
-    assert all(torch.allclose(wa[k], wb[k], rtol=1e-4, atol=1e-6) for k in wa)
+    # Adam normalises every element's update: where a gradient is ~0, the reduction's 1e-7 rounding difference
+    # moves that element by more than 1e-7 (measured up to 1.6e-5 in a q_proj after 5 steps since the CPU attention
+    # runs the fused kernel's blocked sums, issue #44); a wrong shard or learning rate moves weights by >= 1e-3.
+    bad = {k: (wa[k] - wb[k]).abs().max().item() for k in wa if not torch.allclose(wa[k], wb[k], rtol=1e-4, atol=1e-4)}
+    assert not bad, bad
     assert not list((out / "final").glob("_fsdp*.py"))
 
 
