@@ -43,7 +43,7 @@ def test_accelerator_path_equals_cpu_path_in_float64(variant):
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=0, atol=1e-11, msg=name)
 
 
-@pytest.mark.parametrize("chunk", [2, 4, 8])
+@pytest.mark.parametrize("chunk", [1, 2, 4, 8])
 def test_windowed_attention_is_the_same_for_every_query_chunk(chunk):
     """Windows of c queries over the W + c keys they reach (c = W: one window per block) give the same numbers."""
     ref = make_model("slide", dtype=torch.float64, block_len=8, attention_query_chunk=8).train()
