@@ -34,7 +34,6 @@ from dataclasses import fields
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -161,54 +160,16 @@ def plain_embedding(module) -> bool:
     )
 
 
-class FusedLearnedMaskAttention(torch.autograd.Function):
-    """SDPA with an additive mask that needs a gradient, on the CPU, through the CPU's fused (flash) kernel: its
-    forward, its backward for queries, keys and values, and the mask's gradient, which that kernel does not return,
-    as ``dS = P * (dP - rowsum(dO * O))`` with the probabilities ``P = exp(S - lse)`` recomputed from the forward's
-    log-sum-exp (in float32, float64 for float64 inputs). Three kernels forward instead of the written-out math's ~15;
-    the same numbers up to the rounding of the kernel's blocked sums. Unscaled (queries carry the scale); no dropout.
-    ``q`` `(N, H, Lq, d)`, ``k``/``v`` `(N, H, Lk, d)`, ``mask`` broadcastable to `(N, H, Lq, Lk)` -> `(N, H, Lq, d)`.
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, mask):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, False, attn_mask=mask, scale=1.0
-        )
-        ctx.save_for_backward(q, k, v, mask, out, lse)
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        q, k, v, mask, out, lse = ctx.saved_tensors
-        grad = grad.contiguous()
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=1.0
-        )
-        dmask = None
-        if ctx.needs_input_grad[3]:
-            acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-            scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)).add_(mask)
-            probs = scores.sub_(lse.unsqueeze(-1)).exp_()
-            grad_probs = torch.matmul(grad.to(acc), v.to(acc).transpose(-1, -2))
-            row = (grad.to(acc) * out.to(acc)).sum(-1, keepdim=True)
-            dmask = probs.mul_(grad_probs.sub_(row)).sum_to_size(mask.shape).to(mask.dtype)
-        return dq, dk, dv, dmask
-
-
 def learned_mask_attention(q, k, v, mask, dropout: float) -> torch.Tensor:
-    """SDPA for an additive mask that needs a gradient (the learned T5 bias while training) on the CPU.
+    """SDPA for an additive mask that needs a gradient (the learned T5 bias while training) on the CPU, written out.
 
-    torch's fused CPU kernel returns no gradient for a mask, so SDPA would take its math path: without dropout this
-    runs the fused kernel and adds the mask's gradient ([`FusedLearnedMaskAttention`]); with dropout (or another
-    dtype) it computes what SDPA's math path does (half precision upcast to float32) without its extra work (the
-    query and key scaling by 1, a copy of the transposed keys, the checks for fully masked rows: the masks here are
-    finite, see [`masked_fill_value`]). Same arguments as [`attention`]; returns `(N, Lq, H, d)`.
+    torch's fused CPU kernel returns no gradient for a mask, so SDPA takes its math path here; this computes exactly
+    what that path does (half precision upcast to float32, results equal bit for bit) without its extra work: the
+    query and key scaling by 1, a copy of the transposed keys, and the checks for fully masked rows (the masks here
+    are finite, see [`masked_fill_value`]). ~25% less time per call at the training shapes on CPU. (On CUDA,
+    [`attention`] sends such a mask to SDPA, whose memory-efficient kernel returns its gradient.)
+    Same arguments as [`attention`]; returns `(N, Lq, H, d)`.
     """
-    if dropout == 0 and q.dtype in (torch.float32, torch.float64, torch.bfloat16) and q.dtype == k.dtype == v.dtype:
-        with torch.autocast(q.device.type, enabled=False):
-            return FusedLearnedMaskAttention.apply(q, k, v, mask.to(q.dtype)).transpose(1, 2)
     dtype = q.dtype
     with torch.autocast(q.device.type, enabled=False):
         q, k, v = upcast(q), upcast(k), upcast(v)
