@@ -325,9 +325,10 @@ class BSTConfig(PreTrainedConfig):
         attention_query_chunk (`int`, *optional*): queries per call of the sliding-window self-attention. Each
             query sees W of the 2W keys of its block pair; chunks of c queries attend over only the W + c keys they
             can reach, skipping (W - c) / 2W of the attention work with identical results. Must divide
-            ``block_len``; default W/4 for W >= 256, W/2 for W >= 128, else W (one call per block: smaller chunks
-            make small matmuls). Measured on one CPU thread: -14% fwd+bwd time of a W = 512 layer, -6% forward at
-            W = 128.
+            ``block_len``; default on the CPU W/4 for W >= 256, W/2 for W >= 128, else W (one call per block: smaller
+            chunks make small matmuls), and W on an accelerator (launches cost more there than the masked work).
+            Whatever c, all windows go in one attention call per layer. Measured on one CPU thread: -14% fwd+bwd
+            time of a W = 512 layer, -6% forward at W = 128.
         cross_mask (`str`, defaults to `"inclusive"`): SH/MH triangular cross mask, context state j visible at j <= i
             (``"inclusive"``) or j < i (``"strict"``).
         qk_norm (`bool`, defaults to `True`): L2-normalise queries and keys (meliad); logits are scaled by a learned
