@@ -523,8 +523,24 @@ class BSTBlockSelfAttention(nn.Module):
         values = vp.unfold(1, w + chunk, chunk).permute(0, 1, 2, 4, 3).reshape(n, heads, w + chunk, hd)
         queries = q.reshape(n, chunk, heads, hd).transpose(1, 2)  # (n, H, c, d)
         absent = self.window_keys_absent(previous, bsz, seq_len, chunk, q.device)
-        mask = self.window_bias(chunk, q.dtype, q.device).masked_fill(absent, masked_fill_value(q.dtype))
-        out = attention(self, queries, keys, values, mask, dropout).view(bsz, seq_len, heads, hd)
+        bias = self.window_bias(chunk, q.dtype, q.device)  # (H, c, W + c)
+        if on_accelerator(q):
+            # one call, one mask per window (absent keys only in block 0's windows, but one launch for all)
+            mask = bias.masked_fill(absent, masked_fill_value(q.dtype))
+            out = attention(self, queries, keys, values, mask, dropout).view(bsz, seq_len, heads, hd)
+        else:
+            # CPU: every window under the one shared bias (no per-window mask to write and differentiate), then
+            # block 0's windows again with their absent keys masked (a per-window mask over W / c windows a row)
+            out = attention(self, queries, keys, values, bias[None], dropout).view(bsz, seq_len, heads, hd)
+            first, per_row = w // chunk, seq_len // chunk
+            rows = slice(0, first)
+
+            def block0(x):
+                return x.view(bsz, per_row, *x.shape[1:])[:, rows].reshape(bsz * first, *x.shape[1:])
+
+            mask = bias.masked_fill(block0(absent), masked_fill_value(q.dtype))
+            head = attention(self, block0(queries), block0(keys), block0(values), mask, dropout)
+            out = torch.cat([head.reshape(bsz, w, heads, hd), out[:, w:]], 1)
         if not self.config.attend_self:
             # The sequence's first query sees only the previous block: zeros where none of it is held.
             if previous is None:
