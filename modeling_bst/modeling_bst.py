@@ -135,6 +135,15 @@ def attention(module, q, k, v, mask, dropout, return_weights: bool = False):
     return (out, weights) if return_weights else out
 
 
+def query_chunk(config: BSTConfig, q: torch.Tensor) -> int:
+    """Queries per window of the sliding-window and cross attentions' full-sequence forms:
+    ``config.attention_query_chunk`` if set; else W on an accelerator (one attention call per layer: launches cost
+    more than the masked work), and ``resolved_attention_query_chunk`` on the CPU (the work skipped is time there)."""
+    if config.attention_query_chunk is not None:
+        return config.attention_query_chunk
+    return config.block_len if on_accelerator(q) else config.resolved_attention_query_chunk
+
+
 def plain_linears(*modules) -> bool:
     """Whether ``modules`` are plain ``nn.Linear`` layers without a bias, hooks or a replaced ``forward`` (nothing
     that calling the module would run besides ``F.linear``), with their weights in one dtype and device: their
@@ -444,15 +453,6 @@ class BSTBlockSelfAttention(nn.Module):
             out = F.pad(out, (0, 0, 0, 0, 0, seq_len - n))
         return out.reshape(bsz, seq_len, heads * hd), probs
 
-    def query_chunk(self, q: torch.Tensor) -> int:
-        """Queries per window of the causal form ([`windowed`]): ``config.attention_query_chunk`` if set; else W
-        on an accelerator (one attention call per layer: launches cost more than the masked work), and
-        ``resolved_attention_query_chunk`` on the CPU (the work skipped is time there)."""
-        cfg = self.config
-        if cfg.attention_query_chunk is not None:
-            return cfg.attention_query_chunk
-        return self.block_len if on_accelerator(q) else cfg.resolved_attention_query_chunk
-
     def window_constants(self, chunk: int, device):
         """The parameter-free parts of [`window_bias`], built once per chunk size and device ([`constant_memo`]):
         the T5 bucket of every distance a window spans, and which distances are outside the window."""
@@ -512,7 +512,7 @@ class BSTBlockSelfAttention(nn.Module):
         zeros, as in meliad's safe softmax."""
         bsz, seq_len, heads, hd = q.shape
         w = self.block_len
-        chunk = self.query_chunk(q)
+        chunk = query_chunk(self.config, q)
         n = bsz * (seq_len // chunk)
         if previous is None:
             kp, vp = F.pad(k, (0, 0, 0, 0, w, 0)), F.pad(v, (0, 0, 0, 0, w, 0))  # (B, W + T, H, d)
@@ -721,8 +721,7 @@ class BSTCrossAttention(nn.Module):
         qb = q.view(bsz * nb, w, heads, hd).transpose(1, 2)
         kb = keys.reshape(bsz * nb, s, heads, hd).transpose(1, 2)
         vb = values.reshape(bsz * nb, s, heads, hd).transpose(1, 2)
-        # one call on an accelerator (the masked half of the work costs less than more launches), chunks on the CPU
-        chunk = cfg.attention_query_chunk or (w if on_accelerator(q) else min(cfg.resolved_attention_query_chunk, w))
+        chunk = query_chunk(cfg, q)
         probs = None
         if weights:
             out, probs = attention(self, qb, kb, vb, mask, drop, return_weights=True)  # probs (B*nb, H, W, S)
