@@ -305,13 +305,6 @@ def transposed_vandermonde(z: torch.Tensor, log_a: torch.Tensor, chunk: int = 64
     return (partial * p_out).sum(-1)
 
 
-def stacked_states(x0: torch.Tensor) -> torch.Tensor:
-    """Complex chunk-start states `(B, n, Ds, N2)` as real `(Ds, B * n, 2 N2)` (real parts, then imaginary), the
-    left operand of the free-response matmul against [`S4DKernel.chunk_constants`]' read-out."""
-    bsz, n, ds, modes = x0.shape
-    return torch.cat([x0.real, x0.imag], -1).permute(2, 0, 1, 3).reshape(ds, bsz * n, 2 * modes)
-
-
 # S4D's chunked training path ([`S4DKernel.chunked_forward`]) in real arithmetic: the exponents ``e`` of the powers
 # ``Abar^e`` it needs, and a log-mask that zeroes the entries above the diagonal of its chunk-level matrices.
 _EXPONENT_TABLES: dict = {}
@@ -672,43 +665,6 @@ class S4DKernel(nn.Module):
             y = y.view(ds, bsz * nc, self.out_channels, chunk).permute(2, 0, 1, 3)
             return y.reshape(self.out_channels, ds, bsz * length)
 
-    # -- the complex chunked forms: references of the real ones (tests) ---------------------------------------------
-    def complex_chunked_forward(self, z: torch.Tensor, chunk: int, state: torch.Tensor | None = None):
-        """[`chunked_forward`] with complex states and an FFT within chunks (the earlier training path; a reference
-        for tests): the same outputs.
-
-        Within a chunk of ``chunk`` tokens the output is the convolution with the first ``chunk`` lags of the
-        kernel (one FFT conv over all chunks at once); what earlier chunks contribute is the free response to the
-        state at the chunk's start, ``2 Re(C Abar^{j+1} x_start)`` for offset j, with the chunk-start states from
-        the block scan of [`block_states`]. Exact: equal to the whole-length convolution up to rounding.
-        ``z`` `(B, L, Ds)` in the compute dtype -> `(B, L, C, Ds)`.
-        """
-        bsz, length, ds = z.shape
-        nc = -(-length // chunk)
-        z = F.pad(z, (0, 0, 0, nc * chunk - length))  # causal: zeros at the end change no earlier output
-        u = z.view(bsz * nc, chunk, ds).transpose(1, 2)  # (B*nc, Ds, T)
-        spectrum, readout = self.chunk_constants(chunk)
-        y = fft_conv(u, spectrum).view(bsz, nc, self.out_channels, ds, chunk)  # within each chunk
-        if nc > 1 or state is not None:
-            x0 = self.complex_chunk_start_states(z, chunk, state)
-            xs = stacked_states(x0)  # (Ds, B*nc, 2 N2)
-            free = 2 * torch.bmm(xs, readout)  # (Ds, B*nc, C*T): the free response of every chunk
-            y = y + free.view(ds, bsz, nc, self.out_channels, chunk).permute(1, 2, 3, 0, 4)
-        return y.permute(0, 1, 4, 2, 3).reshape(bsz, nc * chunk, self.out_channels, ds)[:, :length]
-
-    def complex_chunk_start_states(self, z: torch.Tensor, chunk: int, state: torch.Tensor | None = None):
-        """The states entering every chunk of ``chunk`` tokens as complex numbers: the given ``state`` (or zero), then
-        the chunk-end states of [`block_states`]. ``z`` `(B, nc * chunk, Ds)` (compute dtype) -> `(B, nc, Ds, N2)`."""
-        with _no_autocast(z.device.type):
-            dt_a, d_b = self.discretize()
-            bsz, nc = z.shape[0], z.shape[1] // chunk
-            if state is not None and not state.is_complex():
-                state = torch.complex(*complex_pair(state))  # a state in the real form (eager real arithmetic)
-            x0 = (state if state is not None else torch.zeros_like(d_b).expand(bsz, -1, -1)).unsqueeze(1)
-            if nc > 1:
-                x0 = torch.cat([x0, self.block_states(z[:, : (nc - 1) * chunk], chunk, dt_a, d_b, state)], 1)
-            return x0
-
     def final_state(self, z: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
         """State after the last token: ``x_T = Abar^T x0 + sum_j Abar^{T-1-j} Bbar z_j``. `(B, L, Ds)` -> `(B, Ds, N2)`.
 
@@ -725,41 +681,6 @@ class S4DKernel(nn.Module):
             if state is not None:
                 out = out + torch.exp(dt_a * length) * state
             return out
-
-    def chunk_constants(self, chunk: int):
-        """What [`chunked_forward`] needs from the parameters: the spectrum of the first ``chunk`` lags (D skip
-        included) and the free-response read-out ``G[c, s, n, j] = C[c, s, n] Abar[s, n]^(j+1)`` laid out for a real
-        batched matmul, `(Ds, 2 N2, C * chunk)` (``Re(G x) = Re(G) Re(x) - Im(G) Im(x)``)."""
-        dt_a, _ = self.discretize()
-        powers = vandermonde_powers(dt_a, torch.arange(1, chunk + 1, device=dt_a.device))  # (Ds, N2, T)
-        g = self.output_matrix().unsqueeze(-1) * powers  # (C, Ds, N2, T)
-        g = torch.cat([g.real, -g.imag], 2).permute(1, 2, 0, 3).reshape(self.channels, 2 * self.n_modes, -1)
-        return self.spectrum(chunk), g
-
-    def block_states(self, z: torch.Tensor, block_len: int, dt_a, d_b, state: torch.Tensor | None = None):
-        """States after the last token of every block: ``z`` `(B, nb*W, Ds)` (compute dtype) -> `(B, nb, Ds, N2)`.
-
-        Local block states from a per-block Vandermonde product, then a log-depth scan over blocks (``state``, if
-        given, is the state before the first token)."""
-        bsz, length, _ = z.shape
-        nb = length // block_len
-        powers = vandermonde_powers(dt_a, torch.arange(block_len - 1, -1, -1, device=z.device))  # (Ds, N2, W)
-        # Local block states sum_w Abar^(W-1-w) z_w as one real batched matmul over channels (a complex einsum
-        # would promote z to complex and copy every channel slice): (Ds, B*nb, W) @ (Ds, W, 2*N2).
-        zt = z.reshape(bsz * nb, block_len, self.channels).permute(2, 0, 1)
-        pw = torch.view_as_real(powers).permute(0, 2, 1, 3).reshape(self.channels, block_len, 2 * self.n_modes)
-        x = torch.view_as_complex(torch.bmm(zt, pw).view(self.channels, bsz * nb, self.n_modes, 2))
-        x = x.permute(1, 0, 2).reshape(bsz, nb, self.channels, self.n_modes) * d_b  # (B, nb, Ds, N2)
-        if state is not None:
-            x = torch.cat([x[:, :1] + (torch.exp(dt_a * block_len) * state).unsqueeze(1), x[:, 1:]], 1)
-        # Hillis-Steele scan: x_b <- x_b + Abar^{dW} x_{b-d} for d = 1, 2, 4, ...
-        decay = torch.exp(dt_a * block_len)
-        shift = 1
-        while shift < nb:
-            x = torch.cat([x[:, :shift], x[:, shift:] + decay * x[:, :-shift]], 1)
-            decay = decay * decay
-            shift *= 2
-        return x
 
     def block_end_outputs(self, z: torch.Tensor, block_len: int, state: torch.Tensor | None = None):
         """SSM outputs of all C channels at the last token of every block, without an FFT per channel.
@@ -788,16 +709,6 @@ class S4DKernel(nn.Module):
             skip = (z_end * self.D.to(z.dtype).t()[:, None, None]).view(ds, bsz * nb, self.out_channels)
             y = torch.baddbmm(skip, x, readout, alpha=2)  # (Ds, B*nb, C)
             return y.view(ds, bsz, nb, self.out_channels).permute(1, 2, 3, 0)
-
-    def complex_block_end_outputs(self, z: torch.Tensor, block_len: int, state: torch.Tensor | None = None):
-        """[`block_end_outputs`] with complex states and the log-depth scan of [`block_states`] (a reference)."""
-        with _no_autocast(z.device.type):
-            z = z.to(compute_dtype(self.log_dt))
-            dt_a, d_b = self.discretize()
-            x = self.block_states(z, block_len, dt_a, d_b, state)
-            y = 2 * torch.einsum("chn,bkhn->bkch", self.output_matrix(), x).real
-            z_end = z[:, block_len - 1 :: block_len]  # (B, nb, Ds)
-            return y + self.D.to(z.dtype)[None, None] * z_end.unsqueeze(2)
 
     def empty_state(self, batch_size: int, device) -> torch.Tensor:
         """The zero state `(B, Ds, N2)` (complex; real `(B, Ds, N2, 2)` in real arithmetic): no input yet."""
@@ -904,7 +815,7 @@ class S4DKernel(nn.Module):
                 carried = pair_mul(decay, complex_pair(state))
                 x = tuple(torch.cat([p[:, :1] + c.unsqueeze(1), p[:, 1:]], 1) for p, c in zip(x, carried))
             shift = 1
-            while shift < nb:  # the scan of [`block_states`]
+            while shift < nb:  # a log-depth scan over blocks
                 moved = pair_mul(decay, (x[0][:, :-shift], x[1][:, :-shift]))
                 x = tuple(torch.cat([p[:, :shift], p[:, shift:] + m], 1) for p, m in zip(x, moved))
                 decay = pair_mul(decay, decay)

@@ -8,6 +8,15 @@ import cmath
 import math
 
 import torch
+import torch.nn.functional as F
+
+from modeling_bst.ssm_bst import (
+    _no_autocast,
+    complex_pair,
+    compute_dtype,
+    fft_conv,
+    vandermonde_powers,
+)
 
 
 # -- S4D ---------------------------------------------------------------------------------------------------------
@@ -181,3 +190,99 @@ def block_self_attention_reference(layer, xn: torch.Tensor, length: int | None =
                 p = torch.softmax(torch.stack(logits, -1), -1)  # (B, K)
                 out[:, t, h] = (p[..., None] * v[:, keys, h]).sum(1)
     return out.reshape(bsz, seq, heads * hd)
+
+
+# -- S4D's complex chunked forms (the training path before issue #44): references of the real ones ----------------
+
+
+def stacked_states(x0: torch.Tensor) -> torch.Tensor:
+    """Complex chunk-start states `(B, n, Ds, N2)` as real `(Ds, B * n, 2 N2)` (real parts, then imaginary), the
+    left operand of the free-response matmul against [`chunk_constants`]' read-out."""
+    bsz, n, ds, modes = x0.shape
+    return torch.cat([x0.real, x0.imag], -1).permute(2, 0, 1, 3).reshape(ds, bsz * n, 2 * modes)
+
+
+def complex_chunked_forward(kernel, z: torch.Tensor, chunk: int, state: torch.Tensor | None = None):
+    """[`chunked_forward`] with complex states and an FFT within chunks (the earlier training path; a reference
+    for tests): the same outputs.
+
+    Within a chunk of ``chunk`` tokens the output is the convolution with the first ``chunk`` lags of the
+    kernel (one FFT conv over all chunks at once); what earlier chunks contribute is the free response to the
+    state at the chunk's start, ``2 Re(C Abar^{j+1} x_start)`` for offset j, with the chunk-start states from
+    the block scan of [`block_states`]. Exact: equal to the whole-length convolution up to rounding.
+    ``z`` `(B, L, Ds)` in the compute dtype -> `(B, L, C, Ds)`.
+    """
+    bsz, length, ds = z.shape
+    nc = -(-length // chunk)
+    z = F.pad(z, (0, 0, 0, nc * chunk - length))  # causal: zeros at the end change no earlier output
+    u = z.view(bsz * nc, chunk, ds).transpose(1, 2)  # (B*nc, Ds, T)
+    spectrum, readout = chunk_constants(kernel, chunk)
+    y = fft_conv(u, spectrum).view(bsz, nc, kernel.out_channels, ds, chunk)  # within each chunk
+    if nc > 1 or state is not None:
+        x0 = complex_chunk_start_states(kernel, z, chunk, state)
+        xs = stacked_states(x0)  # (Ds, B*nc, 2 N2)
+        free = 2 * torch.bmm(xs, readout)  # (Ds, B*nc, C*T): the free response of every chunk
+        y = y + free.view(ds, bsz, nc, kernel.out_channels, chunk).permute(1, 2, 3, 0, 4)
+    return y.permute(0, 1, 4, 2, 3).reshape(bsz, nc * chunk, kernel.out_channels, ds)[:, :length]
+
+
+def complex_chunk_start_states(kernel, z: torch.Tensor, chunk: int, state: torch.Tensor | None = None):
+    """The states entering every chunk of ``chunk`` tokens as complex numbers: the given ``state`` (or zero), then
+    the chunk-end states of [`block_states`]. ``z`` `(B, nc * chunk, Ds)` (compute dtype) -> `(B, nc, Ds, N2)`."""
+    with _no_autocast(z.device.type):
+        dt_a, d_b = kernel.discretize()
+        bsz, nc = z.shape[0], z.shape[1] // chunk
+        if state is not None and not state.is_complex():
+            state = torch.complex(*complex_pair(state))  # a state in the real form (eager real arithmetic)
+        x0 = (state if state is not None else torch.zeros_like(d_b).expand(bsz, -1, -1)).unsqueeze(1)
+        if nc > 1:
+            x0 = torch.cat([x0, block_states(kernel, z[:, : (nc - 1) * chunk], chunk, dt_a, d_b, state)], 1)
+        return x0
+
+
+def chunk_constants(kernel, chunk: int):
+    """What [`chunked_forward`] needs from the parameters: the spectrum of the first ``chunk`` lags (D skip
+    included) and the free-response read-out ``G[c, s, n, j] = C[c, s, n] Abar[s, n]^(j+1)`` laid out for a real
+    batched matmul, `(Ds, 2 N2, C * chunk)` (``Re(G x) = Re(G) Re(x) - Im(G) Im(x)``)."""
+    dt_a, _ = kernel.discretize()
+    powers = vandermonde_powers(dt_a, torch.arange(1, chunk + 1, device=dt_a.device))  # (Ds, N2, T)
+    g = kernel.output_matrix().unsqueeze(-1) * powers  # (C, Ds, N2, T)
+    g = torch.cat([g.real, -g.imag], 2).permute(1, 2, 0, 3).reshape(kernel.channels, 2 * kernel.n_modes, -1)
+    return kernel.spectrum(chunk), g
+
+
+def block_states(kernel, z: torch.Tensor, block_len: int, dt_a, d_b, state: torch.Tensor | None = None):
+    """States after the last token of every block: ``z`` `(B, nb*W, Ds)` (compute dtype) -> `(B, nb, Ds, N2)`.
+
+    Local block states from a per-block Vandermonde product, then a log-depth scan over blocks (``state``, if
+    given, is the state before the first token)."""
+    bsz, length, _ = z.shape
+    nb = length // block_len
+    powers = vandermonde_powers(dt_a, torch.arange(block_len - 1, -1, -1, device=z.device))  # (Ds, N2, W)
+    # Local block states sum_w Abar^(W-1-w) z_w as one real batched matmul over channels (a complex einsum
+    # would promote z to complex and copy every channel slice): (Ds, B*nb, W) @ (Ds, W, 2*N2).
+    zt = z.reshape(bsz * nb, block_len, kernel.channels).permute(2, 0, 1)
+    pw = torch.view_as_real(powers).permute(0, 2, 1, 3).reshape(kernel.channels, block_len, 2 * kernel.n_modes)
+    x = torch.view_as_complex(torch.bmm(zt, pw).view(kernel.channels, bsz * nb, kernel.n_modes, 2))
+    x = x.permute(1, 0, 2).reshape(bsz, nb, kernel.channels, kernel.n_modes) * d_b  # (B, nb, Ds, N2)
+    if state is not None:
+        x = torch.cat([x[:, :1] + (torch.exp(dt_a * block_len) * state).unsqueeze(1), x[:, 1:]], 1)
+    # Hillis-Steele scan: x_b <- x_b + Abar^{dW} x_{b-d} for d = 1, 2, 4, ...
+    decay = torch.exp(dt_a * block_len)
+    shift = 1
+    while shift < nb:
+        x = torch.cat([x[:, :shift], x[:, shift:] + decay * x[:, :-shift]], 1)
+        decay = decay * decay
+        shift *= 2
+    return x
+
+
+def complex_block_end_outputs(kernel, z: torch.Tensor, block_len: int, state: torch.Tensor | None = None):
+    """[`block_end_outputs`] with complex states and the log-depth scan of [`block_states`] (a reference)."""
+    with _no_autocast(z.device.type):
+        z = z.to(compute_dtype(kernel.log_dt))
+        dt_a, d_b = kernel.discretize()
+        x = block_states(kernel, z, block_len, dt_a, d_b, state)
+        y = 2 * torch.einsum("chn,bkhn->bkch", kernel.output_matrix(), x).real
+        z_end = z[:, block_len - 1 :: block_len]  # (B, nb, Ds)
+        return y + kernel.D.to(z.dtype)[None, None] * z_end.unsqueeze(2)

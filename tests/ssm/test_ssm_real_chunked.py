@@ -5,7 +5,7 @@ and every gradient), no complex tensor in its forward or backward, few backend o
 import pytest
 import torch
 from conftest import tiny_config
-from reference import s4d_recurrence
+from reference import complex_block_end_outputs, complex_chunked_forward, s4d_recurrence
 
 from benchmarks.ssm_ops import OpCounter, count, make_kernel
 from modeling_bst.ssm_bst import PerFilterS4D, S4DKernel, chunk_groups
@@ -65,7 +65,7 @@ def test_real_chunked_forward_equals_complex_form_and_recurrence(length, chunk, 
     state = random_state(kernel) if with_state else None
     real = outputs_and_grads(kernel, z, state, lambda k, x, s: k(x, s))
     chunk_used = min(chunk, length)
-    reference = outputs_and_grads(kernel, z, state, lambda k, x, s: k.complex_chunked_forward(x, chunk_used, s))
+    reference = outputs_and_grads(kernel, z, state, lambda k, x, s: complex_chunked_forward(k, x, chunk_used, s))
     assert real[0].shape == (2, length, out_channels, 5)
     assert_same(real, reference)
     torch.testing.assert_close(real[0], s4d_recurrence(kernel, z, state)[0], **F64)
@@ -80,7 +80,7 @@ def test_real_block_end_outputs_equal_complex_form(block_len, num_blocks, with_s
     z = torch.randn(2, block_len * num_blocks, 5, dtype=torch.float64)
     state = random_state(kernel) if with_state else None
     real = outputs_and_grads(kernel, z, state, lambda k, x, s: k.block_end_outputs(x, block_len, s))
-    reference = outputs_and_grads(kernel, z, state, lambda k, x, s: k.complex_block_end_outputs(x, block_len, s))
+    reference = outputs_and_grads(kernel, z, state, lambda k, x, s: complex_block_end_outputs(k, x, block_len, s))
     assert real[0].shape == (2, num_blocks, 4, 5)
     assert_same(real, reference)
     torch.testing.assert_close(real[0], s4d_recurrence(kernel, z, state)[0][:, block_len - 1 :: block_len], **F64)
