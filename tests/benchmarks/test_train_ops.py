@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from benchmarks import train_ops
 
@@ -65,8 +66,10 @@ def test_training_step_counts_are_sane(train_rows):
     assert llama["total"] < bst_acc["total"] <= bst_cpu["total"]
     assert bst_acc["total"] < 2 * llama["total"]
     assert bst_cpu["complex_outputs"] == bst_acc["complex_outputs"] == llama["complex_outputs"] == 0
-    # Llama's known forward: 423 compute ops and 57 _unsafe_view at any L (8 layers; the notes' table)
-    assert (llama["forward"], llama["unsafe_view_forward"]) == (423, 57)
+    # Llama's known forward at any L (8 layers): 423 compute ops and 57 _unsafe_view with transformers 5.24 (the notes'
+    # table); 5.23's Llama runs 16 more (two per layer), the oldest release that setup.cfg accepts
+    expected = {(5, 23): 439, (5, 24): 423}[tuple(int(x) for x in transformers.__version__.split(".")[:2])]
+    assert (llama["forward"], llama["unsafe_view_forward"]) == (expected, 57)
 
 
 def test_decode_step_counts_are_sane():
