@@ -116,15 +116,7 @@ def attention(module, q, k, v, mask, dropout, return_weights: bool = False):
     implementation = module.config._attn_implementation
     if implementation == "flex_attention":
         implementation = "sdpa"
-    if (
-        implementation == "sdpa"
-        and not return_weights
-        and mask is not None
-        and mask.requires_grad
-        and torch.is_grad_enabled()
-        and not on_accelerator(q)  # CUDA's memory-efficient SDPA kernel returns the mask's gradient itself
-        and not torch.compiler.is_compiling()
-    ):
+    if not return_weights and mask is not None and learned_mask_path(module, mask):
         return learned_mask_attention(q, k, v, mask, dropout)
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
     if torch.compiler.is_compiling():
@@ -169,7 +161,19 @@ def plain_embedding(module) -> bool:
     )
 
 
-def learned_mask_attention(q, k, v, mask, dropout: float) -> torch.Tensor:
+def learned_mask_path(module, mask) -> bool:
+    """Whether [`attention`] sends ``mask`` to [`learned_mask_attention`]: SDPA (or flex's fallbacks) on the CPU, eager
+    (not compiling), a mask that needs a gradient."""
+    return (
+        module.config._attn_implementation in ("sdpa", "flex_attention")
+        and mask.requires_grad
+        and torch.is_grad_enabled()
+        and not on_accelerator(mask)  # CUDA's memory-efficient SDPA kernel returns the mask's gradient itself
+        and not torch.compiler.is_compiling()
+    )
+
+
+def learned_mask_attention(q, k, v, mask, dropout: float, mask_scores=None) -> torch.Tensor:
     """SDPA for an additive mask that needs a gradient (the learned T5 bias while training) on the CPU, written out.
 
     torch's fused CPU kernel returns no gradient for a mask, so SDPA takes its math path here; this computes exactly
@@ -177,12 +181,14 @@ def learned_mask_attention(q, k, v, mask, dropout: float) -> torch.Tensor:
     query and key scaling by 1, a copy of the transposed keys, and the checks for fully masked rows (the masks here
     are finite, see [`masked_fill_value`]). ~25% less time per call at the training shapes on CPU. (On CUDA,
     [`attention`] sends such a mask to SDPA, whose memory-efficient kernel returns its gradient.)
-    Same arguments as [`attention`]; returns `(N, Lq, H, d)`.
+    Same arguments as [`attention`], and ``mask_scores``, a function applied to the float32 scores before the softmax
+    (more masking; it may work in place); returns `(N, Lq, H, d)`.
     """
     dtype = q.dtype
     with torch.autocast(q.device.type, enabled=False):
         q, k, v = upcast(q), upcast(k), upcast(v)
-        weights = torch.softmax(torch.matmul(q, k.transpose(-1, -2)) + mask.to(q.dtype), dim=-1)
+        scores = torch.matmul(q, k.transpose(-1, -2)).add_(mask.to(q.dtype))  # in place: a fresh tensor
+        weights = torch.softmax(scores if mask_scores is None else mask_scores(scores), dim=-1)
         if dropout > 0:
             weights = F.dropout(weights, p=dropout)
         return torch.matmul(weights, v).to(dtype).transpose(1, 2).contiguous()
@@ -528,9 +534,17 @@ class BSTBlockSelfAttention(nn.Module):
             # one call, one mask per window (absent keys only in block 0's windows, but one launch for all)
             mask = bias.masked_fill(absent, masked_fill_value(q.dtype))
             out = attention(self, queries, keys, values, mask, dropout).view(bsz, seq_len, heads, hd)
+        elif learned_mask_path(self, bias):
+            # CPU training: every window under the one shared bias (no per-window mask to write and differentiate),
+            # the absent keys masked in the float32 scores
+            def mask_absent(scores):
+                return scores.masked_fill_(absent, masked_fill_value(scores.dtype))
+
+            out = learned_mask_attention(queries, keys, values, bias[None], dropout, mask_absent)
+            out = out.view(bsz, seq_len, heads, hd)
         else:
-            # CPU: every window under the one shared bias (no per-window mask to write and differentiate), then
-            # block 0's windows again with their absent keys masked (a per-window mask over W / c windows a row)
+            # CPU inference: every window under the one shared bias through SDPA's fused kernel, then block 0's
+            # windows again with their absent keys masked (a per-window mask over W / c windows a row)
             out = attention(self, queries, keys, values, bias[None], dropout).view(bsz, seq_len, heads, hd)
             first, per_row = w // chunk, seq_len // chunk
             rows = slice(0, first)
