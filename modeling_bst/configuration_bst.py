@@ -311,9 +311,10 @@ class BSTConfig(PreTrainedConfig):
             learning rate for all layers", Sec. 4.1); before issue #33 the default was 1e-3, which configs written
             then store.
         ssm_input (`str`, defaults to `"normed"`): what a BST layer's SSM reads (through its down-projection):
-            ``"normed"`` the layer's RMS-normed input, as its attention does (meliad, Listing 1 of the paper);
-            ``"raw"`` the layer's input before the norm (the embeddings for a first-layer BST), whose scale grows
-            with depth.
+            ``"normed"`` the layer's RMS-normed input, as its attention does (meliad's block cell normalises its
+            input before every branch; a deviation: the paper's BST layer listing feeds the SSM the layer input);
+            ``"raw"`` the layer's input before the norm (the listing; the embeddings for a first-layer BST), whose
+            scale grows with depth.
         unstruct_emb_dim / unstruct_order / unstruct_num_inner_mlps / unstruct_sin_freq: Hyena filter MLP shape.
         unstruct_decay_target / unstruct_decay_fast / unstruct_decay_slow: Hyena exponential-decay envelope.
         unstruct_finite_filter (`bool`, defaults to `True`): an ``unstruct`` filter has ``max_position_embeddings``

@@ -1261,8 +1261,8 @@ class BSTModel(BSTPreTrainedModel):
         all_hidden = [hidden] if output_hidden_states else None
         all_attn, all_cross = ([], []) if output_attentions else (None, None)
         state = chunk.enter(hidden)
-        if chunk.fresh and not cfg.meliad_dropout:
-            state = (self.dropout(state[0]), state[1])
+        if not cfg.meliad_dropout:  # embedding dropout, on every chunk (a streamed segment continuing a cache too)
+            state = (self.dropout(state[0]), self.dropout(state[1]))
         for layer_idx, layer in enumerate(self.layers):
             if all_hidden is not None and layer_idx > 0:
                 # The recorded tensor is the one the next layer reads (gradients reach it).

@@ -6,9 +6,10 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import SEQ_LEN, make_model, tiny_config
 
 from modeling_bst import BSTForCausalLM
+from modeling_bst.modeling_bst import CACHE_NAME
 
 
 def _lm_head_inputs(model, ids):
@@ -146,3 +147,21 @@ def test_meliad_dropout_placement(meliad):
             a = model(torch.arange(8)[None], use_cache=False).logits
             b = model(torch.arange(8)[None], use_cache=False).logits
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("variant", ["trsf-xl", "brect"])
+def test_embedding_dropout_drops_every_streamed_segment(variant):
+    """Streamed training (Transformer-XL / BRecT segments continuing the cache) drops the embeddings of every
+    segment, not only the first (the default placement; ``meliad_dropout=True`` has none)."""
+    model = make_model(variant, dropout=0.5).train()
+    seen = []
+    model.model.dropout.register_forward_hook(lambda module, args, out: seen.append((args[0].numel(), out)))
+    segments = torch.randint(0, 97, (2, 2, SEQ_LEN), generator=torch.Generator().manual_seed(3))
+    cache = None
+    for segment in segments:
+        seen.clear()
+        out = model(segment, use_cache=True, **{CACHE_NAME: cache})
+        cache = getattr(out, CACHE_NAME)
+        dropped = [o for n, o in seen if n]
+        assert dropped and any(bool((o == 0).any()) for o in dropped), "no embedding dropout on this segment"
+    assert cache is not None and not cache.is_empty
