@@ -8,9 +8,8 @@ MF:S4 and BRecT each on its own are the same subclasses in the slow run.
 
 No model test is skipped here: the skips in a run are the mixins' own capability checks (no GPU, no flash
 attention, no RoPE, ...), listed with their reasons in docs/hf-common-tests.md; a skip added here must quote the
-reason a built-in recurrent model (Mamba, RecurrentGemma, Jamba, Bamba) gives for the same skip. Tests that fail
-because of a bug listed in issue #12 are ``xfail(strict=True)``: they turn into failures once the bug is fixed, and
-the entry in ``KNOWN_BUGS`` must then go.
+reason a built-in recurrent model (Mamba, RecurrentGemma, Jamba, Bamba) gives for the same skip. No test is marked
+as a known failure either.
 """
 
 import functools
@@ -52,41 +51,6 @@ AUTO_NAME_TABLES = {
     "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES": "BSTForCausalLM",
     "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES": "BSTForSequenceClassification",
 }
-
-
-# Inherited tests that fail because of a bug listed in issue #12: test name -> (bug, what fails, variants). Names
-# that the active mixins do not define (the generation tests without $TRANSFORMERS_TESTS_DIR, the stand-in export
-# test with it) are ignored. Bugs 1, 3 and 4 were fixed by 486a303, bug 5 (torch.export through the kernel-spectrum
-# memo) by 180993d; their entries went with them.
-KNOWN_BUGS = {}
-
-
-def _mixin_test(test_case, name):
-    """The test ``name`` as the transformers mixins define it (not a wrapper from this file)."""
-    for base in test_case.__mro__:
-        if base.__module__ != __name__ and name in vars(base):
-            return vars(base)[name]
-    return None
-
-
-def mark_known_bugs(test_case):
-    """Wrap each inherited test of ``KNOWN_BUGS`` in ``xfail(strict=True)`` for the variants it lists (a wrapper, so
-    the mixin is untouched); the other variants run the mixin's test as is."""
-    for name, (bug, what, variants) in KNOWN_BUGS.items():
-        method = _mixin_test(test_case, name)
-        if method is None:
-            continue
-        if test_case.variant_id not in variants:
-            setattr(test_case, name, method)
-            continue
-
-        @functools.wraps(method)
-        def test(self, *args, _method=method, **kwargs):
-            return _method(self, *args, **kwargs)
-
-        mark = pytest.mark.xfail(strict=True, reason=f"issue #12 bug {bug}: {what}")
-        setattr(test_case, name, mark(test))
-    return test_case
 
 
 class BSTModelTester:
@@ -144,7 +108,6 @@ class BSTModelTester:
         return config, {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
-@mark_known_bugs
 class BSTModelTest(ModelTesterMixin, GenerationTesterMixin, unittest.TestCase):
     """SH:S4: the whole common suite."""
 
@@ -183,7 +146,7 @@ class BSTModelTest(ModelTesterMixin, GenerationTesterMixin, unittest.TestCase):
     def test_config(self):
         self.config_tester.run_common_tests()
 
-    # Cache checks for a cache that is not a transformers ``Cache`` (as the MiniMax and Reformer tests do).
+    # Cache checks for BSTCache (a transformers ``Cache`` of BST cache layers, whose tensors are not per-layer K/V).
     def _check_past_key_values_for_generate(self, batch_size, past_key_values, seq_length, config):
         self.assertIsInstance(past_key_values, BSTCache)
         self.assertEqual(len(past_key_values), config.num_hidden_layers)
@@ -230,7 +193,6 @@ def mark_plumbing_slow(test_case):
 # and MF's context states in one model) and SH:unstruct (the other SSM kind and its cache). MH:S4, MF:S4 and BRecT,
 # each on its own, run in the slow run: their layers are these variants' (MH's context read-out is SH's with one
 # state per head), and tests/models/bst/ checks each of them by default (causality, decoding, padding, save/load).
-@mark_known_bugs
 @mark_plumbing_slow
 class BSTMFBRecTModelTest(BSTModelTest):
     """MF:S4 with a Block-Recurrent Transformer layer (the paper's BRecT baseline) before it."""
@@ -239,7 +201,6 @@ class BSTMFBRecTModelTest(BSTModelTest):
     variant = {"context_mode": "mf", "ssm_kind": "s4", "recurrent_layer_indices": [0]}
 
 
-@mark_known_bugs
 @mark_plumbing_slow
 class BSTSHUnstructModelTest(BSTModelTest):
     variant_id = "sh-unstruct"
@@ -247,7 +208,6 @@ class BSTSHUnstructModelTest(BSTModelTest):
 
 
 @pytest.mark.slow
-@mark_known_bugs
 @mark_plumbing_slow
 class BSTMHS4ModelTest(BSTModelTest):
     variant_id = "mh-s4"
@@ -255,7 +215,6 @@ class BSTMHS4ModelTest(BSTModelTest):
 
 
 @pytest.mark.slow
-@mark_known_bugs
 @mark_plumbing_slow
 class BSTMFS4ModelTest(BSTModelTest):
     variant_id = "mf-s4"
@@ -263,7 +222,6 @@ class BSTMFS4ModelTest(BSTModelTest):
 
 
 @pytest.mark.slow
-@mark_known_bugs
 @mark_plumbing_slow
 class BSTBRecTModelTest(BSTModelTest):
     """A Block-Recurrent Transformer layer (the paper's BRecT baseline) in place of the BST layer."""
