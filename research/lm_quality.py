@@ -157,14 +157,14 @@ def load_results(results_dir: Path = RESULTS) -> dict[tuple[str, str], dict]:
 
 def plot(results: dict, path: Path) -> None:
     """Test bits per byte against evaluation length, one panel per corpus; one colour per model
-    (``research.plots``) and one legend for the figure."""
+    (``research.style``) and one legend for the figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FixedLocator, NullLocator
 
-    from research import plots
+    from research import style
 
     fig, axes = plt.subplots(1, len(CORPORA), figsize=(5 * len(CORPORA), 4), sharex=True)
     for ax, corpus in zip(axes, CORPORA):
@@ -173,7 +173,7 @@ def plot(results: dict, path: Path) -> None:
             if r is None:
                 continue
             pts = [(row["length"], row["bits_per_byte"]) for row in r["results"] if "bits_per_byte" in row]
-            style = dict(color=plots.colour(model), linestyle=plots.linestyle(model), marker=plots.marker(model))
+            style = dict(color=style.colour(model), linestyle=style.linestyle(model), marker=style.marker(model))
             ax.plot([p[0] for p in pts], [p[1] for p in pts], label=LABELS[model], **style)
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_locator(FixedLocator(list(LENGTHS)))
@@ -183,7 +183,7 @@ def plot(results: dict, path: Path) -> None:
         ax.set_xlabel("evaluation length (tokens)")
         ax.set_ylabel("bits per byte (test)")
         ax.grid(alpha=0.3)
-    plots.figure_legend(fig, axes)
+    style.figure_legend(fig, axes)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")

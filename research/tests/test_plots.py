@@ -1,4 +1,4 @@
-"""research/plots.py: one colour per model in every figure of docs/results/, one legend per figure, y axes that fit
+"""research/style.py and research/plots.py: one colour per model in every figure of docs/results/, one legend per figure, y axes that fit
 the data; the figures are drawn from the committed records alone."""
 
 import json
@@ -10,16 +10,16 @@ import pytest
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from research import common, plots  # noqa: E402
+from research import common, plots, style  # noqa: E402
 
 
 def test_the_colour_map_gives_every_model_its_own_colour():
-    listed = list(plots.COLOURS.values())
+    listed = list(style.COLOURS.values())
     assert len(set(listed)) == len(listed)
-    assert set(plots.SAME_MODEL.values()) <= set(plots.COLOURS) and not set(plots.SAME_MODEL) & set(plots.COLOURS)
-    assert not set(plots.SPARE) & set(listed)
-    assert plots.colour("brect") == plots.colour("brect-fixed-skip")
-    assert plots.colour("a-new-ablation") in plots.SPARE
+    assert set(style.SAME_MODEL.values()) <= set(style.COLOURS) and not set(style.SAME_MODEL) & set(style.COLOURS)
+    assert not set(style.SPARE) & set(listed)
+    assert style.colour("brect") == style.colour("brect-fixed-skip")
+    assert style.colour("a-new-ablation") in style.SPARE
 
 
 def _record_names():
@@ -40,8 +40,8 @@ def _record_names():
 def test_every_model_of_the_records_has_a_listed_colour():
     names = _record_names()
     assert {"slide", "bst-sh-s4", "attention", "brect", "mamba", "bst-sh-unstruct-smooth"} <= names
-    missing = {n for n in names if plots.canonical(n) not in plots.COLOURS}
-    assert not missing, f"add these to research/plots.py: {sorted(missing)}"
+    missing = {n for n in names if style.canonical(n) not in style.COLOURS}
+    assert not missing, f"add these to research/style.py: {sorted(missing)}"
 
 
 @pytest.fixture
