@@ -629,7 +629,7 @@ def plot(records: list[dict], path: Path, proto: Protocol = CPU) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FixedLocator, NullLocator
 
-    from research import style
+    from research import style as figure_style
 
     selected = [r for r in records if r.get("validation_curve")]
     fig, axes = plt.subplots(1, 3 if selected else 2, figsize=(16.5 if selected else 11, 4.2))
@@ -639,7 +639,7 @@ def plot(records: list[dict], path: Path, proto: Protocol = CPU) -> None:
         seeds.setdefault(r["model"], []).append(r["seed"])
     for r in sorted(records, key=lambda r: (r["model"], r["seed"])):
         model = r["model"]
-        c, style = style.colour(model), style.linestyle(model)
+        c, style = figure_style.colour(model), figure_style.linestyle(model)
         first = r["seed"] == min(seeds[model])  # one legend entry per model, its seeds in one colour
         n = len(seeds[model])
         name = (
@@ -652,7 +652,7 @@ def plot(records: list[dict], path: Path, proto: Protocol = CPU) -> None:
         pts = [(p["step"] * per_step / 1e6, p["bits_per_byte"]) for p in r["learning_curve"]]
         ax1.plot(*zip(*pts), style, color=c, marker=".", label=name, alpha=alpha)
         gen = [(n, _bpb(r, n)) for n in proto.lengths if _bpb(r, n) is not None]
-        ax2.plot(*zip(*gen), style, color=c, marker=style.marker(model), label=name, alpha=alpha)
+        ax2.plot(*zip(*gen), style, color=c, marker=figure_style.marker(model), label=name, alpha=alpha)
         if r.get("validation_curve"):
             val = [(p["step"] * per_step / 1e6, p["bits_per_byte"]) for p in r["validation_curve"]]
             axes[2].plot(*zip(*val), style, color=c, marker=".", alpha=alpha)
@@ -681,7 +681,7 @@ def plot(records: list[dict], path: Path, proto: Protocol = CPU) -> None:
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
     # One legend for all panels, right of them, so that it never covers a curve (there are ~20 models).
-    style.figure_legend(fig, [ax1, ax2])
+    figure_style.figure_legend(fig, [ax1, ax2])
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")

@@ -164,7 +164,7 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FixedLocator, NullLocator
 
-    from research import style
+    from research import style as figure_style
 
     fig, axes = plt.subplots(1, len(CORPORA), figsize=(5 * len(CORPORA), 4), sharex=True)
     for ax, corpus in zip(axes, CORPORA):
@@ -173,7 +173,11 @@ def plot(results: dict, path: Path) -> None:
             if r is None:
                 continue
             pts = [(row["length"], row["bits_per_byte"]) for row in r["results"] if "bits_per_byte" in row]
-            style = dict(color=style.colour(model), linestyle=style.linestyle(model), marker=style.marker(model))
+            style = dict(
+                color=figure_style.colour(model),
+                linestyle=figure_style.linestyle(model),
+                marker=figure_style.marker(model),
+            )
             ax.plot([p[0] for p in pts], [p[1] for p in pts], label=LABELS[model], **style)
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_locator(FixedLocator(list(LENGTHS)))
@@ -183,7 +187,7 @@ def plot(results: dict, path: Path) -> None:
         ax.set_xlabel("evaluation length (tokens)")
         ax.set_ylabel("bits per byte (test)")
         ax.grid(alpha=0.3)
-    style.figure_legend(fig, axes)
+    figure_style.figure_legend(fig, axes)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")

@@ -704,7 +704,7 @@ def plot(
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FixedLocator, NullLocator
 
-    from research import style
+    from research import style as figure_style
 
     budgets = _budgets(records)
     one_cell = [len({(r["length"], r["num_pairs"]) for r in records if budget_of(r) == b}) == 1 for b in budgets]
@@ -726,7 +726,12 @@ def plot(
                 acc = 100 * _mean(_select(mine, model, length, pairs, tag))
                 name = model + tag
                 ax.bar(
-                    x, acc, 0.6, color=style.colour(name), label=label, hatch="//" if style.is_variant(name) else None
+                    x,
+                    acc,
+                    0.6,
+                    color=figure_style.colour(name),
+                    label=label,
+                    hatch="//" if figure_style.is_variant(name) else None,
                 )
                 ax.annotate(f"{acc:.1f}", (x, acc), textcoords="offset points", xytext=(0, 2), ha="center", fontsize=8)
                 drawn.append(acc)
@@ -735,7 +740,7 @@ def plot(
             ax.axhline(chance, color="grey", lw=0.8, ls=":", label="chance")
             ax.set_ylabel("MQAR accuracy (%)")
             ax.set_title(f"L = {length}, N = {pairs} pairs, budget {budget}{note}", fontsize=10)
-            ax.set_ylim(*style.fitted_ylim(drawn, 2 * chance, 100))
+            ax.set_ylim(*figure_style.fitted_ylim(drawn, 2 * chance, 100))
             ax.grid(alpha=0.3, axis="y")
             panels.append(ax)
             continue
@@ -743,7 +748,11 @@ def plot(
         for model, tag, _label in variants:
             name, label = model + tag, _label
             ours = [r for r in mine if r["model"] == model and _variant(r) == tag]
-            style = dict(color=style.colour(name), linestyle=style.linestyle(name), marker=style.marker(name))
+            style = dict(
+                color=figure_style.colour(name),
+                linestyle=figure_style.linestyle(name),
+                marker=figure_style.marker(name),
+            )
             lengths = sorted({r["length"] for r in ours if r["num_pairs"] == at_pairs})
             pts = [(n, 100 * _mean(_select(mine, model, n, at_pairs, tag))) for n in lengths]
             if pts:
@@ -767,11 +776,11 @@ def plot(
                 ax.set_xlim(ticks[0] / 1.25, ticks[-1] * 1.25)
             ax.set_xlabel(xlabel)
             ax.set_ylabel("MQAR accuracy (%)")
-            ax.set_ylim(*style.fitted_ylim(drawn, 2 * chance, 100))
+            ax.set_ylim(*figure_style.fitted_ylim(drawn, 2 * chance, 100))
             ax.set_title(f"{title}, budget {budget}{note}", fontsize=10)
             ax.grid(alpha=0.3)
         panels += row
-    style.figure_legend(fig, panels)
+    figure_style.figure_legend(fig, panels)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
