@@ -188,3 +188,92 @@ class _Chunk:
         attn = torch.cat(attns, 2) if attns else None
         cross = torch.cat(crosses, 2) if crosses else None
         return (outs[0] if n == 1 else torch.cat(outs, 1)), attn, cross
+
+
+class _Documents:
+    """A packed (padding-free) batch: rows holding several documents, as TRL's ``SFTTrainer(packing=True)`` and
+    transformers' ``DataCollatorWithFlattening`` give them. A document starts where ``position_ids`` restart
+    (transformers' rule: a token whose position is not one more than the previous token's) and at the offsets of
+    ``cu_seq_lens_q/k`` into the flattened batch; ``seq_idx`` and ``max_length_q/k``, when given, must agree.
+
+    [`rows`] lays the batch out as one row per document, right-padded (``mask``), [`columns`] maps outputs back: each
+    document then runs exactly as it would alone (its blocks aligned to its own start; self-attention, context
+    states, SSM and recurrent state fresh at its first token)."""
+
+    KEYS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "seq_idx", "max_length_q", "max_length_k")
+
+    def __init__(self, starts: torch.Tensor):
+        self.shape = starts.shape
+        flat = starts.flatten()
+        first = flat.nonzero()[:, 0]
+        lengths = torch.diff(first, append=first.new_tensor([flat.numel()]))
+        doc = flat.long().cumsum(0) - 1
+        width = int(lengths.max())
+        # Token i of the flattened batch sits at slot index[i] of the (documents, width) rows, which read source.
+        self.index = doc * width + torch.arange(flat.numel(), device=flat.device) - first[doc]
+        self.mask = torch.arange(width, device=flat.device) < lengths[:, None]
+        self.source = torch.zeros(self.mask.numel(), dtype=torch.long, device=flat.device)
+        self.source[self.index] = torch.arange(flat.numel(), device=flat.device)
+
+    def rows(self, x: torch.Tensor | None) -> torch.Tensor | None:
+        """`(B, T, ...)` -> `(documents, width, ...)` (padding slots hold a copy of the first token, masked)."""
+        return None if x is None else x.flatten(0, 1)[self.source].view(*self.mask.shape, *x.shape[2:])
+
+    def columns(self, h: torch.Tensor) -> torch.Tensor:
+        """`(documents, width, ...)` -> the caller's `(B, T, ...)`."""
+        return h.flatten(0, 1)[self.index].view(*self.shape, *h.shape[2:])
+
+    @staticmethod
+    def starts(kwargs: dict, attention_mask, shape) -> torch.Tensor | None:
+        """`(B, T)` bool, True where a document starts, when some row holds several documents; else None."""
+        bsz, seq_len = shape
+        mask = None if attention_mask is None else attention_mask[:, -seq_len:].bool()
+        found = {}
+        pos = kwargs.get("position_ids")
+        if pos is not None:
+            if pos.dim() != 2 or pos.shape[1] != seq_len or pos.shape[0] not in (1, bsz):
+                raise ValueError(f"position_ids must have shape ({bsz}, {seq_len}), got {tuple(pos.shape)}.")
+            pos = pos.expand(bsz, seq_len)
+            real = torch.ones_like(pos, dtype=torch.bool) if mask is None else mask
+            # Each real token's previous real token (-1: none): generate's positions of a padded row are one document.
+            last = torch.where(real, torch.arange(seq_len, device=pos.device), -1).cummax(-1).values
+            prev = F.pad(last[:, :-1], (1, 0), value=-1)
+            found["position_ids"] = real & (prev >= 0) & (pos != pos.gather(1, prev.clamp(min=0)) + 1)
+        for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
+            if (cu := kwargs.get(name)) is not None:
+                cu = cu.flatten().long()
+                if len(cu) < 2 or cu[0] != 0 or cu[-1] != bsz * seq_len or not bool((cu.diff() > 0).all()):
+                    raise ValueError(
+                        f"{name} must rise from 0 to {bsz * seq_len} (the batch's tokens), got {cu.tolist()}."
+                    )
+                flat = torch.zeros(bsz * seq_len, dtype=torch.bool, device=cu.device).index_fill(0, cu[:-1], True)
+                if not bool(flat.view(shape)[:, 0].all()):
+                    raise ValueError(f"{name} {cu.tolist()} has a document running from one row into the next.")
+                found[name] = flat.view(shape)
+        if (seq_idx := kwargs.get("seq_idx")) is not None:
+            seq_idx = seq_idx.expand(bsz, seq_len)
+            found["seq_idx"] = F.pad(seq_idx[:, 1:] != seq_idx[:, :-1], (1, 0))
+        if not found:
+            return None
+        for v in found.values():
+            v[:, 0] = True  # every row starts a document
+        (first, starts), *others = found.items()
+        for name, other in others:
+            if not torch.equal(other, starts):
+                at = [s.flatten().nonzero()[:, 0].tolist() for s in (other, starts)]
+                raise ValueError(
+                    f"{name} (documents at token offsets {at[0]}) disagree with {first} (documents at {at[1]})."
+                )
+        first_tokens = starts.flatten().nonzero()[:, 0]
+        longest = int(torch.diff(first_tokens, append=first_tokens.new_tensor([bsz * seq_len])).max())
+        for name in ("max_length_q", "max_length_k"):
+            if kwargs.get(name) is not None and int(kwargs[name]) != longest:
+                raise ValueError(f"{name}={int(kwargs[name])} but the longest document has {longest} tokens.")
+        if not bool(starts[:, 1:].any()):
+            return None
+        if mask is not None and not bool(mask.all()):
+            raise ValueError(
+                "A packed row (several documents per row) with an attention_mask with zeros: pass either packed "
+                "rows without padding (no attention_mask) or padded rows of one document each."
+            )
+        return starts

@@ -69,7 +69,7 @@ from .cache_bst import (
 )
 from .configuration_bst import BSTConfig
 from .context_bst import CONTEXT_BUILDERS, SSM_KERNELS, BSTContextStates
-from .layout_bst import _Chunk
+from .layout_bst import _Chunk, _Documents
 from .ssm_bst import S4DKernel, UnstructFilter
 
 
@@ -1231,6 +1231,7 @@ class BSTModel(BSTPreTrainedModel):
         Every input is a chunk that continues the cache, which is empty for a fresh sequence ([`_Chunk`])."""
         cfg = self.config
         cache = given = None if cfg.bidirectional else resolve_cache_argument(cache, past_key_values)
+        asked_cache = use_cache
         use_cache = (
             use_cache if use_cache is not None else cfg.use_cache and not self.training
         ) and not cfg.bidirectional
@@ -1239,6 +1240,28 @@ class BSTModel(BSTPreTrainedModel):
         if cache is not None:
             cache = BSTCache.of(cache, cfg)  # a DynamicCache of BST layers (made by generate) reads as a BSTCache
         bsz, seq_len = self._check_inputs(input_ids, inputs_embeds, attention_mask, cache)
+        if (starts := _Documents.starts(kwargs, attention_mask, (bsz, seq_len))) is not None:
+            if given is not None or asked_cache:
+                raise ValueError(
+                    "A packed row (position_ids restarting inside a row, or cu_seq_lens_q/k) cannot fill or continue "
+                    "a cache: its documents are separate sequences. Pass use_cache=False; generate from one row per "
+                    "sequence."
+                )
+            if output_attentions:
+                raise ValueError("A packed row returns no attention weights: pass output_attentions=False.")
+            docs = _Documents(starts)
+            inner = self.forward(
+                input_ids=docs.rows(input_ids),
+                inputs_embeds=docs.rows(inputs_embeds),
+                attention_mask=docs.mask,
+                use_cache=False,
+                output_hidden_states=output_hidden_states,
+                return_dict=True,
+            )
+            return BaseModelOutputWithPastAndCrossAttentions(
+                last_hidden_state=docs.columns(inner.last_hidden_state),
+                hidden_states=None if inner.hidden_states is None else tuple(map(docs.columns, inner.hidden_states)),
+            )
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if use_cache and cache is None:
             cache = BSTCache(cfg, bsz)
@@ -1335,6 +1358,7 @@ class BSTForCausalLM(BSTPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
             output_attentions=output_attentions,
+            **{k: kwargs[k] for k in _Documents.KEYS if k in kwargs},
         )
         hidden = outputs.last_hidden_state
         slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -1348,6 +1372,8 @@ class BSTForCausalLM(BSTPreTrainedModel, GenerationMixin):
             logits = self.lm_head(hidden) * scale
         loss = None
         if labels is not None:
+            if (starts := _Documents.starts(kwargs, attention_mask, labels.shape)) is not None:
+                labels = labels.masked_fill(starts, -100)  # a document's first token: not a target of the previous
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return CausalLMOutputWithCrossAttentions(
             loss=loss,
@@ -1415,6 +1441,8 @@ class BSTForSequenceClassification(BSTPreTrainedModel):
             output_attentions=output_attentions,
         )
         hidden = outputs.last_hidden_state  # (B, T, D); padded positions are zero
+        if _Documents.starts(kwargs, attention_mask, hidden.shape[:2]) is not None:
+            raise ValueError("A packed row (several documents per row) cannot be classified: pass one per row.")
         valid = attention_mask.bool() if attention_mask is not None else None
         for layer in self.s4_layers:
             hidden = layer(hidden, valid)
