@@ -196,32 +196,46 @@ class _Documents:
     (transformers' rule: a token whose position is not one more than the previous token's) and at the offsets of
     ``cu_seq_lens_q/k`` into the flattened batch; ``seq_idx`` and ``max_length_q/k``, when given, must agree.
 
-    [`rows`] lays the batch out as one row per document, right-padded (``mask``), [`columns`] maps outputs back: each
+    [`rows`] lays the batch out as one row per document, right-padded (``masks``), [`columns`] maps outputs back: each
     document then runs exactly as it would alone (its blocks aligned to its own start; self-attention, context
-    states, SSM and recurrent state fresh at its first token)."""
+    states, SSM and recurrent state fresh at its first token). Documents run in groups of similar length (width W
+    times a power of two blocks, at most the longest document's), so short ones do not pay for the longest: a packed
+    row costs at most about twice its tokens rounded up to blocks."""
 
     KEYS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "seq_idx", "max_length_q", "max_length_k")
 
-    def __init__(self, starts: torch.Tensor):
+    def __init__(self, starts: torch.Tensor, block_len: int):
         self.shape = starts.shape
         flat = starts.flatten()
         first = flat.nonzero()[:, 0]
         lengths = torch.diff(first, append=first.new_tensor([flat.numel()]))
+        blocks = -(-lengths // block_len)
+        width = block_len * torch.minimum(2 ** torch.log2(blocks.double()).ceil().long(), blocks.max())
+        width, order = torch.sort(width, stable=True)
+        widths, counts = (t.tolist() for t in torch.unique_consecutive(width, return_counts=True))
+        self.sizes = [w * n for w, n in zip(widths, counts)]
+        # Document order[j] fills slots start[j] ... of the concatenated (documents, width) groups.
+        start = torch.empty_like(width).scatter_(0, order, width.cumsum(0) - width)
         doc = flat.long().cumsum(0) - 1
-        width = int(lengths.max())
-        # Token i of the flattened batch sits at slot index[i] of the (documents, width) rows, which read source.
-        self.index = doc * width + torch.arange(flat.numel(), device=flat.device) - first[doc]
-        self.mask = torch.arange(width, device=flat.device) < lengths[:, None]
-        self.source = torch.zeros(self.mask.numel(), dtype=torch.long, device=flat.device)
+        offset = torch.arange(flat.numel(), device=flat.device) - first[doc]
+        self.index = start[doc] + offset  # token i of the flattened batch sits at slot index[i]
+        self.masks = [
+            (torch.arange(w, device=flat.device) < n[:, None]) for w, n in zip(widths, lengths[order].split(counts))
+        ]
+        self.source = torch.zeros(sum(self.sizes), dtype=torch.long, device=flat.device)
         self.source[self.index] = torch.arange(flat.numel(), device=flat.device)
 
-    def rows(self, x: torch.Tensor | None) -> torch.Tensor | None:
-        """`(B, T, ...)` -> `(documents, width, ...)` (padding slots hold a copy of the first token, masked)."""
-        return None if x is None else x.flatten(0, 1)[self.source].view(*self.mask.shape, *x.shape[2:])
+    def rows(self, x: torch.Tensor | None) -> list:
+        """`(B, T, ...)` -> per group `(documents, width, ...)` (padding slots hold a copy of a token, masked)."""
+        if x is None:
+            return [None] * len(self.masks)
+        slots = x.flatten(0, 1)[self.source].split(self.sizes)
+        return [s.view(*m.shape, *x.shape[2:]) for s, m in zip(slots, self.masks)]
 
-    def columns(self, h: torch.Tensor) -> torch.Tensor:
-        """`(documents, width, ...)` -> the caller's `(B, T, ...)`."""
-        return h.flatten(0, 1)[self.index].view(*self.shape, *h.shape[2:])
+    def columns(self, groups: list) -> torch.Tensor:
+        """Per group `(documents, width, ...)` -> the caller's `(B, T, ...)`."""
+        flat = torch.cat([h.flatten(0, 1) for h in groups])
+        return flat[self.index].view(*self.shape, *groups[0].shape[2:])
 
     @staticmethod
     def starts(kwargs: dict, attention_mask, shape) -> torch.Tensor | None:

@@ -1228,7 +1228,9 @@ class BSTModel(BSTPreTrainedModel):
         """``cache``: a [`BSTCache`] to continue (``past_key_values`` is its name before transformers 5.24; either
         works). The output holds the cache under the installed transformers' name (``cache`` from 5.24 on).
 
-        Every input is a chunk that continues the cache, which is empty for a fresh sequence ([`_Chunk`])."""
+        Every input is a chunk that continues the cache, which is empty for a fresh sequence ([`_Chunk`]). A packed
+        row (several documents: ``position_ids`` that restart, or ``cu_seq_lens_q/k``, in ``kwargs``) runs each
+        document as a row of its own and equals the documents run apart ([`_Documents`]); it takes no cache."""
         cfg = self.config
         cache = given = None if cfg.bidirectional else resolve_cache_argument(cache, past_key_values)
         asked_cache = use_cache
@@ -1249,18 +1251,22 @@ class BSTModel(BSTPreTrainedModel):
                 )
             if output_attentions:
                 raise ValueError("A packed row returns no attention weights: pass output_attentions=False.")
-            docs = _Documents(starts)
-            inner = self.forward(
-                input_ids=docs.rows(input_ids),
-                inputs_embeds=docs.rows(inputs_embeds),
-                attention_mask=docs.mask,
-                use_cache=False,
-                output_hidden_states=output_hidden_states,
-                return_dict=True,
-            )
+            docs = _Documents(starts, cfg.block_len)
+            inner = [
+                self.forward(
+                    input_ids=ids,
+                    inputs_embeds=embeds,
+                    attention_mask=mask,
+                    use_cache=False,
+                    output_hidden_states=output_hidden_states,
+                    return_dict=True,
+                )
+                for ids, embeds, mask in zip(docs.rows(input_ids), docs.rows(inputs_embeds), docs.masks)
+            ]
+            all_hidden = [out.hidden_states for out in inner] if output_hidden_states else None
             return BaseModelOutputWithPastAndCrossAttentions(
-                last_hidden_state=docs.columns(inner.last_hidden_state),
-                hidden_states=None if inner.hidden_states is None else tuple(map(docs.columns, inner.hidden_states)),
+                last_hidden_state=docs.columns([out.last_hidden_state for out in inner]),
+                hidden_states=None if all_hidden is None else tuple(map(docs.columns, zip(*all_hidden))),
             )
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if use_cache and cache is None:

@@ -56,6 +56,20 @@ def test_a_packed_row_equals_its_documents_run_apart(variant):
     torch.testing.assert_close(out.loss, want_loss, atol=0, rtol=1e-6)
 
 
+@pytest.mark.parametrize("variant", ["mh-s4", "bst-brect"])
+def test_the_accelerator_code_path(variant):
+    """On an accelerator (no host reads in the layers; emulated on the CPU) a packed row equals its documents too."""
+    from modeling_bst.cache_bst import accelerator_code_path
+
+    model = make_model(variant, dtype=torch.float64)
+    docs = docs_of(LENGTHS)
+    ids, positions = packed(docs)
+    with accelerator_code_path(), torch.no_grad():
+        got = model(ids, position_ids=positions).logits[0]
+        apart = torch.cat([model(d[None]).logits[0] for d in docs])
+    torch.testing.assert_close(got, apart, atol=1e-10, rtol=0)
+
+
 def test_a_batch_of_two_packed_rows_and_a_backbone():
     model = make_model("bst-brect", dtype=torch.float64)
     first, second = docs_of([5, 2, 11], seed=1), docs_of([11, 7], seed=2)  # both rows 18 tokens
@@ -74,6 +88,29 @@ def test_a_batch_of_two_packed_rows_and_a_backbone():
         for packed_h, alone_h in zip(out.hidden_states, alone):
             torch.testing.assert_close(packed_h[0, 5:7], alone_h[0], atol=1e-10, rtol=0)
         assert isinstance(model.model, BSTModel)
+        embeds = model.get_input_embeddings()(ids)
+        torch.testing.assert_close(
+            model(inputs_embeds=embeds, position_ids=positions).logits, out.logits, atol=0, rtol=0
+        )
+
+
+def test_documents_run_in_groups_of_similar_length():
+    """TRL's padding (``pad_to_multiple_of``) gives every pad token position 0: one-token documents. They run in rows
+    of one block, not as wide as the longest document."""
+    from modeling_bst.layout_bst import _Documents
+
+    lengths = [9, 1, 1, 1, 30, 5]
+    model = make_model("mf-s4", dtype=torch.float64)
+    docs = docs_of(lengths)
+    ids, positions = packed(docs)
+    documents = _Documents(_Documents.starts({"position_ids": positions}, None, ids.shape), block_len=4)
+    # Blocks 3, 1, 1, 1, 8, 2 -> widths 16, 4, 4, 4, 32, 8 tokens, in groups by width (one row of 32, not six).
+    assert documents.sizes == [4 * 3, 8, 16, 32]
+    assert [tuple(m.shape) for m in documents.masks] == [(3, 4), (1, 8), (1, 16), (1, 32)]
+    with torch.no_grad():
+        got = model(ids, position_ids=positions).logits[0]
+        apart = torch.cat([model(d[None]).logits[0] for d in docs])
+    torch.testing.assert_close(got, apart, atol=1e-10, rtol=0)
 
 
 def test_gradients_equal_the_per_document_gradients():
