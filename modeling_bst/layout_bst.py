@@ -188,3 +188,106 @@ class _Chunk:
         attn = torch.cat(attns, 2) if attns else None
         cross = torch.cat(crosses, 2) if crosses else None
         return (outs[0] if n == 1 else torch.cat(outs, 1)), attn, cross
+
+
+class _Documents:
+    """A packed (padding-free) batch: rows holding several documents, as TRL's ``SFTTrainer(packing=True)`` and
+    transformers' ``DataCollatorWithFlattening`` give them. A document starts where ``position_ids`` restart
+    (transformers' rule: a token whose position is not one more than the previous token's) and at the offsets of
+    ``cu_seq_lens_q/k`` into the flattened batch; ``seq_idx`` and ``max_length_q/k``, when given, must agree.
+
+    [`rows`] lays the batch out as one row per document, right-padded (``masks``), [`columns`] maps outputs back: each
+    document then runs exactly as it would alone (its blocks aligned to its own start; self-attention, context
+    states, SSM and recurrent state fresh at its first token). Documents run in groups of similar length (width W
+    times a power of two blocks, at most the longest document's), so short ones do not pay for the longest: a packed
+    row costs at most about twice its tokens rounded up to blocks."""
+
+    KEYS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "seq_idx", "max_length_q", "max_length_k")
+
+    def __init__(self, starts: torch.Tensor, block_len: int):
+        self.shape = starts.shape
+        flat = starts.flatten()
+        first = flat.nonzero()[:, 0]
+        lengths = torch.diff(first, append=first.new_tensor([flat.numel()]))
+        blocks = -(-lengths // block_len)
+        width = block_len * torch.minimum(2 ** torch.log2(blocks.double()).ceil().long(), blocks.max())
+        width, order = torch.sort(width, stable=True)
+        widths, counts = (t.tolist() for t in torch.unique_consecutive(width, return_counts=True))
+        self.sizes = [w * n for w, n in zip(widths, counts)]
+        # Document order[j] fills slots start[j] ... of the concatenated (documents, width) groups.
+        start = torch.empty_like(width).scatter_(0, order, width.cumsum(0) - width)
+        doc = flat.long().cumsum(0) - 1
+        offset = torch.arange(flat.numel(), device=flat.device) - first[doc]
+        self.index = start[doc] + offset  # token i of the flattened batch sits at slot index[i]
+        self.masks = [
+            (torch.arange(w, device=flat.device) < n[:, None]) for w, n in zip(widths, lengths[order].split(counts))
+        ]
+        self.source = torch.zeros(sum(self.sizes), dtype=torch.long, device=flat.device)
+        self.source[self.index] = torch.arange(flat.numel(), device=flat.device)
+
+    def rows(self, x: torch.Tensor | None) -> list:
+        """`(B, T, ...)` -> per group `(documents, width, ...)` (padding slots hold a copy of a token, masked)."""
+        if x is None:
+            return [None] * len(self.masks)
+        slots = x.flatten(0, 1)[self.source].split(self.sizes)
+        return [s.view(*m.shape, *x.shape[2:]) for s, m in zip(slots, self.masks)]
+
+    def columns(self, groups: list) -> torch.Tensor:
+        """Per group `(documents, width, ...)` -> the caller's `(B, T, ...)`."""
+        flat = torch.cat([h.flatten(0, 1) for h in groups])
+        return flat[self.index].view(*self.shape, *groups[0].shape[2:])
+
+    @staticmethod
+    def starts(kwargs: dict, attention_mask, shape) -> torch.Tensor | None:
+        """`(B, T)` bool, True where a document starts, when some row holds several documents; else None."""
+        bsz, seq_len = shape
+        mask = None if attention_mask is None else attention_mask[:, -seq_len:].bool()
+        found = {}
+        pos = kwargs.get("position_ids")
+        if pos is not None:
+            if pos.dim() != 2 or pos.shape[1] != seq_len or pos.shape[0] not in (1, bsz):
+                raise ValueError(f"position_ids must have shape ({bsz}, {seq_len}), got {tuple(pos.shape)}.")
+            pos = pos.expand(bsz, seq_len)
+            real = torch.ones_like(pos, dtype=torch.bool) if mask is None else mask
+            # Each real token's previous real token (-1: none): generate's positions of a padded row are one document.
+            last = torch.where(real, torch.arange(seq_len, device=pos.device), -1).cummax(-1).values
+            prev = F.pad(last[:, :-1], (1, 0), value=-1)
+            found["position_ids"] = real & (prev >= 0) & (pos != pos.gather(1, prev.clamp(min=0)) + 1)
+        for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
+            if (cu := kwargs.get(name)) is not None:
+                cu = cu.flatten().long()
+                if len(cu) < 2 or cu[0] != 0 or cu[-1] != bsz * seq_len or not bool((cu.diff() > 0).all()):
+                    raise ValueError(
+                        f"{name} must rise from 0 to {bsz * seq_len} (the batch's tokens), got {cu.tolist()}."
+                    )
+                flat = torch.zeros(bsz * seq_len, dtype=torch.bool, device=cu.device).index_fill(0, cu[:-1], True)
+                if not bool(flat.view(shape)[:, 0].all()):
+                    raise ValueError(f"{name} {cu.tolist()} has a document running from one row into the next.")
+                found[name] = flat.view(shape)
+        if (seq_idx := kwargs.get("seq_idx")) is not None:
+            seq_idx = seq_idx.expand(bsz, seq_len)
+            found["seq_idx"] = F.pad(seq_idx[:, 1:] != seq_idx[:, :-1], (1, 0))
+        if not found:
+            return None
+        for v in found.values():
+            v[:, 0] = True  # every row starts a document
+        (first, starts), *others = found.items()
+        for name, other in others:
+            if not torch.equal(other, starts):
+                at = [s.flatten().nonzero()[:, 0].tolist() for s in (other, starts)]
+                raise ValueError(
+                    f"{name} (documents at token offsets {at[0]}) disagree with {first} (documents at {at[1]})."
+                )
+        first_tokens = starts.flatten().nonzero()[:, 0]
+        longest = int(torch.diff(first_tokens, append=first_tokens.new_tensor([bsz * seq_len])).max())
+        for name in ("max_length_q", "max_length_k"):
+            if kwargs.get(name) is not None and int(kwargs[name]) != longest:
+                raise ValueError(f"{name}={int(kwargs[name])} but the longest document has {longest} tokens.")
+        if not bool(starts[:, 1:].any()):
+            return None
+        if mask is not None and not bool(mask.all()):
+            raise ValueError(
+                "A packed row (several documents per row) with an attention_mask with zeros: pass either packed "
+                "rows without padding (no attention_mask) or padded rows of one document each."
+            )
+        return starts

@@ -69,7 +69,7 @@ from .cache_bst import (
 )
 from .configuration_bst import BSTConfig
 from .context_bst import CONTEXT_BUILDERS, SSM_KERNELS, BSTContextStates
-from .layout_bst import _Chunk
+from .layout_bst import _Chunk, _Documents
 from .ssm_bst import S4DKernel, UnstructFilter
 
 
@@ -1242,9 +1242,12 @@ class BSTModel(BSTPreTrainedModel):
         """``cache``: a [`BSTCache`] to continue (``past_key_values`` is its name before transformers 5.24; either
         works). The output holds the cache under the installed transformers' name (``cache`` from 5.24 on).
 
-        Every input is a chunk that continues the cache, which is empty for a fresh sequence ([`_Chunk`])."""
+        Every input is a chunk that continues the cache, which is empty for a fresh sequence ([`_Chunk`]). A packed
+        row (several documents: ``position_ids`` that restart, or ``cu_seq_lens_q/k``, in ``kwargs``) runs each
+        document as a row of its own and equals the documents run apart ([`_Documents`]); it takes no cache."""
         cfg = self.config
         cache = given = None if cfg.bidirectional else resolve_cache_argument(cache, past_key_values)
+        asked_cache = use_cache
         use_cache = (
             use_cache if use_cache is not None else cfg.use_cache and not self.training
         ) and not cfg.bidirectional
@@ -1253,6 +1256,32 @@ class BSTModel(BSTPreTrainedModel):
         if cache is not None:
             cache = BSTCache.of(cache, cfg)  # a DynamicCache of BST layers (made by generate) reads as a BSTCache
         bsz, seq_len = self._check_inputs(input_ids, inputs_embeds, attention_mask, cache)
+        if (starts := _Documents.starts(kwargs, attention_mask, (bsz, seq_len))) is not None:
+            if given is not None or asked_cache:
+                raise ValueError(
+                    "A packed row (position_ids restarting inside a row, or cu_seq_lens_q/k) cannot fill or continue "
+                    "a cache: its documents are separate sequences. Pass use_cache=False; generate from one row per "
+                    "sequence."
+                )
+            if output_attentions:
+                raise ValueError("A packed row returns no attention weights: pass output_attentions=False.")
+            docs = _Documents(starts, cfg.block_len)
+            inner = [
+                self.forward(
+                    input_ids=ids,
+                    inputs_embeds=embeds,
+                    attention_mask=mask,
+                    use_cache=False,
+                    output_hidden_states=output_hidden_states,
+                    return_dict=True,
+                )
+                for ids, embeds, mask in zip(docs.rows(input_ids), docs.rows(inputs_embeds), docs.masks)
+            ]
+            all_hidden = [out.hidden_states for out in inner] if output_hidden_states else None
+            return BaseModelOutputWithPastAndCrossAttentions(
+                last_hidden_state=docs.columns([out.last_hidden_state for out in inner]),
+                hidden_states=None if all_hidden is None else tuple(map(docs.columns, zip(*all_hidden))),
+            )
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if use_cache and cache is None:
             cache = BSTCache(cfg, bsz)
@@ -1349,6 +1378,7 @@ class BSTForCausalLM(BSTPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
             output_attentions=output_attentions,
+            **{k: kwargs[k] for k in _Documents.KEYS if k in kwargs},
         )
         hidden = outputs.last_hidden_state
         slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -1362,6 +1392,8 @@ class BSTForCausalLM(BSTPreTrainedModel, GenerationMixin):
             logits = self.lm_head(hidden) * scale
         loss = None
         if labels is not None:
+            if (starts := _Documents.starts(kwargs, attention_mask, labels.shape)) is not None:
+                labels = labels.masked_fill(starts, -100)  # a document's first token: not a target of the previous
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return CausalLMOutputWithCrossAttentions(
             loss=loss,
@@ -1429,6 +1461,8 @@ class BSTForSequenceClassification(BSTPreTrainedModel):
             output_attentions=output_attentions,
         )
         hidden = outputs.last_hidden_state  # (B, T, D); padded positions are zero
+        if _Documents.starts(kwargs, attention_mask, hidden.shape[:2]) is not None:
+            raise ValueError("A packed row (several documents per row) cannot be classified: pass one per row.")
         valid = attention_mask.bool() if attention_mask is not None else None
         for layer in self.s4_layers:
             hidden = layer(hidden, valid)
