@@ -32,7 +32,13 @@ class BSTContextStates(nn.Module):
       values `(B, nb, S_c, H, d)` per block, an additive cross mask `(W, S_c)` or None, and whether the first query of
       every block has no context (strict mask); with ``fill_cache``, writes the SSM and context state;
     * ``step(ssm, xn, layer_cache, positions)``: recurrent form for one token; returns keys/values `(B, S_c, H, d)`,
-      an additive mask `(B, 1, 1, S_c)` or None, and which rows see any context (None: all).
+      an additive mask `(B, 1, 1, S_c)` or None, and which rows see any context (None: all);
+    * ``forward``: the layer calls one of them through the module (``self.context(...)``), so that what hooks a
+      module's call sees the builder's parameters: PEFT's adapters on MH's / MF's per-head weights
+      (``target_parameters``), accelerate's offload hooks.
+
+    SSM outputs are cast to the activation dtype (``xn``'s), never to a weight's: a quantized projection's weight is
+    int8 / uint8.
 
     Context keys/values come from their own projections after an RMS norm; keys are L2-normalised with qk_norm.
     """
@@ -47,6 +53,12 @@ class BSTContextStates(nn.Module):
         self.norm = BSTRMSNorm(d, config.rms_norm_eps)
         # meliad_dropout: dropout on the normed context states before the K/V projections (as meliad's cross KVQ).
         self.dropout = nn.Dropout(config.dropout) if config.meliad_dropout else nn.Identity()
+
+    def forward(self, ssm, xn, layer_cache, positions, step=False, lengths=None, fill_cache=False):
+        """[`step`] (``step``) or [`sequence`]."""
+        if step:
+            return self.step(ssm, xn, layer_cache, positions)
+        return self.sequence(ssm, xn, lengths, layer_cache, positions, fill_cache)
 
     def _heads(self, x):
         return x.unflatten(-1, (self.config.num_attention_heads, self.config.head_dim))
@@ -152,7 +164,7 @@ class TokenContextStates(BSTContextStates):
 
     def lift_channel_major(self, y: torch.Tensor, bsz: int):
         """[`lift_and_project`] of SSM outputs laid out `(C, Ds, B * n)` (tokens batch-major) -> context keys,
-        values `(B, n, H, d_h)`."""
+        values `(B, n, H, d_h)` (builders with ``segment_len``: MH)."""
         raise NotImplementedError
 
     def use_segments(self, ssm) -> bool:
@@ -166,8 +178,9 @@ class TokenContextStates(BSTContextStates):
             and not tracing()
         )
 
-    def segmented_context(self, ssm, z: torch.Tensor, state: torch.Tensor | None):
-        """Context keys and values `(B, T, H, d_h)` from the SSM input ``z`` `(B, T, Ds)`, a few chunks at a time.
+    def segmented_context(self, ssm, z: torch.Tensor, state: torch.Tensor | None, dtype: torch.dtype):
+        """Context keys and values `(B, T, H, d_h)` from the SSM input ``z`` `(B, T, Ds)`, a few chunks at a time
+        (SSM outputs cast to the activation ``dtype``).
 
         The same map as ``lift_and_project(ssm(z, state))`` (the chunked S4D form, [`S4DKernel.chunked_forward`]),
         but no `(B, T, C, Ds)` SSM output or `(B, T, H, D)` lifted state ever exists: the chunk-start states come from
@@ -187,7 +200,7 @@ class TokenContextStates(BSTContextStates):
             c1 = min(nc, c0 + per)
             # (C, Ds, B*n): the segment's SSM outputs, lifted and projected at once
             y = ssm.channel_major_chunks(zc[:, c0 * chunk : c1 * chunk], x0[:, :, c0:c1], chunk, constants)
-            k, v = self.lift_channel_major(y, bsz)
+            k, v = self.lift_channel_major(y.to(dtype), bsz)
             keys.append(k)
             values.append(v)
         return torch.cat(keys, 1)[:, :length], torch.cat(values, 1)[:, :length]
@@ -199,10 +212,9 @@ class TokenContextStates(BSTContextStates):
         nb = seq_len // w
         z, state0, continued = self._sequence_input(xn, lengths, layer_cache, positions)
         if self.use_segments(ssm):
-            ck, cv = self.segmented_context(ssm, z, state0)  # (B, T, H, d)
+            ck, cv = self.segmented_context(ssm, z, state0, xn.dtype)  # (B, T, H, d)
         else:
-            y = ssm(z, state0)  # (B, T, C, Ds)
-            ck, cv = self.lift_and_project(y)  # (B, T, 1, H, d)
+            ck, cv = self.lift_and_project(ssm(z, state0).to(xn.dtype))  # (B, T, C, Ds) -> (B, T, 1, H, d)
         ctx_k, ctx_v = ck.view(bsz, nb, w, *ck.shape[-2:]), cv.view(bsz, nb, w, *cv.shape[-2:])
         if cfg.bidirectional:
             mask, zero_first = None, False
@@ -225,7 +237,7 @@ class TokenContextStates(BSTContextStates):
         cfg = self.config
         w = self.block_len
         y = self._step_ssm(ssm, xn, layer_cache, p, chunked=True)
-        ck, cv = self.lift_and_project(y)  # (B, 1, H, d)
+        ck, cv = self.lift_and_project(y.to(xn.dtype))  # (B, 1, H, d)
         ctx_k, ctx_v, cpos = layer_cache.context.write(p, ck[:, 0], cv[:, 0])
         # Blocks are counted from the start of each row's current document.
         block_start = (p - (p - layer_cache.doc_start).remainder(w))[:, None]
@@ -246,18 +258,10 @@ class SHContextStates(TokenContextStates):
         self.v_proj = nn.Linear(d, heads * hd, bias=False)
 
     def lift_and_project(self, y: torch.Tensor):
-        c = self.dropout(self.norm(self.up_proj(y.to(self.down_proj.weight.dtype)[..., 0, :])))  # (..., D)
+        c = self.dropout(self.norm(self.up_proj(y[..., 0, :])))  # (..., D)
         k = self._heads(self.k_proj(c)).unsqueeze(-3)
         v = self._heads(self.v_proj(c)).unsqueeze(-3)
         return (l2_normalize(k) if self.config.qk_norm else k), v  # (..., 1, H, d_h)
-
-    def lift_channel_major(self, y: torch.Tensor, bsz: int):
-        c = self.dropout(
-            self.norm(F.linear(y[0].to(self.down_proj.weight.dtype).t(), self.up_proj.weight))
-        )  # (B*n, D)
-        k = self._heads(self.k_proj(c)).unflatten(0, (bsz, -1))
-        v = self._heads(self.v_proj(c)).unflatten(0, (bsz, -1))
-        return (l2_normalize(k) if self.config.qk_norm else k), v  # (B, n, H, d_h)
 
 
 class MHContextStates(TokenContextStates):
@@ -275,7 +279,6 @@ class MHContextStates(TokenContextStates):
         self.v_proj = nn.Parameter(torch.empty(heads, d, hd))
 
     def lift_and_project(self, y: torch.Tensor):
-        y = y.to(self.down_proj.weight.dtype)
         c = self.dropout(self.norm(torch.einsum("...hs,hsd->...hd", y, self.up_proj.to(y.dtype))))  # (..., H, D)
         k = torch.einsum("...hd,hde->...he", c, self.k_proj.to(c.dtype)).unsqueeze(-3)
         v = torch.einsum("...hd,hde->...he", c, self.v_proj.to(c.dtype)).unsqueeze(-3)
@@ -283,7 +286,6 @@ class MHContextStates(TokenContextStates):
 
     def lift_channel_major(self, y: torch.Tensor, bsz: int):
         # Contracted in the layout y has: (H, B*n, Ds) is a transposed view of (H, Ds, B*n), no copy.
-        y = y.to(self.down_proj.weight.dtype)
         c = self.dropout(self.norm(torch.bmm(y.transpose(1, 2), self.up_proj.to(y.dtype))))  # (H, B*n, D)
         kv = torch.bmm(c, torch.cat([self.k_proj, self.v_proj], -1).to(c.dtype))  # (H, B*n, 2 d_h)
         k, v = kv.unflatten(1, (bsz, -1)).permute(1, 2, 0, 3).split(self.config.head_dim, -1)  # (B, n, H, d_h)
@@ -309,20 +311,22 @@ class MFContextStates(BSTContextStates):
         self.k_proj = nn.Linear(d, heads * hd, bias=False)
         self.v_proj = nn.Linear(d, heads * hd, bias=False)
 
-    def mf_context(self, y_prev: torch.Tensor | None, batch_shape):
-        """Context keys/values from the previous block's last SSM outputs ``y_prev`` `(..., S, Ds)` (None: block 0)."""
+    def mf_context(self, y_prev: torch.Tensor | None, batch_shape, dtype: torch.dtype):
+        """Context keys/values from the previous block's last SSM outputs ``y_prev`` `(..., S, Ds)` (None: block 0),
+        in the activation ``dtype``."""
         if y_prev is None and self.config.mf_initial_context == "lifted":
-            c = self.initial_context.expand(*batch_shape, -1, -1)
+            c = self.initial_context.to(dtype).expand(*batch_shape, -1, -1)
         else:
             if y_prev is None:
                 y_prev = self.initial_context.expand(*batch_shape, -1, -1)
-            c = torch.einsum("...sc,scd->...sd", y_prev.to(self.up_proj.dtype), self.up_proj)
+            c = torch.einsum("...sc,scd->...sd", y_prev.to(dtype), self.up_proj.to(dtype))
         if self.config.mf_context_ids_after_norm:
             c = self.norm(c) + self.context_ids.to(c.dtype)
         else:
             c = self.norm(c + self.context_ids.to(c.dtype))
-        c = self.dropout(c)
-        k, v = self._heads(self.k_proj(c)), self._heads(self.v_proj(c))
+        # One batch dimension: bitsandbytes' 8-bit matmul takes inputs of at most 3 dimensions.
+        c = self.dropout(c).flatten(0, -3)
+        k, v = (self._heads(proj(c)).unflatten(0, batch_shape) for proj in (self.k_proj, self.v_proj))
         return (l2_normalize(k) if self.config.qk_norm else k), v  # (..., S, H, d_h)
 
     def sequence(self, ssm, xn, lengths, layer_cache, positions, fill_cache):
@@ -336,13 +340,13 @@ class MFContextStates(BSTContextStates):
         else:
             # Causal S4: states at block ends, read out by the S filters (no FFT per filter).
             y_end = ssm.block_end_outputs(z, w, state0)  # (B, nb, S, Ds)
-        first_k, first_v = self.mf_context(None, (bsz,))
+        first_k, first_v = self.mf_context(None, (bsz,), xn.dtype)
         if continued:
-            cont_k, cont_v = self.mf_context(layer_cache.context.last, (bsz,))
+            cont_k, cont_v = self.mf_context(layer_cache.context.last, (bsz,), xn.dtype)
             fresh = (positions == layer_cache.doc_start)[:, None, None, None]
             first_k = torch.where(fresh, first_k.to(cont_k.dtype), cont_k)
             first_v = torch.where(fresh, first_v.to(cont_v.dtype), cont_v)
-        rest_k, rest_v = self.mf_context(y_end[:, :-1], (bsz, nb - 1))
+        rest_k, rest_v = self.mf_context(y_end[:, :-1], (bsz, nb - 1), xn.dtype)
         ctx_k = torch.cat([first_k[:, None].to(rest_k.dtype), rest_k], 1)
         ctx_v = torch.cat([first_v[:, None].to(rest_v.dtype), rest_v], 1)
         if fill_cache:
@@ -360,8 +364,8 @@ class MFContextStates(BSTContextStates):
         block_start = rp.remainder(w) == 0
         if maybe_any(block_start):
             # A new block starts: its context is built from the previous block's last SSM outputs.
-            k_new, v_new = self.mf_context(layer_cache.context.last, (xn.shape[0],))
-            k0, v0 = self.mf_context(None, (xn.shape[0],))
+            k_new, v_new = self.mf_context(layer_cache.context.last, (xn.shape[0],), xn.dtype)
+            k0, v0 = self.mf_context(None, (xn.shape[0],), xn.dtype)
             first = (p == layer_cache.doc_start)[:, None, None, None]
             k_new, v_new = torch.where(first, k0, k_new), torch.where(first, v0, v_new)
             layer_cache.context.set_context(k_new, v_new, rows=block_start)

@@ -138,11 +138,12 @@ def query_chunk(config: BSTConfig, q: torch.Tensor) -> int:
 
 def plain_linears(*modules) -> bool:
     """Whether ``modules`` are plain ``nn.Linear`` layers without a bias, hooks or a replaced ``forward`` (nothing
-    that calling the module would run besides ``F.linear``), with their weights in one dtype and device: their
-    weights may then be stacked into one matmul."""
+    that calling the module would run besides ``F.linear``), with plain weights (not a quantized tensor subclass, as
+    torchao's) in one dtype and device: their weights may then be stacked into one matmul."""
     first = modules[0].weight if isinstance(modules[0], nn.Linear) else None
     return first is not None and all(
         type(m) is nn.Linear
+        and type(m.weight) is nn.Parameter
         and m.bias is None
         and not (m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__)
         and m.weight.dtype == first.dtype
@@ -910,10 +911,10 @@ class BSTContextLayer(BSTDecoderLayer):
         else:
             x = xn
         if step:
-            keys, values, mask, any_valid = self.context.step(self.ssm, x, layer_cache, positions)
+            keys, values, mask, any_valid = self.context(self.ssm, x, layer_cache, positions, step=True)
             return self.cross_attn.step(xn, keys, values, mask, any_valid, weights)
-        keys, values, mask, zero_first = self.context.sequence(
-            self.ssm, x, lengths, layer_cache, positions, kwargs["fill_cache"]
+        keys, values, mask, zero_first = self.context(
+            self.ssm, x, layer_cache, positions, lengths=lengths, fill_cache=kwargs["fill_cache"]
         )
         return self.cross_attn(xn, keys, values, mask, zero_first, kwargs["num_positions"], weights)
 
@@ -1021,6 +1022,34 @@ EARLIER_LAYOUT_KEY = re.compile(
 )
 
 
+def load_offloaded_layers_whole(model):
+    """Makes every decoder layer (``_no_split_modules``) that a ``device_map`` offloaded load all of its weights when
+    the layer is called. accelerate hooks each offloaded module with direct weights to load them when *that module*
+    is called; BST layers also read their submodules' weights in methods (the SSM kernel's, the attention scale, the
+    T5 table), which would find them on the meta device. This is accelerate's ``preload_module_classes``, which
+    transformers does not pass."""
+    for name, layer in model.named_modules():
+        hooks = [getattr(m, "_hf_hook", None) for m in layer.modules()]
+        hooks = [h for h in hooks if getattr(h, "offload", False)]
+        if type(layer).__name__ not in model._no_split_modules or not hooks:
+            continue
+        from accelerate.hooks import attach_align_device_hook, remove_hook_from_submodules
+
+        hook = hooks[0]
+        remove_hook_from_submodules(layer)
+        attach_align_device_hook(
+            layer,
+            execution_device=hook.execution_device,
+            offload=True,
+            weights_map=hook.weights_map.dataset,
+            offload_buffers=hook.offload_buffers,
+            module_name=name,
+            skip_keys=hook.skip_keys,
+            preload_module_classes=[type(layer).__name__],
+            tied_params_map=hook.tied_params_map,
+        )
+
+
 # Standard deviation of a unit normal truncated at +-2 (meliad's variance_scaling correction).
 TRUNCATED_NORMAL_STD = 0.87962566103423978
 
@@ -1044,13 +1073,17 @@ class BSTPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     # Not "stateful" for generate(): BSTCache.crop takes back drafted positions, so assisted decoding works.
     _is_stateful = False
-    # SSM parameters (state matrix, dt, filters) stay float32 when the model is loaded in fp16 or bf16.
+    # SSM kernels (every module named ``ssm``: S4D's state matrix, dt, B, C, D; the unstruct filter's MLP) stay
+    # float32 when the model is loaded in fp16 or bf16 (strict), and are never quantized: transformers' quantizers
+    # (bitsandbytes, torchao, ...) skip ``_keep_in_fp32_modules``, which they match from the start of a module's name
+    # (the same modules; transformers wants the two lists disjoint).
     _keep_in_fp32_modules_strict = ["ssm"]
+    _keep_in_fp32_modules = [r"(.*\.)?ssm"]
 
     def post_init(self):
         # A model without SSM kernels (Slide, Transformer-XL, BRecT) has nothing to keep in float32.
         if not any(name.rsplit(".", 1)[-1] == "ssm" for name, _ in self.named_modules()):
-            self._keep_in_fp32_modules_strict = []
+            self._keep_in_fp32_modules_strict = self._keep_in_fp32_modules = []
         super().post_init()
 
     @torch.no_grad()
@@ -1100,7 +1133,8 @@ class BSTPreTrainedModel(PreTrainedModel):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """[`PreTrainedModel.from_pretrained`]. A checkpoint whose parameter names are those of an earlier layout of
-        this package raises an error naming the command that converts it (instead of loading with fresh weights)."""
+        this package raises an error naming the command that converts it (instead of loading with fresh weights).
+        Layers offloaded by a ``device_map`` (to the CPU or disk) load whole ([`load_offloaded_layers_whole`])."""
         want_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(
             pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
@@ -1112,6 +1146,7 @@ class BSTPreTrainedModel(PreTrainedModel):
                 f"(e.g. {earlier[0]!r}). Convert it once with `python -m training.convert_checkpoint "
                 f"{pretrained_model_name_or_path} <new folder>` and load the new folder."
             )
+        load_offloaded_layers_whole(model)
         return (model, info) if want_info else model
 
     def resize_token_embeddings(self, *args, **kwargs):

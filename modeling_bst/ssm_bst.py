@@ -966,9 +966,11 @@ class UnstructFilter(nn.Module):
         with _no_autocast(self.pos_emb.device.type):
             dtype = compute_dtype(self.pos_emb)
             h = self.pos_emb[0, :length].to(dtype)  # (L, emb)
+            # The MLP's layers are called as modules (an adapter on them, e.g. LoRA's "all-linear", runs), in their
+            # weights' dtype: float32, as the model's SSM modules are kept.
             for layer in self.mlp:
-                h = torch.sin(self.sin.freq.to(dtype) * F.linear(h, layer.weight.to(dtype), layer.bias.to(dtype)))
-            h = F.linear(h, self.out.weight.to(dtype))  # (L, width)
+                h = torch.sin(self.sin.freq.to(dtype) * layer(h.to(layer.weight.dtype)).to(dtype))
+            h = self.out(h.to(self.out.weight.dtype)).to(dtype)  # (L, width)
             width = h.shape[-1]
             t = torch.arange(length, device=h.device, dtype=dtype)[:, None] / max(self.max_len - 1, 1)
             deltas = torch.linspace(

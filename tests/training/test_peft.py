@@ -71,3 +71,75 @@ def test_lora_trains_merges_saves_and_loads(tmp_path):
     merged.save_pretrained(tmp_path / "merged")
     loaded = BSTForCausalLM.from_pretrained(tmp_path / "merged").eval()
     torch.testing.assert_close(logits(loaded, ids), logits(merged, ids), atol=0, rtol=0)
+
+
+# MH's and MF's per-head lifts and projections are raw parameters `(H or S, in, out)`: PEFT adapts them through
+# ``target_parameters`` (a rank-r adapter per head), beside every ``nn.Linear`` of ``"all-linear"``.
+PER_HEAD = {"mh": ["context.up_proj", "context.k_proj", "context.v_proj"], "mf": ["context.up_proj"], "sh": []}
+
+
+@pytest.mark.parametrize("variant", ["mh-s4", "mf-s4", "sh-unstruct"])
+def test_lora_on_all_linear_and_per_head_weights_trains_the_context_path(variant):
+    from conftest import VARIANTS
+
+    torch.manual_seed(0)
+    base = BSTForCausalLM(tiny_config(**VARIANTS[variant])).eval()
+    ids = torch.randint(1, 97, (2, 18), generator=torch.Generator().manual_seed(1))
+    before = logits(base, ids)
+    builder = base.model.layers[0].context
+    contexts = []
+    builder.register_forward_hook(lambda module, args, out: contexts.append(out[0].detach()))
+
+    targets = PER_HEAD[VARIANTS[variant]["context_mode"]]
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", target_parameters=targets or None)
+    model = peft.get_peft_model(base, config)
+    # Adapted modules (a per-head weight's adapter wraps the builder: one "...context" entry per weight).
+    adapted = [
+        n.split(".lora_A.")[0].replace(".base_layer", "") for n, _ in model.named_parameters() if ".lora_A." in n
+    ]
+    assert "base_model.model.model.layers.0.context.down_proj" in adapted
+    assert adapted.count("base_model.model.model.layers.0.context") == len(targets)
+    contexts.clear()
+    # B = 0: no change yet (up to float32 rounding: an adapted per-head weight is recomposed as W + 0 in a new tensor)
+    torch.testing.assert_close(logits(model.eval(), ids), before, atol=1e-6, rtol=0)
+    fresh = contexts[-1]
+
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model(input_ids=ids, labels=ids).loss.backward()
+    # Every adapter is used: its B factor has a gradient (the unstruct filter's MLP, called as modules, included).
+    lora_b = [(n, p) for n, p in model.named_parameters() if ".lora_B." in n]
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for _, p in lora_b), [
+        n for n, p in lora_b if p.grad is None or not p.grad.abs().sum() > 0
+    ]
+    assert sum(".context" in n for n, _ in lora_b) >= 1 + len(targets) and len(lora_b) == len(adapted)
+    optimizer.step()
+    contexts.clear()
+    adapted_logits = logits(model.eval(), ids)
+    assert (contexts[-1] - fresh).abs().max() > 1e-3  # the context path's keys changed
+    assert (adapted_logits - before).abs().max() > 1e-3
+    # Merged into the weights (compared in float64: the unstruct filter's sine MLP amplifies float32 rounding).
+    model.double()
+    adapted_logits = logits(model, ids)
+    merged = model.merge_and_unload()
+    assert type(merged) is BSTForCausalLM
+    torch.testing.assert_close(logits(merged, ids), adapted_logits, atol=1e-9, rtol=0)
+
+
+def test_qlora_on_a_4bit_model_trains_its_adapters(tmp_path):
+    """LoRA on a bitsandbytes 4-bit model (QLoRA): the adapters, the context path's included, get gradients."""
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is in the test extra (pip install -e .[test])")
+    from transformers import BitsAndBytesConfig
+
+    torch.manual_seed(0)
+    BSTForCausalLM(tiny_config(context_mode="mh")).save_pretrained(tmp_path)
+    base = BSTForCausalLM.from_pretrained(
+        tmp_path, quantization_config=BitsAndBytesConfig(load_in_4bit=True), device_map="cpu"
+    )
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", target_parameters=PER_HEAD["mh"])
+    model = peft.get_peft_model(base, config).train()
+    ids = torch.randint(1, 97, (2, 18), generator=torch.Generator().manual_seed(1))
+    model(input_ids=ids, labels=ids).loss.backward()
+    lora_b = [(n, p) for n, p in model.named_parameters() if ".lora_B." in n]
+    assert sum(".context" in n for n, _ in lora_b) >= 4
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for _, p in lora_b)

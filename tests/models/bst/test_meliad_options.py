@@ -40,7 +40,7 @@ def test_mf_context_ids_before_or_after_the_norm():
         y = torch.randn(2, ctx.up_proj.shape[0], ctx.up_proj.shape[1], dtype=torch.float64)
         lifted = torch.einsum("bsc,scd->bsd", y, ctx.up_proj)
         c = ctx.norm(lifted) + ctx.context_ids if after else ctx.norm(lifted + ctx.context_ids)
-        k, v = ctx.mf_context(y, (2,))
+        k, v = ctx.mf_context(y, (2,), torch.float64)
         torch.testing.assert_close(v, ctx.v_proj(c).unflatten(-1, v.shape[-2:]), atol=1e-12, rtol=0)
 
 
@@ -115,7 +115,10 @@ def test_mf_initial_context_in_the_ssm_output_space_is_lifted_and_decodes_exactl
     model = BSTForCausalLM(tiny_config(context_mode="mf", mf_initial_context="ssm_output")).double().eval()
     ctx = model.model.layers[0].context
     assert ctx.initial_context.shape == ctx.up_proj.shape[:2]  # (S, D_s)
-    for got, want in zip(ctx.mf_context(None, (2,)), ctx.mf_context(ctx.initial_context.expand(2, -1, -1), (2,))):
+    for got, want in zip(
+        ctx.mf_context(None, (2,), torch.float64),
+        ctx.mf_context(ctx.initial_context.expand(2, -1, -1), (2,), torch.float64),
+    ):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
     ids = torch.randint(0, 97, (2, 14))
     with torch.no_grad():

@@ -390,7 +390,7 @@ def test_s4d_channel_major_chunks_equal_chunked_forward(per, with_state):
 
 def segmented_models(variant, chunk=4):
     """Two copies of one float64 model with ``chunk``-token S4D chunks: the segmented context path (segments of 12
-    tokens; SH switched on for the test) and the whole-sequence path (``segment_len = 0``)."""
+    tokens) and the whole-sequence path (``segment_len = 0``)."""
     from conftest import make_model
 
     from modeling_bst.context_bst import TokenContextStates
@@ -410,7 +410,7 @@ def segmented_models(variant, chunk=4):
 
 
 @pytest.mark.parametrize("chunk", [4, 3], ids=["chunk4", "chunk3"])
-@pytest.mark.parametrize("variant", ["sh-s4", "mh-s4"])
+@pytest.mark.parametrize("variant", ["mh-s4"])
 def test_segmented_context_equals_whole_sequence(variant, chunk, monkeypatch):
     """Logits and every gradient, training (with padding) and evaluation, are those of the whole-sequence path."""
     seg, whole = segmented_models(variant, chunk)
@@ -441,7 +441,7 @@ def test_segmented_context_equals_whole_sequence(variant, chunk, monkeypatch):
     assert calls and set(calls) == {12, 64 - 60 if chunk == 4 else 66 - 60}
 
 
-@pytest.mark.parametrize("variant", ["sh-s4", "mh-s4"])
+@pytest.mark.parametrize("variant", ["mh-s4"])
 def test_segmented_context_continues_a_cache_exactly(variant):
     """A prefill (fill_cache), a continued sequence from that cache (carried SSM state) and token steps after it
     give the same logits on both paths."""
