@@ -62,6 +62,8 @@ import torch
 import torch.utils._pytree as pytree
 from transformers.cache_utils import Cache, CacheLayerMixin, StaticLayer
 
+from .configuration_bst import LAYER_TYPE_NAMES
+
 
 def tracing() -> bool:
     """Whether the code is being traced (``torch.export``, ``torch.compile``, ``torch.jit``)."""
@@ -1078,7 +1080,8 @@ def _from_dumpable(dumped: str):
     def tuples(x):
         return tuple(tuples(v) for v in x) if isinstance(x, list) else x
 
-    return (tuples(signature), block_len), tuples(spec)
+    # Dumped before issue #45 (an exported program saved then): the layer types under their bare names.
+    return (tuples(signature), block_len), tuple((LAYER_TYPE_NAMES.get(k, k), parts) for k, parts in tuples(spec))
 
 
 def register_pytree():
