@@ -1,9 +1,12 @@
 """Bounded recurrent-mode cache of the Block-State Transformer, as a transformers ``Cache``.
 
 A [`BSTCache`] is a ``transformers.Cache`` of one [`BSTLayerCache`] per model layer. The layer classes register
-themselves under BST's layer types (``_layer_type``: ``"block"``, ``"bst"``, ``"recurrent"``, ``"gss"``), so
-transformers' own ``DynamicCache(config=bst_config)``, the cache ``generate`` prepares by default, is made of the
-same layers; the model reads it through a ``BSTCache`` over its layers ([`BSTCache.of`]). transformers' sliding-window
+themselves under BST's layer types (``_layer_type``: ``"bst_block"``, ``"bst_context"``, ``"bst_recurrent"``,
+``"bst_gss"``, prefixed so that no other family's names collide), so transformers' own
+``DynamicCache(config=bst_config)``, the cache ``generate`` prepares by default, is made of the same layers; the
+model reads it through a ``BSTCache`` over its layers ([`BSTCache.of`]). That registry is process-wide: where several
+copies of this code are loaded (``trust_remote_code`` folders, each its own module, and the installed package), it
+holds the last copy's classes, and each model takes fresh layers of another copy as its own ([`BSTCache.of`]). transformers' sliding-window
 and linear-attention layers do not fit: a BST layer's attention ring is indexed by each row's own position (left
 padding, document resets), its context states depend on the block grid, and assisted decoding needs an exact
 rollback of the SSM and recurrent states ([`BSTLayerCache.crop`]), which their ``crop`` does not give.
@@ -58,6 +61,8 @@ from collections import deque
 import torch
 import torch.utils._pytree as pytree
 from transformers.cache_utils import Cache, CacheLayerMixin, StaticLayer
+
+from .configuration_bst import LAYER_TYPE_NAMES
 
 
 def tracing() -> bool:
@@ -542,7 +547,7 @@ class BSTLayerCache(CacheLayerMixin):
             )
         self.signature = signature
         self.block_len = config.block_len
-        if self._layer_type == "bst" and self.context is None:
+        if self._layer_type == "bst_context" and self.context is None:
             self.context = BlockContextCache() if config.context_mode == "mf" else TokenContextCache()
 
     # -- transformers' cache-layer interface ---------------------------------------------------------------------------
@@ -751,7 +756,7 @@ class BSTLayerCache(CacheLayerMixin):
 class BlockLayerCache(BSTLayerCache):
     """A Slide (block attention) layer: the keys/values of the last W + 1 tokens."""
 
-    _layer_type = "block"
+    _layer_type = "bst_block"
     HAS = ("attention",)
 
 
@@ -759,21 +764,21 @@ class BSTContextLayerCache(BSTLayerCache):
     """A BST layer: the attention ring, the SSM state and the context states (SH/MH: the current block's token
     contexts; MF: the block's context keys/values and latest SSM outputs)."""
 
-    _layer_type = "bst"
+    _layer_type = "bst_context"
     HAS = ("attention", "ssm", "context")
 
 
 class RecurrentLayerCache(BSTLayerCache):
     """A Block-Recurrent Transformer layer: the attention ring (2W) and the recurrent state with its keys/values."""
 
-    _layer_type = "recurrent"
+    _layer_type = "bst_recurrent"
     HAS = ("attention", "recurrent")
 
 
 class GSSLayerCache(BSTLayerCache):
     """A GSS layer (GSS-Hybrid): the SSM state only."""
 
-    _layer_type = "gss"
+    _layer_type = "bst_gss"
     HAS = ("ssm",)
 
 
@@ -806,6 +811,10 @@ class StaticGSSLayerCache(GSSLayerCache, StaticBSTLayerCache):
 
 LAYER_CACHE_TYPES = {
     cls._layer_type: cls for cls in (BlockLayerCache, BSTContextLayerCache, RecurrentLayerCache, GSSLayerCache)
+}
+STATIC_LAYER_CACHE_TYPES = {
+    cls._layer_type: cls
+    for cls in (StaticBlockLayerCache, StaticBSTContextLayerCache, StaticRecurrentLayerCache, StaticGSSLayerCache)
 }
 
 
@@ -843,15 +852,23 @@ class BSTCache(Cache):
         if not cache.layers and getattr(cache, "layer_class_to_replicate", None) is not None:
             cache.layers = [LAYER_CACHE_TYPES[kind]() for kind in config.layer_types]
             cache.layer_class_to_replicate = None
+        for i, (layer, kind) in enumerate(zip(cache.layers, config.layer_types)):
+            if not isinstance(layer, BSTLayerCache) and type(layer)._layer_type == kind and not layer.is_initialized:
+                # A fresh layer of another copy of this code (transformers' registry holds the last one loaded): this
+                # model's own, so that any number of copies work side by side.
+                own = (STATIC_LAYER_CACHE_TYPES if isinstance(layer, StaticLayer) else LAYER_CACHE_TYPES)[kind]()
+                own.record_past = getattr(layer, "record_past", False)
+                cache.layers[i] = own
         if len(cache.layers) != config.num_hidden_layers or not all(
             isinstance(layer, BSTLayerCache) for layer in cache.layers
         ):
-            kinds = [type(layer).__name__ for layer in cache.layers]
+            kinds = [f"{type(layer).__module__}.{type(layer).__name__}" for layer in cache.layers]
             raise TypeError(
                 f"The cache (`cache`/`past_key_values`) must hold one BST cache layer per model layer "
-                f"(num_hidden_layers={config.num_hidden_layers}, layer_types={list(config.layer_types)}); got "
-                f"{type(cache).__name__} with layers {kinds}. Pass a BSTCache(model.config) or "
-                "DynamicCache(config=model.config)."
+                f"(num_hidden_layers={config.num_hidden_layers}, layer_types={list(config.layer_types)}) of this "
+                f"model's code ({__name__}); got {type(cache).__name__} with layers {kinds}. A cache that another "
+                "model or copy of the code (another trust_remote_code folder, the installed package) has used does "
+                "not pass to this one: pass a BSTCache(model.config) or DynamicCache(config=model.config)."
             )
         signature = cache_signature(config)
         for i, layer in enumerate(cache.layers):
@@ -1063,7 +1080,8 @@ def _from_dumpable(dumped: str):
     def tuples(x):
         return tuple(tuples(v) for v in x) if isinstance(x, list) else x
 
-    return (tuples(signature), block_len), tuples(spec)
+    # Dumped before issue #45 (an exported program saved then): the layer types under their bare names.
+    return (tuples(signature), block_len), tuple((LAYER_TYPE_NAMES.get(k, k), parts) for k, parts in tuples(spec))
 
 
 def register_pytree():

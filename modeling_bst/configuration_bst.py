@@ -31,9 +31,15 @@ SSM_KINDS = ("s4", "unstruct")
 SSM_INITS = ("lin", "inv")
 CROSS_MASKS = ("inclusive", "strict")
 SSM_INPUTS = ("normed", "raw")
-# One entry per layer: a plain Block-Transformer ("Slide") layer, a BST layer (SSM + context cross-attention), a
-# Block-Recurrent Transformer layer, or a Gated State Space layer.
+# The kind of each layer (``BSTConfig.layer_kind``): a plain Block-Transformer ("Slide") layer, a BST layer (SSM +
+# context cross-attention), a Block-Recurrent Transformer layer, or a Gated State Space layer.
 LAYER_TYPES = ("block", "bst", "recurrent", "gss")
+# Their names in ``BSTConfig.layer_types``, under which transformers' process-wide cache-layer registry holds BST's
+# cache layers (``DynamicCache(config=...)`` builds one layer per name): prefixed, so that no other family's layer
+# types collide (RecurrentGemma's blocks are "recurrent"). The bare kinds, which ``layer_types`` held before, are
+# accepted as input and read as these names.
+LAYER_TYPE_NAMES = {"block": "bst_block", "bst": "bst_context", "recurrent": "bst_recurrent", "gss": "bst_gss"}
+LAYER_KINDS = {**{kind: kind for kind in LAYER_TYPES}, **{name: kind for kind, name in LAYER_TYPE_NAMES.items()}}
 # The per-type index fields: keyword arguments of ``BSTConfig`` and keys of config.json (what it stores, see
 # ``BSTConfig.to_dict``), read-only views of ``layer_types`` otherwise. Each lists the layers of one type.
 LAYER_INDEX_FIELDS = {"bst": "bst_layer_indices", "recurrent": "recurrent_layer_indices", "gss": "gss_layer_indices"}
@@ -106,14 +112,22 @@ def _layer_indices(value):
 
 
 def _layer_type_entries(value):
-    if value is not None and not all(t in LAYER_TYPES for t in value):
-        raise ValueError(f"entries must be in {LAYER_TYPES}, got {list(value)!r}.")
+    if value is not None and not all(t in LAYER_KINDS for t in value):
+        raise ValueError(
+            f"entries must be in {tuple(LAYER_TYPE_NAMES.values())} (or their earlier names {LAYER_TYPES}), got "
+            f"{list(value)!r}."
+        )
+
+
+def _names(types) -> list[str]:
+    """``layer_types`` entries (names, or the earlier bare kinds) as names."""
+    return [LAYER_TYPE_NAMES[LAYER_KINDS[t]] for t in types]
 
 
 # -- layer types: ``layer_types`` is the one record; the index fields are converted to it and derived from it --------
 def _indices_of(layer_types, kind) -> list[int]:
-    """The layers of one type, ascending: what the index field of ``kind`` reads."""
-    return [i for i, t in enumerate(layer_types or ()) if t == kind]
+    """The layers of one kind, ascending: what the index field of ``kind`` reads."""
+    return [i for i, t in enumerate(layer_types or ()) if LAYER_KINDS[t] == kind]
 
 
 def _checked_indices(name, value, num_layers) -> list[int]:
@@ -164,7 +178,7 @@ def _check_agreement(layer_types, given: dict, num_layers):
         if _checked_indices(field, value, num_layers) != _indices_of(layer_types, kind):
             raise BSTConfigError(
                 f"BSTConfig: {field}={list(value)} disagrees with layer_types={list(layer_types)}; give one of them "
-                f"(layer_types lists {kind!r} at {_indices_of(layer_types, kind)})."
+                f"(layer_types lists {LAYER_TYPE_NAMES[kind]!r} at {_indices_of(layer_types, kind)})."
             )
 
 
@@ -284,9 +298,11 @@ class BSTConfig(PreTrainedConfig):
         max_position_embeddings (`int`, defaults to 4096): training length L. S4 models run at any length;
             ``unstruct`` filters exist only up to this length.
         block_len (`int`, defaults to 512): block / window length W.
-        layer_types (`list[str]`, *optional*): the type of every layer, one of ``"block"`` (Slide layer), ``"bst"``
-            (SSM + cross-attention to context states), ``"recurrent"`` (BRecT) and ``"gss"``: the one record of the
-            layer types. Default: from the index fields below (see "Layer types" above).
+        layer_types (`list[str]`, *optional*): the type of every layer, one of ``"bst_block"`` (Slide layer),
+            ``"bst_context"`` (SSM + cross-attention to context states), ``"bst_recurrent"`` (BRecT) and
+            ``"bst_gss"``: the one record of the layer types. The earlier names ``"block"``, ``"bst"``,
+            ``"recurrent"``, ``"gss"`` (the kinds, [`layer_kind`]) are accepted and stored as these. Default: from
+            the index fields below (see "Layer types" above).
         bst_layer_indices (`list[int]`, defaults to `[0, 7, 9]`): 0-based indices of BST layers (SSM + cross-attention
             to context states). Empty list = the Slide baseline. A keyword argument converted to ``layer_types``,
             then a read-only view of it, as are ``recurrent_layer_indices`` and ``gss_layer_indices`` (default
@@ -445,7 +461,7 @@ class BSTConfig(PreTrainedConfig):
                     f"{list(self.layer_types)}."
                 )
             _check_agreement(self.layer_types, given, n)
-            self.layer_types = list(self.layer_types)
+            self.layer_types = _names(self.layer_types)
         else:
             given.setdefault("bst", list(DEFAULT_BST_LAYER_INDICES))
             indices = {  # in LAYER_INDEX_FIELDS order, so that an overlap names the fields in that order
@@ -453,7 +469,7 @@ class BSTConfig(PreTrainedConfig):
                 for kind, field in LAYER_INDEX_FIELDS.items()
                 if kind in given
             }
-            self.layer_types = _assign_indices(["block"] * n, indices)
+            self.layer_types = _names(_assign_indices(["block"] * n, indices))
         if self.logit_scale is None:
             # One number for every reader of the config (a config.json written before stored null: the same value).
             self.logit_scale = _default_logit_scale(self.vocab_size)
@@ -492,7 +508,7 @@ class BSTConfig(PreTrainedConfig):
                     "the config is made)."
                 )
             self._check_field("layer_types", types)
-            types = list(types)
+            types = [LAYER_KINDS[t] for t in types]
             if len(types) != n:
                 raise BSTConfigError(
                     f"BSTConfig.layer_types must have num_hidden_layers={n} entries, got {len(types)}: {types}."
@@ -500,20 +516,20 @@ class BSTConfig(PreTrainedConfig):
             _check_agreement(types, given, n)
         else:
             indices = {kind: _checked_indices(LAYER_INDEX_FIELDS[kind], value, n) for kind, value in given.items()}
-            kept = ["block" if t in indices else t for t in self.layer_types]
+            kept = ["block" if LAYER_KINDS[t] in indices else LAYER_KINDS[t] for t in self.layer_types]
             cut = {i: t for i, t in enumerate(kept[n:], start=n) if t != "block"}
             if cut:
                 fields_cut = sorted({LAYER_INDEX_FIELDS[t] for t in cut.values()})
                 raise BSTConfigError(
                     f"BSTConfig.num_hidden_layers={n} would drop layers {sorted(cut)} of types "
-                    f"{sorted(set(cut.values()))} ({', '.join(fields_cut)}); set layer_types (or those fields) in the "
-                    "same change: config.update_layers(num_hidden_layers=..., layer_types=[...]), one "
-                    "from_pretrained(...) or one --model_overrides."
+                    f"{sorted(LAYER_TYPE_NAMES[t] for t in set(cut.values()))} ({', '.join(fields_cut)}); set "
+                    "layer_types (or those fields) in the same change: config.update_layers(num_hidden_layers=..., "
+                    "layer_types=[...]), one from_pretrained(...) or one --model_overrides."
                 )
             types = _assign_indices(kept[:n] + ["block"] * (n - len(kept)), indices)
         if "num_hidden_layers" in fields:
             PreTrainedConfig.__setattr__(self, "num_hidden_layers", n)
-        PreTrainedConfig.__setattr__(self, "layer_types", types)
+        PreTrainedConfig.__setattr__(self, "layer_types", _names(types))
 
     def __setattr__(self, name, value):
         # Runs after ``@strict`` has checked the value against the field's annotation and validators.
@@ -598,8 +614,8 @@ class BSTConfig(PreTrainedConfig):
         return self.logit_scale if self.logit_scale is not None else _default_logit_scale(self.vocab_size)
 
     def layer_kind(self, layer_idx: int) -> str:
-        """``layer_types[layer_idx]``: ``"bst"``, ``"recurrent"``, ``"gss"`` or ``"block"`` (plain Slide layer)."""
-        return self.layer_types[layer_idx]
+        """The kind of ``layer_types[layer_idx]``: ``"bst"``, ``"recurrent"``, ``"gss"`` or ``"block"`` (Slide)."""
+        return LAYER_KINDS[self.layer_types[layer_idx]]
 
     # -- class validators: ``@strict`` runs every ``validate_*`` method in ``validate()`` ------------------------------
     def validate_layer_type(self):
@@ -607,7 +623,7 @@ class BSTConfig(PreTrainedConfig):
         if self.layer_types is None or len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
                 f"BSTConfig.layer_types must have num_hidden_layers={self.num_hidden_layers} entries in "
-                f"{LAYER_TYPES}, got {self.layer_types!r}."
+                f"{tuple(LAYER_TYPE_NAMES.values())}, got {self.layer_types!r}."
             )
         _layer_type_entries(self.layer_types)
 
@@ -635,4 +651,4 @@ class BSTConfig(PreTrainedConfig):
             )
 
 
-__all__ = ["AUTO_MAP", "BSTConfig", "BSTConfigError", "LAYER_INDEX_FIELDS", "LAYER_TYPES"]
+__all__ = ["AUTO_MAP", "BSTConfig", "BSTConfigError", "LAYER_INDEX_FIELDS", "LAYER_TYPE_NAMES", "LAYER_TYPES"]

@@ -47,7 +47,7 @@ def test_stored_tokens_are_generate_output(name):
     """``generate()`` on the stored checkpoint gives the stored greedy tokens for all 8 prompts."""
     model = BSTForCausalLM.from_pretrained(MAKE_FIXTURES.FIXTURES / name).eval()
     assert model.config.layer_types == [
-        "bst" if i in MAKE_FIXTURES.MODELS[name]["bst_layer_indices"] else "block"
+        "bst_context" if i in MAKE_FIXTURES.MODELS[name]["bst_layer_indices"] else "bst_block"
         for i in range(model.config.num_hidden_layers)
     ]
     with torch.no_grad():

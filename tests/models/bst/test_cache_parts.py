@@ -17,7 +17,7 @@ def model_with_every_layer_type(context_mode="sh"):
     config = tiny_config(
         vocab_size=61,
         num_hidden_layers=4,
-        layer_types=["bst", "block", "recurrent", "gss"],
+        layer_types=["bst_context", "bst_block", "bst_recurrent", "bst_gss"],
         bst_layer_indices=None,
         context_mode=context_mode,
     )

@@ -121,7 +121,7 @@ def test_every_field_is_annotated_and_defaulted_as_before():
     config = BSTConfig()
     assert set(config.__dict__) - {f.name for f in fields(BSTConfig)} == BOOKKEEPING
     assert (config.bst_layer_indices, config.recurrent_layer_indices, config.gss_layer_indices) == ([0, 7, 9], [], [])
-    assert config.layer_types.count("bst") == 3 and len(config.layer_types) == 12
+    assert config.layer_types.count("bst_context") == 3 and len(config.layer_types) == 12
 
 
 # field -> (invalid value, words the error must contain): a range check, a type check (an int field given a float,
@@ -134,7 +134,7 @@ INVALID = {
     "dropout": (1.5, "BSTConfig.dropout must be in [0, 1), got 1.5"),
     "ssm_state_size": (5, "BSTConfig.ssm_state_size must be even"),
     "bst_layer_indices": ([1, 1], "BSTConfig.bst_layer_indices has repeated entries"),
-    "layer_types": (["bst", "attention", "block"], "BSTConfig.layer_types entries must be in"),
+    "layer_types": (["bst_context", "attention", "bst_block"], "BSTConfig.layer_types entries must be in"),
     "ssm_input": ("embeddings", "BSTConfig.ssm_input must be one of ('normed', 'raw'), got 'embeddings'"),
 }
 
@@ -186,7 +186,8 @@ def test_checks_that_relate_fields_run_in_validate_from_dict_and_save_pretrained
     # keyword overrides of from_pretrained are set after construction, and validated too
     with _raises_naming("BSTConfig.bst_layer_indices entries must be in [0, num_hidden_layers=3)"):
         BSTConfig.from_pretrained(tmp_path, bst_layer_indices=[5])
-    assert BSTConfig.from_pretrained(tmp_path, bst_layer_indices=[1]).layer_types == ["block", "bst", "block"]
+    layer_types = BSTConfig.from_pretrained(tmp_path, bst_layer_indices=[1]).layer_types
+    assert layer_types == ["bst_block", "bst_context", "bst_block"]
 
 
 def test_ints_are_accepted_where_floats_are_and_json_round_trips(tmp_path):
@@ -197,27 +198,24 @@ def test_ints_are_accepted_where_floats_are_and_json_round_trips(tmp_path):
     assert "layer_types" not in data and data["bst_layer_indices"] == [0, 2]
     loaded = BSTConfig.from_pretrained(tmp_path)
     assert loaded.to_dict() == config.to_dict()
-    assert loaded.layer_types == config.layer_types == ["bst", "block", "bst"]
+    assert loaded.layer_types == config.layer_types == ["bst_context", "bst_block", "bst_context"]
     # the repr and the diff dict show the BST fields
     assert '"block_len": 4' in repr(loaded) and loaded.to_diff_dict()["bst_layer_indices"] == [0, 2]
 
 
 def test_tuples_are_stored_as_lists_and_none_is_only_a_construction_default():
     config = tiny_config(bst_layer_indices=(0, 2), recurrent_layer_indices=(1,))
-    assert config.bst_layer_indices == [0, 2] and config.layer_types == ["bst", "recurrent", "bst"]
-    config.layer_types = ("block", "gss", "bst")
-    assert config.layer_types == ["block", "gss", "bst"] and config.gss_layer_indices == [1]
-    assert tiny_config(layer_types=("bst", "block", "bst"), bst_layer_indices=None).layer_types == [
-        "bst",
-        "block",
-        "bst",
-    ]
+    assert config.bst_layer_indices == [0, 2] and config.layer_types == ["bst_context", "bst_recurrent", "bst_context"]
+    config.layer_types = ("bst_block", "bst_gss", "bst_context")
+    assert config.layer_types == ["bst_block", "bst_gss", "bst_context"] and config.gss_layer_indices == [1]
+    from_tuple = tiny_config(layer_types=("bst_context", "bst_block", "bst_context"), bst_layer_indices=None)
+    assert from_tuple.layer_types == ["bst_context", "bst_block", "bst_context"]
     config.bst_layer_indices = (0, 2)
-    assert config.layer_types == ["bst", "gss", "bst"]
+    assert config.layer_types == ["bst_context", "bst_gss", "bst_context"]
     with _raises_naming("BSTConfig.gss_layer_indices must be a list of layer indices"):
         config.gss_layer_indices = None
     with _raises_naming("BSTConfig.layer_types must be a list of layer types"):
         config.layer_types = None  # None selects the index fields only when the config is made
     with _raises_naming("BSTConfig.layer_types must have num_hidden_layers=3 entries"):
-        config.layer_types = ["bst"]
-    assert config.layer_types == ["bst", "gss", "bst"]
+        config.layer_types = ["bst_context"]
+    assert config.layer_types == ["bst_context", "bst_gss", "bst_context"]

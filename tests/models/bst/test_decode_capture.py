@@ -10,6 +10,7 @@ import torch.utils._pytree as pytree
 from conftest import DecodeStep, make_model
 
 from modeling_bst import BSTCache
+from modeling_bst.configuration_bst import LAYER_TYPE_NAMES
 
 
 # The S4 families of the paper's Table 1 plus a BRecT layer next to MF, and the GSS-Hybrid baseline's SSM layer.
@@ -85,6 +86,11 @@ def test_pytree_leaves_context_and_round_trip():
         # The context serialises (torch.export.save) and reads back equal.
         dumped = pytree.treespec_dumps(spec)
         assert pytree.treespec_loads(dumped) == spec
+        # as does one dumped before issue #45, with the layer types' bare names
+        earlier = dumped
+        for kind, name in LAYER_TYPE_NAMES.items():
+            earlier = earlier.replace(f'\\"{name}\\"', f'\\"{kind}\\"')
+        assert earlier != dumped and pytree.treespec_loads(earlier) == spec
 
 
 def test_host_mirrors_after_unflatten_match_a_plain_cache():

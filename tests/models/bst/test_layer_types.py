@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, PreTrainedConfig
 
 from modeling_bst import BSTConfig, BSTForCausalLM
-from modeling_bst.configuration_bst import LAYER_INDEX_FIELDS, BSTConfigError
+from modeling_bst.configuration_bst import LAYER_INDEX_FIELDS, LAYER_TYPE_NAMES, BSTConfigError
 from modeling_bst.context_bst import MFContextStates
 from modeling_bst.modeling_bst import BSTGSSLayer
 from training import train as T
@@ -34,30 +34,32 @@ def _indices(config) -> tuple:
 
 def test_index_fields_are_read_only_views_of_layer_types():
     config = tiny_config(num_hidden_layers=4, bst_layer_indices=[0, 2], recurrent_layer_indices=[3])
-    assert config.layer_types == ["bst", "block", "bst", "recurrent"]
+    assert config.layer_types == ["bst_context", "bst_block", "bst_context", "bst_recurrent"]
     # one record: no stored copy of the index fields
     assert not set(INDEX_FIELDS) & set(config.__dict__)
-    config.layer_types = ["gss", "bst", "block", "block"]
+    config.layer_types = ["bst_gss", "bst_context", "bst_block", "bst_block"]
     assert _indices(config) == ([1], [], [0])
     # a view is a new list: changing it changes nothing
     config.bst_layer_indices.append(2)
-    assert config.layer_types == ["gss", "bst", "block", "block"]
+    assert config.layer_types == ["bst_gss", "bst_context", "bst_block", "bst_block"]
     # assigning a view: exactly its layers get the type, its other layers become blocks
     config.recurrent_layer_indices = [3]
     config.bst_layer_indices = [2]
-    assert config.layer_types == ["gss", "block", "bst", "recurrent"]
+    assert config.layer_types == ["bst_gss", "bst_block", "bst_context", "bst_recurrent"]
     config.gss_layer_indices, config.recurrent_layer_indices = [], []
     config.num_hidden_layers = 3  # drops a block layer
-    assert config.layer_types == ["block", "block", "bst"]
+    assert config.layer_types == ["bst_block", "bst_block", "bst_context"]
     config.num_hidden_layers = 5  # new layers are blocks
-    assert config.layer_types == ["block", "block", "bst", "block", "block"]
+    assert config.layer_types == ["bst_block", "bst_block", "bst_context", "bst_block", "bst_block"]
     assert config.layer_kind(2) == "bst" and config.layer_kind(4) == "block"
     config.validate()
 
 
 def test_a_model_built_from_layer_types_equals_one_built_from_index_fields():
     by_indices = tiny_config(context_mode="mf", bst_layer_indices=[0], gss_layer_indices=[2])
-    by_types = tiny_config(context_mode="mf", layer_types=["bst", "block", "gss"], bst_layer_indices=None)
+    by_types = tiny_config(
+        context_mode="mf", layer_types=["bst_context", "bst_block", "bst_gss"], bst_layer_indices=None
+    )
     assert by_types.layer_types == by_indices.layer_types
     assert by_types == by_indices  # the same record: equal configs
     torch.manual_seed(0)
@@ -72,14 +74,14 @@ def test_a_model_built_from_layer_types_equals_one_built_from_index_fields():
 @pytest.mark.parametrize(
     "fields, message",
     [
-        (dict(layer_types=["bst", "attention", "block"]), "layer_types entries must be in"),
-        (dict(layer_types=["bst", "block"]), "layer_types must have num_hidden_layers=3 entries"),
+        (dict(layer_types=["bst_context", "attention", "bst_block"]), "layer_types entries must be in"),
+        (dict(layer_types=["bst_context", "bst_block"]), "layer_types must have num_hidden_layers=3 entries"),
         (
-            dict(layer_types=["bst", "block", "block"], bst_layer_indices=[1]),
-            r"bst_layer_indices=\[1\] disagrees with layer_types=\['bst', 'block', 'block'\]",
+            dict(layer_types=["bst_context", "bst_block", "bst_block"], bst_layer_indices=[1]),
+            r"bst_layer_indices=\[1\] disagrees with layer_types=\['bst_context', 'bst_block', 'bst_block'\]",
         ),
         (
-            dict(layer_types=["bst", "block", "gss"], bst_layer_indices=None, gss_layer_indices=[]),
+            dict(layer_types=["bst_context", "bst_block", "bst_gss"], bst_layer_indices=None, gss_layer_indices=[]),
             r"gss_layer_indices=\[\] disagrees with layer_types",
         ),
         (dict(bst_layer_indices=[0], recurrent_layer_indices=[0]), "in both bst_layer_indices and recurrent"),
@@ -102,8 +104,10 @@ def test_bad_layer_types_raise_naming_the_field(fields, message, tmp_path):
 
 
 def test_index_fields_agreeing_with_layer_types_are_accepted():
-    config = tiny_config(layer_types=["bst", "recurrent", "gss"], bst_layer_indices=[0], recurrent_layer_indices=(1,))
-    assert config.layer_types == ["bst", "recurrent", "gss"] and _indices(config) == ([0], [1], [2])
+    config = tiny_config(
+        layer_types=["bst_context", "bst_recurrent", "bst_gss"], bst_layer_indices=[0], recurrent_layer_indices=(1,)
+    )
+    assert config.layer_types == ["bst_context", "bst_recurrent", "bst_gss"] and _indices(config) == ([0], [1], [2])
 
 
 @pytest.mark.parametrize(
@@ -112,9 +116,9 @@ def test_index_fields_agreeing_with_layer_types_are_accepted():
         (dict(bst_layer_indices=[1]), r"layers \[1\] are in both recurrent_layer_indices and bst_layer_indices"),
         (dict(gss_layer_indices=[3]), r"gss_layer_indices entries must be in \[0, num_hidden_layers=3\)"),
         (dict(gss_layer_indices=None), "gss_layer_indices must be a list of layer indices"),
-        (dict(num_hidden_layers=2), r"num_hidden_layers=2 would drop layers \[2\] of types \['bst'\]"),
+        (dict(num_hidden_layers=2), r"num_hidden_layers=2 would drop layers \[2\] of types \['bst_context'\]"),
         (dict(layer_types=None), "layer_types must be a list of layer types"),
-        (dict(layer_types=["bst"]), "layer_types must have num_hidden_layers=3 entries"),
+        (dict(layer_types=["bst_context"]), "layer_types must have num_hidden_layers=3 entries"),
         (dict(num_hidden_layers=0), "num_hidden_layers must be a positive integer"),
     ],
     ids=["overlap", "range", "none", "cut", "types-none", "types-length", "layers-zero"],
@@ -137,11 +141,11 @@ def test_update_layers_applies_several_fields_as_one_change_in_any_order(tmp_pat
     for fields in (
         dict(num_hidden_layers=4, gss_layer_indices=[0], bst_layer_indices=[2]),
         dict(bst_layer_indices=[2], gss_layer_indices=[0], num_hidden_layers=4),
-        dict(num_hidden_layers=4, layer_types=["gss", "block", "bst", "block"]),
+        dict(num_hidden_layers=4, layer_types=["bst_gss", "bst_block", "bst_context", "bst_block"]),
     ):
         changed = copy.deepcopy(config)
         changed.update_layers(**fields)
-        assert changed.layer_types == ["gss", "block", "bst", "block"], fields
+        assert changed.layer_types == ["bst_gss", "bst_block", "bst_context", "bst_block"], fields
         # from_pretrained keyword overrides and update() take the same path
         config.save_pretrained(tmp_path)
         assert BSTConfig.from_pretrained(tmp_path, **fields).layer_types == changed.layer_types
@@ -150,18 +154,18 @@ def test_update_layers_applies_several_fields_as_one_change_in_any_order(tmp_pat
         assert updated.layer_types == changed.layer_types
         assert T.apply_model_overrides(config, fields).layer_types == changed.layer_types  # --model_overrides
     with pytest.raises(BSTConfigError, match="disagrees with layer_types"):
-        config.update_layers(layer_types=["bst"] * 12, gss_layer_indices=[1])
+        config.update_layers(layer_types=["bst_context"] * 12, gss_layer_indices=[1])
     with pytest.raises(TypeError, match="update_layers takes"):
         config.update_layers(block_len=4)
 
 
 def test_config_json_stores_the_index_fields_and_any_reader_accepts_it(tmp_path):
-    config = tiny_config(layer_types=["bst", "recurrent", "gss"], bst_layer_indices=None)
+    config = tiny_config(layer_types=["bst_context", "bst_recurrent", "bst_gss"], bst_layer_indices=None)
     config.save_pretrained(tmp_path)
     data = json.loads((tmp_path / "config.json").read_text())
     assert "layer_types" not in data
     assert tuple(data[field] for field in INDEX_FIELDS) == ([0], [1], [2])
-    assert BSTConfig.from_pretrained(tmp_path).layer_types == ["bst", "recurrent", "gss"]
+    assert BSTConfig.from_pretrained(tmp_path).layer_types == ["bst_context", "bst_recurrent", "bst_gss"]
     # transformers' generic loader, which AutoTokenizer falls back to without trust_remote_code, accepts it; it
     # refuses a config.json with BST layer_types (the reason config.json stores the index fields)
     PreTrainedConfig.from_pretrained(tmp_path)
@@ -171,7 +175,11 @@ def test_config_json_stores_the_index_fields_and_any_reader_accepts_it(tmp_path)
 
 
 def test_round_trip_through_every_serialisation(tmp_path):
-    config = tiny_config(num_hidden_layers=4, layer_types=["gss", "bst", "block", "recurrent"], bst_layer_indices=None)
+    config = tiny_config(
+        num_hidden_layers=4,
+        layer_types=["bst_gss", "bst_context", "bst_block", "bst_recurrent"],
+        bst_layer_indices=None,
+    )
     data = config.to_dict()
     config.save_pretrained(tmp_path)
     for loaded in (
@@ -184,7 +192,7 @@ def test_round_trip_through_every_serialisation(tmp_path):
         pickle.loads(pickle.dumps(config)),
         copy.deepcopy(config),
     ):
-        assert loaded.layer_types == ["gss", "bst", "block", "recurrent"]
+        assert loaded.layer_types == ["bst_gss", "bst_context", "bst_block", "bst_recurrent"]
         assert {**loaded.to_dict(), "_name_or_path": ""} == data
 
 
@@ -202,10 +210,10 @@ def _earlier_config_json(tmp_path, **layer_fields):
 def test_config_json_of_earlier_versions_loads(tmp_path):
     folder = _earlier_config_json(tmp_path)
     assert "gss_layer_indices" not in json.loads((folder / "config.json").read_text())
-    assert BSTConfig.from_pretrained(folder).layer_types == ["block", "recurrent", "block"]
+    assert BSTConfig.from_pretrained(folder).layer_types == ["bst_block", "bst_recurrent", "bst_block"]
     # both layouts: the index fields and layer_types, agreeing
     folder = _earlier_config_json(tmp_path, layer_types=["block", "recurrent", "block"], gss_layer_indices=[])
-    assert BSTConfig.from_pretrained(folder).layer_types == ["block", "recurrent", "block"]
+    assert BSTConfig.from_pretrained(folder).layer_types == ["bst_block", "bst_recurrent", "bst_block"]
     # or not: the error names both fields
     folder = _earlier_config_json(tmp_path, layer_types=["block", "block", "recurrent"])
     with pytest.raises(BSTConfigError, match=r"recurrent_layer_indices=\[1\] disagrees with layer_types"):
@@ -232,6 +240,38 @@ def test_a_checkpoint_with_an_earlier_config_json_gives_identical_logits(name, t
     with torch.no_grad():
         logits = model.double()(expected["input_ids"]).logits
     torch.testing.assert_close(logits, expected["logits"], atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["sh-s4", "brect", "gss"])
+def test_earlier_layer_type_names_load_as_the_new_names_with_identical_logits(name, tmp_path):
+    """Before issue #45 the layer types were the bare kinds ("block", "bst", "recurrent", "gss"), names that other
+    families use too in transformers' process-wide cache-layer registry. A config.json listing them (beside the
+    index fields, or hand-written) loads to the prefixed names with the committed logits; saving writes the index
+    fields only, which load back to the same."""
+    fixture = FIXTURES / "layout3" / name
+    data = json.loads((fixture / "config.json").read_text())
+    kinds = ["block"] * data["num_hidden_layers"]
+    for kind, field in LAYER_INDEX_FIELDS.items():
+        for i in data[field]:
+            kinds[i] = kind
+    folder = tmp_path / "earlier"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**data, "layer_types": kinds}))
+    (folder / "model.safetensors").symlink_to(fixture / "model.safetensors")
+    expected = load_file(str(fixture / "expected.safetensors"))
+    model = BSTForCausalLM.from_pretrained(folder).eval().double()
+    assert model.config.layer_types == [LAYER_TYPE_NAMES[kind] for kind in kinds]
+    assert [model.config.layer_kind(i) for i in range(len(kinds))] == kinds
+    model.save_pretrained(tmp_path / "saved")
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert "layer_types" not in saved and all(saved[field] == data[field] for field in INDEX_FIELDS)
+    reloaded = BSTForCausalLM.from_pretrained(tmp_path / "saved").eval().double()
+    assert reloaded.config.layer_types == model.config.layer_types
+    with torch.no_grad():
+        for loaded in (model, reloaded):
+            torch.testing.assert_close(
+                loaded(expected["input_ids"]).logits, expected["logits"], atol=1e-12, rtol=1e-12
+            )
 
 
 # The layer types every preset loaded to before the index fields became views of layer_types (issue #33 item 5),
@@ -263,14 +303,14 @@ PRESET_LAYER_TYPES = {
     "trsf-xl-2048": "b" * 12,
     "trsf-xl-tiny": "bbbb",
 }
-LETTERS = {"b": "block", "S": "bst", "R": "recurrent", "G": "gss"}
+LETTERS = {"b": "bst_block", "S": "bst_context", "R": "bst_recurrent", "G": "bst_gss"}
 
 
 def test_every_preset_loads_to_the_layer_types_it_had():
     presets = sorted((ROOT / "configs" / "models").glob("*.json"))
     assert {p.stem for p in presets} == set(PRESET_LAYER_TYPES)
     gss_hybrid = [LETTERS[c] for c in PRESET_LAYER_TYPES["gss-hybrid-l"]]
-    assert gss_hybrid.count("gss") == 32 and [i for i, t in enumerate(gss_hybrid) if t == "block"] == list(
+    assert gss_hybrid.count("bst_gss") == 32 and [i for i, t in enumerate(gss_hybrid) if t == "bst_block"] == list(
         range(1, 43, 4)
     )
     for path in presets:
