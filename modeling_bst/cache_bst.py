@@ -246,16 +246,20 @@ def maybe_any(mask: torch.Tensor) -> bool:
 
 def decode_memo(layer_cache: "BSTLayerCache", slot: str, key: tuple, params, compute, max_bytes: int | None = None):
     """``compute()`` kept in ``layer_cache.step_memo[slot]`` and reused while ``key`` and the tensors ``params`` are
-    unchanged (decoding); recomputed every time when gradients flow to ``params`` (the graph must reach them), and
-    where checking the parameters would read device values back (an accelerator, tracing): these constants are
-    cheap, a device sync per step is not. Values over ``max_bytes`` are not kept."""
+    unchanged (decoding); recomputed every time when gradients flow to ``params`` (the graph must reach them) and
+    under tracing (the graph computes them). On the CPU "unchanged" is checked on the values ([`memoised`]); on an
+    accelerator, where reading values back is a device sync per step, on each parameter's storage and version
+    counter, which every in-place change through autograd's view of it moves (optimiser steps, ``load_state_dict``,
+    ``torch.no_grad()`` edits, ``.to()``): an edit through ``p.data`` during one cache's life is not seen there.
+    Values over ``max_bytes`` are not kept."""
     params = list(params)
-    if torch.is_grad_enabled() and any(p.requires_grad for p in params):
-        return compute()
-    if not params or not host_can_branch(params[0]):
+    if not params or tracing() or (torch.is_grad_enabled() and any(p.requires_grad for p in params)):
         return compute()
     if layer_cache.step_memo is None:
         layer_cache.step_memo = {}
+    if not host_can_branch(params[0]):
+        key = (*key, *((p.data_ptr(), p._version, p.shape, p.dtype, p.device) for p in params))
+        params = []
     return memoised(layer_cache.step_memo, slot, key, params, compute, max_bytes)
 
 
