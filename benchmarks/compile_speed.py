@@ -1,6 +1,6 @@
 """torch.compile against eager on CPU: first-call (compile) time and steady-state speed, forward and training step.
 
-    python -m benchmarks.compile_speed --configs configs/models/bst-tiny-sh-s4.json --lengths 512 --write-docs
+    python -m benchmarks.compile_speed --configs training/presets/bst-tiny-sh-s4.json --lengths 512 --write-docs
 
 For each model config and length: eager and ``torch.compile(model)`` (inductor) are timed in the same process,
 alternating call by call, so that background load hits both alike. ``forward``: evaluation forward under
@@ -127,7 +127,7 @@ def write_docs(rows: list[dict], meta: dict):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", nargs="+", type=existing_file, default=["configs/models/bst-tiny-sh-s4.json"])
+    p.add_argument("--configs", nargs="+", type=existing_file, default=["training/presets/bst-tiny-sh-s4.json"])
     p.add_argument("--lengths", nargs="+", type=positive_int, default=[512])
     p.add_argument("--modes", nargs="+", default=["forward", "train"], choices=["forward", "train"])
     p.add_argument("--fft", nargs="+", default=["op", "disable"], choices=sorted(FFT_VARIANTS))

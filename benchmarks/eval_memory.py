@@ -43,7 +43,7 @@ def child(preset: str, tokens: int, chunk: int, dtype: str, threads: int) -> dic
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    config = BSTConfig.from_json_file(str(ROOT / "configs" / "models" / f"{preset}.json"))
+    config = BSTConfig.from_json_file(str(ROOT / "training" / "presets" / f"{preset}.json"))
     if config.ssm_kind == "unstruct":
         config.max_position_embeddings = max(config.max_position_embeddings, tokens)
     with torch.device("meta"):
@@ -148,14 +148,14 @@ def write_docs(rows: list[dict], budget_gib: float) -> None:
     write_section("eval_memory", lines)
 
 
-PRESETS = sorted(f.stem for f in (ROOT / "configs" / "models").glob("*.json"))
+PRESETS = sorted(f.stem for f in (ROOT / "training" / "presets").glob("*.json"))
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
-    p.add_argument("--preset", default="bst-sh-s4", choices=PRESETS, help="a config of configs/models/")
+    p.add_argument("--preset", default="bst-sh-s4", choices=PRESETS, help="a config of training/presets/")
     p.add_argument("--tokens", type=positive_int, nargs="+", default=[4096, 16384, 65536])
     p.add_argument("--chunk", type=positive_int, default=4096)
     p.add_argument(

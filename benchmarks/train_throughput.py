@@ -12,7 +12,7 @@ is the speed-up BST would show if both models ran at the same FLOP rate.
                                           [--size 60m|200m] [--device cpu|cuda] [--dtypes fp32 bf16]
 
 Prints a table and writes docs/benchmarks/train_throughput.{json,png} and a section of docs/benchmarks.md. ``--size
-200m`` is the ~200M preset (configs/models/bst-sh-s4.json's shape: hidden 1024, 12 layers, BST layers {0, 7, 9}) and
+200m`` is the ~200M preset (training/presets/bst-sh-s4.json's shape: hidden 1024, 12 layers, BST layers {0, 7, 9}) and
 a Llama of the same hidden size, depth and MLP. ``--device cuda`` times on the GPU (synchronised; the peak is the
 GPU's measured matmul rate), adds HF Llama with flash-attention-2 for bf16 where ``flash_attn`` is installed, and
 writes train_throughput_gpu.{json,png} only (benchmarks/gpu_suite.py writes the GPU summary).

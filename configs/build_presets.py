@@ -1,4 +1,4 @@
-"""Writes configs/models/*.json: one preset per row of the paper's Table 1, plus tiny CPU presets.
+"""Writes training/presets/*.json: one preset per row of the paper's Table 1, plus tiny CPU presets.
 
 Run ``python configs/build_presets.py`` after changing a preset here; ``tests/models/bst/test_presets.py`` checks every JSON
 builds on the meta device with the parameter count recorded in ``PAPER_PARAMS_M`` (within 5%).
@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 
-OUT = Path(__file__).resolve().parent / "models"
+OUT = Path(__file__).resolve().parents[1] / "training" / "presets"
 
 # ~200M models (paper Sec. 4.1): 12 layers, D=1024, 8 heads of 128, ReLU MLP 4096, W=512, L=4096, 32k vocab.
 BASE = {

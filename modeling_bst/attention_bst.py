@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask
 from transformers.integrations.flex_attention import compile_friendly_flex_attention
 from transformers.utils import logging
 
@@ -93,11 +93,18 @@ def use_flex(module, q: torch.Tensor, dropout: float, *tensors: torch.Tensor) ->
     and nothing flex cannot do here, else the SDPA path (same result):
 
     * attention dropout (flex has no dropout);
+    * no exact flex kernel for the device ([`flex_kernel`]: none on CPU);
     * a dtype flex's CPU kernel lacks (float64);
     * a backward on CPU (torch implements flex's backward on accelerators only): with gradients enabled and any of
       ``q``, ``tensors`` or the module's parameters requiring them, a CPU forward takes SDPA.
     """
     if module.config._attn_implementation != "flex_attention" or dropout > 0:
+        return False
+    if flex_kernel(q.device.type) is None:
+        logger.warning_once(
+            f"BST: flex_attention has no exact kernel on {q.device.type} (torch's compiled CPU FlexAttention gives "
+            "wrong outputs at some lengths); the full-sequence attention runs on SDPA, with the same result."
+        )
         return False
     if q.device.type != "cpu":
         return True
@@ -113,23 +120,13 @@ def use_flex(module, q: torch.Tensor, dropout: float, *tensors: torch.Tensor) ->
     return True
 
 
-_COMPILED_FLEX = {}
-
-
 def flex_kernel(device_type: str):
-    """``flex_attention`` compiled once per device type (uncompiled inside a compiled region, which compiles it).
-
-    On accelerators transformers' [`compile_friendly_flex_attention`] (dynamic shapes after the first recompile).
-    On CPU with static shapes, one compilation per input shape: in torch 2.13 inductor's CPU FlexAttention template
-    emits C++ that does not compile for dynamic shapes (``'cur_kvSplitSize7' was not declared``)."""
-    if torch.compiler.is_compiling():
-        return flex_attention
-    if device_type != "cpu":
-        return compile_friendly_flex_attention
-    if "cpu" not in _COMPILED_FLEX:
-        _COMPILED_FLEX["cpu"] = torch.compile(flex_attention, dynamic=False)
-    compiled = _COMPILED_FLEX["cpu"]
-    return lambda q, k, v, training=False, **kwargs: compiled(q, k, v, **kwargs)
+    """The FlexAttention kernel for ``device_type``, or None where none is exact: on accelerators transformers'
+    [`compile_friendly_flex_attention`] (compiled once; uncompiled inside a compiled region); on CPU none. In torch
+    2.13 inductor's compiled CPU kernel is wrong at some lengths (issue #45, float32: 8, 24, 40, 56, 72 and 120 tokens
+    with a causal mask, also 152, 232, 264 and 520 without one: every length = 8 mod 16 of 27 measured in 1-520; NaN
+    at some), and its unfused form materialises the dense scores (the SDPA path does not)."""
+    return None if device_type == "cpu" else compile_friendly_flex_attention
 
 
 def flex(module, q, k, v, block_mask, score_mod=None):

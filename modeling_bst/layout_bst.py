@@ -79,7 +79,8 @@ class _Chunk:
 
     * fresh input: all columns in the full-sequence form, rows packed by the attention mask ([`_Layout`]); into a
       recording cache (assisted decoding drafts at the end of the first input) the last ``MAX_ROLLBACK`` positions
-      after the last padded column are steps, so that ``crop`` can take any of them back;
+      after the last padded column and after every row's first real token are steps, so that ``crop`` can take any
+      of them back;
     * a continuing chunk of whole blocks, every row on the block grid: all in the full-sequence form, seeded with the
       cached state;
     * any other continuing chunk (a decoded token; drafts; a chunk off the grid): all steps. Padding is honoured only
@@ -102,8 +103,11 @@ class _Chunk:
             if self.record and seq_len > 1:
                 head = seq_len - min(seq_len - 1, MAX_ROLLBACK)
                 if attention_mask is not None:
-                    padded = torch.nonzero(~attention_mask[:, -seq_len:].bool().all(0))
+                    real = attention_mask[:, -seq_len:].bool()
+                    padded = torch.nonzero(~real.all(0))
                     head = max(head, int(padded[-1]) + 1) if len(padded) else head
+                    # and every row's first real token (a left-padded row's head is not all padding)
+                    head = max(head, int(real.to(torch.uint8).argmax(-1).max()) + 1)
             mask = None if attention_mask is None else attention_mask[:, -seq_len:][:, :head]
             self.layout = _Layout(mask, (bsz, head), w, device, check)
             self.common = head

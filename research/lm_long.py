@@ -94,7 +94,7 @@ class Protocol:
         """Config overrides turning the model's tiny preset into this scale's model."""
         if not self.size and model != "trsf-xl":
             return {}
-        preset = json.loads((ROOT / "configs" / "models" / f"{LM.MODELS[model][0]}.json").read_text())
+        preset = json.loads((ROOT / "training" / "presets" / f"{LM.MODELS[model][0]}.json").read_text())
         out = dict(self.size)
         n = out.get("num_hidden_layers", preset["num_hidden_layers"])
         for key in LAYER_INDEX_FIELDS:

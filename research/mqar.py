@@ -23,7 +23,7 @@ checks with gradients that a Slide model's scored logits do not depend on the pa
 ``1 / num_values`` for a model that guesses a value; a model that copies one of the N values of the sequence without
 binding it to its key scores about ``1 / N``.
 
-Models (``MODELS``): the tiny presets of ``configs/models/`` with width, depth-preserving layer layout, block length,
+Models (``MODELS``): the tiny presets of ``training/presets/`` with width, depth-preserving layer layout, block length,
 vocabulary and training length overridden, plus Hugging Face ``MambaForCausalLM`` of the same width and depth (the
 outside reference; transformers' pure-PyTorch path, with ``use_mambapy`` when the ``mambapy`` package is
 installed: its parallel scan, since the sequential loop's backward is quadratic in L). ``attention`` ("Attention
@@ -128,9 +128,9 @@ SECTION, GPU_SECTION = "mqar", "mqar_gpu"
 RESULTS = common.RESULTS / SECTION
 GPU_RESULTS = common.RESULTS / GPU_SECTION
 PNG = common.PLOTS / f"{SECTION}.png"
-PRESETS = ROOT / "configs" / "models"
+PRESETS = ROOT / "training" / "presets"
 
-# name -> (label, preset under configs/models/ or None for HF Mamba); the reference first
+# name -> (label, preset under training/presets/ or None for HF Mamba); the reference first
 REFERENCE = "attention"  # the Slide preset with block_len = the sequence length: full causal attention
 MODELS = {
     REFERENCE: ("Attention (W=L)", "slide-tiny"),

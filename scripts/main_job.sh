@@ -8,9 +8,16 @@ if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
 . .venv/bin/activate
-# torch first and pinned: a looser spec would pull a multi-GB CUDA build.
-python -c "import torch; assert torch.__version__.startswith('2.13.0')" 2>/dev/null || pip install -q torch==2.13.0
-python -c "import modeling_bst, training, accelerate, datasets, tokenizers, matplotlib" 2>/dev/null || pip install -q -e ".[train]"
+# torch first and pinned: a looser spec would pull a multi-GB CUDA build. pip shows what it fetches (without -q: a
+# fresh machine's install took 78 s with nothing on screen).
+if ! python -c "import torch; assert torch.__version__.startswith('2.13.0')" 2>/dev/null; then
+    echo "== 0/4 install torch 2.13.0 (CPU) into .venv"
+    pip install --progress-bar on torch==2.13.0
+fi
+if ! python -c "import modeling_bst, training, accelerate, datasets, tokenizers, matplotlib" 2>/dev/null; then
+    echo "== 0/4 install this package with the train extra into .venv"
+    pip install --progress-bar on -e ".[train]"
+fi
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 # --output_dir (if given) moves every step's outputs; the other arguments go to the trainer.

@@ -6,3 +6,18 @@ Entry points: ``python -m training.train`` (Trainer; recipes configs/train/*.yam
 (offline corpora), ``python -m training.listops`` (ListOps splits). Library code: ``training.data``,
 ``training.optim``, ``training.listops``.
 """
+
+from pathlib import Path
+
+
+HOME = Path(__file__).resolve().parent  # in the clone or installed: presets/, tokenizers/, data/ (package data)
+
+
+def preset(name: str) -> str:
+    """The config.json path of the model preset ``name`` (``"bst-tiny-sh-s4"``, a file of ``training/presets/``,
+    shipped with the package), for ``AutoConfig.from_pretrained``."""
+    path = HOME / "presets" / f"{name.removesuffix('.json')}.json"
+    if not path.is_file():
+        names = ", ".join(sorted(p.stem for p in (HOME / "presets").glob("*.json")))
+        raise FileNotFoundError(f"no model preset {name!r}; the presets are: {names}")
+    return str(path)

@@ -9,9 +9,10 @@ The folder holds ``model.safetensors``, ``config.json`` (with an ``auto_map`` of
 ``AutoModelForCausalLM`` and ``AutoModelForSequenceClassification`` load the folder with ``trust_remote_code=True``
 where ``modeling_bst`` is not installed), and a ``README.md`` model card rendered from ``hub_cards/model_card.md``.
 
-The card states only what the run recorded: the training sequence length comes from the run's
+The card states only what the run recorded: the training sequence length and corpus come from the run's
 ``train_summary.json`` (next to ``final/``, or ``--train_summary``), the optimizer steps from ``log_history.json``,
-an unedited sample from ``sample.txt`` if present, the evaluation from ``--eval_json``. ``datasets:`` metadata lists
+an unedited sample from ``sample.txt`` if present, the evaluation from ``--eval_json`` (default: the run's
+``eval.json`` if it evaluated this model folder), so exporting again (``--onnx``) writes the same card. ``datasets:`` metadata lists
 real Hub dataset ids only (``--dataset pg19`` -> ``emozilla/pg19``, or a Hub id); local corpora (the embedded books,
 ``--dataset_path`` folders) are described in the text and left out of the metadata. ``--code_url`` adds a link to
 the code's repository (no default: the modeling code is in the exported folder itself).
@@ -137,7 +138,8 @@ def describe_dataset(
 
 def read_run(model_dir: str, train_summary: str | None = None, sample: str | None = None) -> dict:
     """What the training run left next to the model: ``train_summary.json`` (in the model folder or its parent,
-    i.e. ``output_dir`` of ``training.train``), ``log_history.json`` and ``sample.txt`` beside it."""
+    i.e. ``output_dir`` of ``training.train``), ``log_history.json``, ``sample.txt`` and ``eval.json`` (a
+    ``training.evaluate`` report whose first model is this folder) beside it."""
     folder = Path(model_dir)
     if train_summary is not None:
         candidates = [Path(train_summary)]
@@ -165,6 +167,11 @@ def read_run(model_dir: str, train_summary: str | None = None, sample: str | Non
     if sample_path.is_file():
         run["sample"] = sample_path.read_text().strip()
         run["sample_file"] = sample_path.name
+    report = run_dir / "eval.json"  # training.evaluate's report, if it evaluated this model (scripts/main_job.sh)
+    if report.is_file():
+        evaluated = (json.loads(report.read_text()).get("models") or [{}])[0].get("path")
+        if evaluated and Path(evaluated).resolve() == folder.resolve():
+            run["eval_json"] = str(report)
     return run
 
 
@@ -421,6 +428,7 @@ def export(
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     repo_id = repo_id or f"bst/{Path(model_dir).resolve().parent.name}"
+    eval_json = eval_json or run.get("eval_json")
     rows, eval_dataset = evaluation_rows(Path(eval_json) if eval_json else None)
     dataset = dataset or run.get("dataset")
     dataset_path = dataset_path or run.get("dataset_path")
@@ -597,7 +605,8 @@ def main(argv=None):
         "--eval_json",
         "--eval-json",
         action=_OldSpelling,
-        help="report of training.evaluate, for the model card's evaluation and model-index (--eval-json: deprecated)",
+        help="report of training.evaluate, for the model card's evaluation and model-index (default: the run's "
+        "eval.json if it evaluated --model; --eval-json: deprecated)",
     )
     parser.add_argument(
         "--dataset",

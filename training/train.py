@@ -56,12 +56,12 @@ from transformers import (
 )
 
 from training import data as D
+from training import preset
 from training.optim import parameter_groups
 
 
 logger = logging.getLogger("training.train")
 REPO_ROOT = Path(__file__).resolve().parent.parent
-PRESETS_DIR = REPO_ROOT / "configs" / "models"
 STREAM_CACHE_FILE = "stream_cache_rank{rank}.safetensors"
 # Written last (atomically, fsynced) by every checkpoint save: a checkpoint folder without it was interrupted
 # (e.g. killed mid-save) and is never resumed from.
@@ -106,7 +106,7 @@ def last_complete_checkpoint(output_dir: str) -> str | None:
 @dataclass
 class ModelArguments:
     model_config: str | None = field(
-        default=None, metadata={"help": "preset name under configs/models/ or a config.json path (new model)"}
+        default=None, metadata={"help": "preset name under training/presets/ or a config.json path (new model)"}
     )
     model_name_or_path: str | None = field(default=None, metadata={"help": "pretrained folder/Hub id to fine-tune"})
     model_overrides: str | None = field(default=None, metadata={"help": "JSON object of config fields to override"})
@@ -237,13 +237,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
 # Model and tokenizer
 # --------------------------------------------------------------------------------------------------------------------
 def resolve_preset(name: str) -> str:
-    """A preset name (``bst-tiny-sh-s4``) or path to a config.json."""
-    if os.path.exists(name):
-        return name
-    cand = PRESETS_DIR / (name if name.endswith(".json") else f"{name}.json")
-    if cand.exists():
-        return str(cand)
-    raise FileNotFoundError(f"no model preset {name!r} (looked in {PRESETS_DIR})")
+    """A preset name (``bst-tiny-sh-s4``, [`training.preset`]) or path to a config.json."""
+    return name if os.path.exists(name) else preset(name)
 
 
 def build_tokenizer(model_args: ModelArguments, data_args: DataArguments, train_args: TrainingArguments):
@@ -797,6 +792,9 @@ def main(argv: list[str] | None = None) -> dict:
         "parameters": n_params,
         "train_segments": len(train_ds) if hasattr(train_ds, "__len__") else None,
         "seq_len": data_args.seq_len if data_args.task == "lm" else None,
+        # The corpus, for training.export's model card (listops records its data below).
+        "dataset": data_args.dataset if data_args.task == "lm" else None,
+        "dataset_path": data_args.dataset_path if data_args.task == "lm" else None,
         "world_size": train_args.world_size,
         "fsdp": trainer.is_fsdp_enabled,
         "sharding": sharding,

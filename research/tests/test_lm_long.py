@@ -42,7 +42,7 @@ def test_every_model_gets_the_same_tokens_and_a_valid_config(proto, model, tmp_p
     assert max(proto.lengths) == 16 * proto.seq_len and min(proto.lengths) * 8 == proto.seq_len
     if proto.name == "gpu":
         assert config.hidden_size == 512 and config.num_hidden_layers == 8
-        preset = json.loads((L.ROOT / "configs" / "models" / f"{L.LM.MODELS[model][0]}.json").read_text())
+        preset = json.loads((L.ROOT / "training" / "presets" / f"{L.LM.MODELS[model][0]}.json").read_text())
         for key in L.LAYER_INDEX_FIELDS:  # the tiny layouts, spread over twice the layers
             assert list(getattr(config, key, None) or []) == [2 * i for i in preset.get(key) or []]
     else:

@@ -106,7 +106,7 @@ def test_a_number_that_must_be_positive_fails_at_parse_time(bench, capsys, scrip
 
 
 def test_missing_files_and_devices_fail_at_parse_time(bench, capsys):
-    err = parse_error(bench, capsys, "compile_speed", ["--configs", "configs/models/no-such-model.json"])
+    err = parse_error(bench, capsys, "compile_speed", ["--configs", "training/presets/no-such-model.json"])
     assert "no such file" in err and "no-such-model.json" in err
     err = parse_error(bench, capsys, "layer_speed", ["--render", "no-such-run.json"])
     assert "no such file" in err
@@ -125,7 +125,7 @@ def test_aliases_and_defaults_parse(bench):
     assert bench["layer_speed"].parse_args(["--dtype", "bfloat16"]).dtype == "bf16"
     assert bench["eval_memory"].parse_args(["--dtype", "fp32"]).dtype == "float32"
     assert bench["eval_memory"].parse_args([]).dtype == "bfloat16"
-    config = str(ROOT / "configs" / "models" / "bst-tiny-sh-s4.json")
+    config = str(ROOT / "training" / "presets" / "bst-tiny-sh-s4.json")
     assert bench["compile_speed"].parse_args(["--configs", config]).lengths == [512]
     assert bench["generation_speed"].parse_args(["--llama-max", "0"]).llama_max == 0
     assert bench["ssm_scaling"].parse_args(["--lengths", "256"]).lengths == [256]
@@ -194,7 +194,7 @@ def test_a_benchmark_that_fails_midway_keeps_its_rows(bench, tmp_path, monkeypat
     monkeypatch.setattr(cs, "tune_malloc", lambda: False)
     monkeypatch.setattr(cs.torch, "set_num_threads", lambda n: None)
     output = tmp_path / "compile.json"
-    config = str(ROOT / "configs" / "models" / "bst-tiny-sh-s4.json")
+    config = str(ROOT / "training" / "presets" / "bst-tiny-sh-s4.json")
     argv = [
         "--configs",
         config,

@@ -149,6 +149,31 @@ def test_card_states_what_the_run_recorded(tmp_path):
         assert needle in limitations, needle
 
 
+def test_exporting_again_keeps_the_card(tmp_path, monkeypatch):
+    """The documented ONNX export (``--model .../final --out .../hub --onnx``, no ``--eval_json`` / ``--dataset``)
+    after scripts/main_job.sh's export writes the same card: the corpus from train_summary.json (training.train
+    records it), the evaluation from the run's eval.json, which evaluated this model folder (issue #45: the second
+    export dropped the model-index and the evaluation and said "Data: not recorded")."""
+    run = run_folder(tmp_path)
+    summary = json.loads((run / "train_summary.json").read_text())
+    (run / "train_summary.json").write_text(json.dumps({**summary, "dataset": "embedded", "dataset_path": None}))
+    report = json.loads((run / "eval.json").read_text())
+    report["models"][0]["path"] = str(run / "final")
+    (run / "eval.json").write_text(json.dumps(report))
+    hub = tmp_path / "hub"
+    base = ["--model", str(run / "final"), "--out", str(hub)]
+    first, meta = card_of(export_mod.main([*base, "--eval_json", str(run / "eval.json"), "--dataset", "embedded"]))
+    assert meta["model-index"] and "Emma" in section(first, "Training data")
+    onnx_calls = []
+    monkeypatch.setattr(export_mod, "export_onnx", lambda *a, **k: onnx_calls.append(a) or {"files": []})
+    assert card_of(export_mod.main([*base, "--onnx"]))[0] == first and onnx_calls
+    # An eval.json of another model is not this model's evaluation.
+    report["models"][0]["path"] = str(tmp_path / "other")
+    (run / "eval.json").write_text(json.dumps(report))
+    card, meta = card_of(export_mod.main(base))
+    assert "model-index" not in meta and "Emma" in section(card, "Training data")
+
+
 def test_card_without_a_run_record_says_so(tmp_path):
     folder = trained_folder(tmp_path)  # no train_summary.json, log_history.json or sample.txt
     card, meta = card_of(export_mod.export(str(folder), str(tmp_path / "hub")))

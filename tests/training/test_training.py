@@ -217,7 +217,7 @@ def trained(corpus, tmp_path_factory):
     return out, summary
 
 
-def test_short_trainer_run_loss_falls_and_saves_a_loadable_model(trained):
+def test_short_trainer_run_loss_falls_and_saves_a_loadable_model(trained, corpus):
     out, summary = trained
     losses = summary["losses"]
     assert len(losses) == 200 and all(math.isfinite(x) for x in losses)
@@ -225,6 +225,8 @@ def test_short_trainer_run_loss_falls_and_saves_a_loadable_model(trained):
     assert first > math.log(300) - 1.0, "starts near chance level"
     assert last < first - 1.0, f"loss did not fall: {first:.3f} -> {last:.3f}"
     assert math.isfinite(summary["metrics"]["eval_loss"])
+    # The corpus, for training.export's model card (issue #45: the card said "Data: not recorded").
+    assert summary["dataset"] == "pg19" and Path(summary["dataset_path"]) == corpus
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -91,7 +91,7 @@ def test_compiled_model_matches_eager_in_evaluation():
 
     from modeling_bst import BSTForCausalLM
 
-    preset = Path(__file__).resolve().parents[3] / "configs" / "models" / "bst-tiny-sh-s4.json"
+    preset = Path(__file__).resolve().parents[3] / "training" / "presets" / "bst-tiny-sh-s4.json"
     config = AutoConfig.from_pretrained(preset, vocab_size=512)
     torch.manual_seed(0)
     model = BSTForCausalLM(config).eval()

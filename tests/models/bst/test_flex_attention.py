@@ -8,10 +8,13 @@ So:
 * most equality tests run the model with the eager kernel, restricted to the BlockMask's tiles (``tile_honouring``),
   so that both the masks/bias and the tiles the compiled kernel skips are checked, fast;
 * ``tiled_block_mask`` is checked tile by tile against the dense mask (skipped tiles empty, full tiles full);
-* one default test runs the real compiled kernel; the rest of the compiled runs are ``slow``;
+* on CPU torch 2.13's compiled kernel is wrong at some lengths (issue #45), so the model takes SDPA there
+  (``flex_kernel("cpu") is None``; checked at 8-56 and 200 tokens against eager); a ``slow`` test reproduces the fault
+  with torch alone and turns red once torch fixes it;
 * backward (flex vs SDPA gradients) is ``gpu``.
 """
 
+import logging
 import warnings
 
 import pytest
@@ -250,7 +253,12 @@ def test_bidirectional_classification_equals_sdpa(eager_flex, variant):
 def test_cpu_training_and_dropout_fall_back_to_sdpa(eager_flex, monkeypatch):
     """No flex backward on CPU and no flex dropout: those forwards take SDPA (flex would raise / differ)."""
     calls = []
-    monkeypatch.setattr(mb, "flex_kernel", lambda device_type: calls.append(1) or tile_honouring_flex)
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return tile_honouring_flex(*args, **kwargs)
+
+    monkeypatch.setattr(mb, "flex_kernel", lambda device_type: counting)
     model = variant_model("sh-s4")
     model.config._attn_implementation = "flex_attention"
     ids, mask = left_padded()
@@ -262,40 +270,43 @@ def test_cpu_training_and_dropout_fall_back_to_sdpa(eager_flex, monkeypatch):
     assert calls
 
 
-# -- the compiled kernel ----------------------------------------------------------------------------------------
+# -- CPU: no exact kernel, SDPA (issue #45) -------------------------------------------------------------------------
 
 
-def compiled_forward_check(variant, seq_len=18):
-    model = variant_model(variant, max_position_embeddings=max(64, seq_len + 8))
-    ids, mask = left_padded(seq_len=seq_len, bsz=2)
-    assert_real_positions_close(
-        logits_with(model, "flex_attention", ids, mask), logits_with(model, "sdpa", ids, mask), mask
-    )
+@pytest.mark.parametrize("seq_len", [8, 16, 24, 32, 40, 48, 56, 200])
+def test_cpu_flex_attention_equals_eager(seq_len, caplog):
+    """On CPU ``attn_implementation="flex_attention"`` gives eager attention's logits at the lengths where torch 2.13's
+    compiled CPU kernel was wrong (8-56 tokens: 0.2-1.3 off or NaN) and at a long one: there is no exact CPU kernel
+    ([`flex_kernel`]), so the full-sequence attention runs on SDPA, and the user is told once."""
+    model = variant_model("sh-s4", max_position_embeddings=256)
+    ids = torch.randint(1, 97, (1, seq_len), generator=torch.Generator().manual_seed(seq_len))
+    mask = torch.ones_like(ids)
+    logging.Logger.warning_once.cache_clear()  # transformers' once-per-process warnings
+    with caplog.at_level("WARNING"):
+        flex = logits_with(model, "flex_attention", ids, mask)
+    torch.testing.assert_close(flex, logits_with(model, "eager", ids, mask), **TOL)
+    assert "no exact kernel on cpu" in caplog.text and mb.flex_kernel("cpu") is None
 
 
-def test_compiled_flex_forward_equals_sdpa():
-    """The real kernel (inductor's CPU FlexAttention template, tiles used), one variant with every flex form but the
-    grouped one: SH (window self-attention + triangular cross-attention) over 2 tiles."""
-    compiled_forward_check("sh-s4", seq_len=200)
+def plain_flex_error(seq_len: int, masked: bool) -> float:
+    """torch alone: compiled CPU ``flex_attention`` against SDPA (causal mask or none), the largest difference."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    g = torch.Generator().manual_seed(seq_len)
+    q, k, v = (torch.randn(1, 2, seq_len, 16, generator=g) for _ in range(3))
+    block_mask = create_block_mask(lambda b, h, i, j: j <= i, 1, 1, seq_len, seq_len, device="cpu") if masked else None
+    out = torch.compile(flex_attention, dynamic=False)(q, k, v, block_mask=block_mask)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=masked)
+    return (out - ref).abs().max().nan_to_num(float("inf")).item()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", FLEX_VARIANTS + list(EXTRA))
-def test_compiled_flex_forward_equals_sdpa_all_variants(variant):
-    compiled_forward_check(variant, seq_len=200)
-
-
-@pytest.mark.slow
-def test_compiled_flex_generate_equals_sdpa():
-    ids, mask = left_padded(seq_len=10)
-    model = variant_model("mf-s4")
-    runs = {}
-    for implementation in ("sdpa", "flex_attention"):
-        model.set_attn_implementation(implementation)
-        runs[implementation] = model.generate(
-            ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0
-        )
-    assert torch.equal(runs["flex_attention"], runs["sdpa"])
+@pytest.mark.xfail(strict=True, reason="torch 2.13's compiled CPU flex_attention is wrong at 8 and 24 tokens")
+def test_torch_compiled_cpu_flex_attention_is_exact():
+    """The fault without BST (what [`flex_kernel`] routes around): when this passes (XPASS fails it), torch fixed its
+    CPU kernel and flex_kernel("cpu") can return a compiled kernel again."""
+    torch._dynamo.reset()
+    assert max(plain_flex_error(8, True), plain_flex_error(24, False)) < 1e-5
 
 
 # -- GPU: forward and backward ----------------------------------------------------------------------------------

@@ -169,6 +169,24 @@ def test_assisted_decoding_of_a_right_padded_prompt_equals_greedy(variant):
     assert torch.equal(assisted, greedy)
 
 
+@pytest.mark.parametrize("variant", ["sh-s4", "brect"])
+@pytest.mark.parametrize("width", [0, 5, 8, 70])
+def test_assisted_decoding_of_a_left_padded_prompt_equals_greedy(variant, width):
+    """A one-row prompt left-padded to ``width`` columns (0: unpadded; 70: more padding than the cache can take back):
+    assisted decoding (a draft of another seed, so some drafts are rejected) and prompt lookup (on a prompt that
+    repeats itself) give greedy decoding's tokens. The recorded prefill used to leave only padding to the
+    full-sequence form (issue #45: "attention_mask has a row without any real token.")."""
+    model = model_for(variant)
+    draft = model_for(variant, seed=1)
+    real = torch.tensor([[5, 6, 7, 5]])
+    ids = torch.cat([torch.full((1, max(width - real.shape[1], 0)), PAD), real], 1)
+    mask = (torch.arange(ids.shape[1]) >= ids.shape[1] - real.shape[1]).long()[None]
+    greedy = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    for kwargs in (dict(assistant_model=draft), dict(prompt_lookup_num_tokens=3)):
+        assisted = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, **kwargs)
+        assert torch.equal(assisted, greedy), kwargs
+
+
 @parametrize_variants
 def test_return_dict_in_generate_outputs_are_the_parallel_ones(variant):
     """scores / logits / hidden_states / attentions of every generation step: shapes as transformers documents

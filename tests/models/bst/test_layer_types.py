@@ -135,7 +135,7 @@ def test_an_assignment_that_would_break_the_record_raises_and_changes_nothing(ch
 
 
 def test_update_layers_applies_several_fields_as_one_change_in_any_order(tmp_path):
-    config = BSTConfig.from_pretrained(ROOT / "configs" / "models" / "bst-sh-s4.json")  # 12 layers, BST [0, 7, 9]
+    config = BSTConfig.from_pretrained(ROOT / "training" / "presets" / "bst-sh-s4.json")  # 12 layers, BST [0, 7, 9]
     with pytest.raises(BSTConfigError, match="would drop layers"):
         copy.deepcopy(config).num_hidden_layers = 4  # one by one, the first assignment already fails
     for fields in (
@@ -307,7 +307,7 @@ LETTERS = {"b": "bst_block", "S": "bst_context", "R": "bst_recurrent", "G": "bst
 
 
 def test_every_preset_loads_to_the_layer_types_it_had():
-    presets = sorted((ROOT / "configs" / "models").glob("*.json"))
+    presets = sorted((ROOT / "training" / "presets").glob("*.json"))
     assert {p.stem for p in presets} == set(PRESET_LAYER_TYPES)
     gss_hybrid = [LETTERS[c] for c in PRESET_LAYER_TYPES["gss-hybrid-l"]]
     assert gss_hybrid.count("bst_gss") == 32 and [i for i, t in enumerate(gss_hybrid) if t == "bst_block"] == list(

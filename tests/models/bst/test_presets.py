@@ -12,7 +12,7 @@ import modeling_bst  # noqa: F401  (registers "bst")
 
 
 ROOT = Path(__file__).resolve().parents[3]
-PRESET_DIR = ROOT / "configs" / "models"
+PRESET_DIR = ROOT / "training" / "presets"
 PRESETS = sorted(PRESET_DIR.glob("*.json"))
 
 
