@@ -19,11 +19,11 @@ new document starts are reset (``BSTCache.reset_rows``), and the cache is saved 
 is exact.
 
 Tasks (``task`` in the data section): ``lm`` (default) trains ``BSTForCausalLM`` on text segments; ``listops`` trains
-``BSTForSequenceClassification`` on Long Range Arena ListOps (``training/listops.py``; examples generated from the
+``BSTForSequenceClassification`` on Long Range Arena ListOps (``training/tasks/listops.py``; examples generated from the
 ``listops_*`` fields, or read from ``dataset_path``), with accuracy as its evaluation metric: evaluation during
 training on the validation split (``max_eval_samples`` caps it), at the end on the whole validation and test splits
 (``val_accuracy``, ``test_accuracy``). The model is a preset (``model_config``) or ``BSTConfig`` defaults with
-``model_overrides`` and the task's defaults (``training.listops.MODEL_DEFAULTS``). Optimizer, schedule, checkpoints
+``model_overrides`` and the task's defaults (``training.tasks.listops.MODEL_DEFAULTS``). Optimizer, schedule, checkpoints
 and resuming are the language model's.
 """
 
@@ -367,14 +367,14 @@ def build_config(model_args: ModelArguments, tokenizer=None):
 
 def build_task_config(model_args: ModelArguments, data_args: DataArguments, max_length: int | None = None):
     """The config of the recipe's model: :func:`build_config` for ``task: lm``; for ``task: listops`` the classifier's
-    (``training.listops.classifier_config``: a preset's or ``BSTConfig`` defaults, the task's defaults, then
+    (``training.tasks.listops.classifier_config``: a preset's or ``BSTConfig`` defaults, the task's defaults, then
     ``model_overrides``, checked like the language model's)."""
     if data_args.task not in TASKS:
         raise ValueError(f"unknown task {data_args.task!r}; known: {', '.join(TASKS)}")
     if data_args.task == "lm":
         return build_config(model_args)
     from modeling_bst import BSTConfig
-    from training import listops
+    from training.tasks import listops
 
     overrides = parse_model_overrides(model_args.model_overrides)
     max_length = max_length or data_args.listops_max_length
@@ -666,7 +666,7 @@ class BSTTrainer(Trainer):
 def build_listops(model_args: ModelArguments, data_args: DataArguments, train_args: TrainingArguments):
     """``task: listops``: the classifier, the datasets (training, evaluation during training, and the final
     ``{"val", "test"}`` evaluations) and the splits' statistics."""
-    from training import listops
+    from training.tasks import listops
 
     splits = listops.task_splits(
         data_args.dataset_path,
@@ -726,7 +726,7 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         from transformers import AutoModelForSequenceClassification
 
-        from training import listops
+        from training.tasks import listops
 
         tokenizer = None
         model, train_ds, eval_ds, final_evals, data_stats = build_listops(model_args, data_args, train_args)
@@ -805,7 +805,7 @@ def main(argv: list[str] | None = None) -> dict:
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
     }
     if data_stats is not None:
-        from training import listops
+        from training.tasks import listops
 
         summary["data"] = data_stats
         summary["data_source"] = data_args.dataset_path or f"generated (seed {data_args.listops_seed})"

@@ -82,7 +82,9 @@ def test_bad_override_fails_from_the_command_line_before_anything_is_built(tmp_p
     assert not (out / "tokenizer").exists()  # failed before the BPE tokenizer was trained
 
 
-@pytest.mark.parametrize("module", ["training.evaluate", "training.export", "training.corpora", "training.listops"])
+@pytest.mark.parametrize(
+    "module", ["training.evaluate", "training.export", "training.corpora", "training.tasks.listops"]
+)
 def test_other_clis_reject_abbreviated_flags(module):
     from importlib import import_module
 

@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file
 
 from modeling_bst import BSTForSequenceClassification
-from training import listops
 from training import train as T
-from training.listops import PaddingCollator
 from training.optim import parameter_groups
+from training.tasks import listops
+from training.tasks.listops import PaddingCollator
 
 
 TINY_RECIPE = "configs/train/listops-tiny.yaml"

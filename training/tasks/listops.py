@@ -36,7 +36,7 @@ classifier's config (:func:`classifier_config`) and its metric (:func:`compute_a
 
 CLI::
 
-    python -m training.listops generate --out DIR --train 96000 --val 2000 --test 2000 --max-length 2000
+    python -m training.tasks.listops generate --out DIR --train 96000 --val 2000 --test 2000 --max-length 2000
 """
 
 from __future__ import annotations
@@ -460,7 +460,7 @@ def baselines(stats: dict[str, dict]) -> dict:
 # --------------------------------------------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m training.listops", description=__doc__.split("\n\n")[0], allow_abbrev=False
+        prog="python -m training.tasks.listops", description=__doc__.split("\n\n")[0], allow_abbrev=False
     )
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate train/val/test splits")
