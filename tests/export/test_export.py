@@ -18,6 +18,7 @@ import modeling_bst
 from modeling_bst import BSTConfig, BSTForCausalLM
 from modeling_bst.configuration_bst import AUTO_MAP
 from training import export as export_mod
+from training import model_card
 
 
 def trained_folder(tmp_path: Path, **overrides) -> Path:
@@ -45,10 +46,10 @@ def test_export_folder_and_card(tmp_path):
     )
     names = {p.name for p in out.iterdir()}
     assert {"model.safetensors", "config.json", "generation_config.json", "README.md", "tokenizer.json"} <= names
-    assert set(export_mod.CODE_FILES) <= names
+    assert set(model_card.CODE_FILES) <= names
     assert not any(n.endswith((".bin", ".pt", ".pkl")) for n in names)
     package = Path(modeling_bst.__file__).parent
-    for name in export_mod.CODE_FILES:
+    for name in model_card.CODE_FILES:
         assert (out / name).read_bytes() == (package / name).read_bytes()
     config = json.loads((out / "config.json").read_text())
     assert config["use_cache"] is True
@@ -65,8 +66,8 @@ def test_export_folder_and_card(tmp_path):
     assert {"type": "perplexity", "name": "Token perplexity at 512 tokens", "value": 12.5} in metrics
     for section in ("## Architecture", "## Training data", "## Intended use", "## Limitations", "trust_remote_code"):
         assert section in card
-    for name in export_mod.CODE_FILES:
-        assert export_mod.sha256(out / name) in card
+    for name in model_card.CODE_FILES:
+        assert model_card.sha256(out / name) in card
 
     # The tokenizer loads from the folder; a fresh process where modeling_bst cannot be imported loading an exported
     # folder (every Auto class, trust_remote_code) and reproducing the logits is tests/models/bst/test_auto_classes.py.

@@ -1,5 +1,5 @@
 """ONNX export (issue #36): the SSM kernels' real-arithmetic form equals the complex / FFT form (float64, to 1e-10),
-and ``training.export.export_onnx`` writes a forward, a prefill and a decode step that ONNX Runtime runs with
+and ``training.onnx_export.export_onnx`` writes a forward, a prefill and a decode step that ONNX Runtime runs with
 PyTorch's logits (within 1e-4 in float32) and greedy tokens."""
 
 import json
@@ -131,7 +131,7 @@ ONNX_VARIANTS = [
 def test_onnx_export_runs_in_onnxruntime_with_pytorchs_numbers(variant, tmp_path, capsys):
     pytest.importorskip("onnxscript", reason="ONNX export needs onnx + onnxscript (pip install -e .[onnx])")
     ort = pytest.importorskip("onnxruntime", reason="the check needs onnxruntime (pip install -e .[onnx])")
-    from training.export import export_onnx
+    from training.onnx_export import export_onnx
 
     # Two layers, a BST layer and a block attention layer: every kind of state the exported files carry (the export
     # of each of the three files is dynamo tracing, seconds per layer on one CPU core).
