@@ -282,13 +282,13 @@ class _Documents:
                 raise ValueError(
                     f"{name} (documents at token offsets {at[0]}) disagree with {first} (documents at {at[1]})."
                 )
+        if not bool(starts[:, 1:].any()):
+            return None  # one document per row: the common case reads nothing more back
         first_tokens = starts.flatten().nonzero()[:, 0]
         longest = int(torch.diff(first_tokens, append=first_tokens.new_tensor([bsz * seq_len])).max())
         for name in ("max_length_q", "max_length_k"):
             if kwargs.get(name) is not None and int(kwargs[name]) != longest:
                 raise ValueError(f"{name}={int(kwargs[name])} but the longest document has {longest} tokens.")
-        if not bool(starts[:, 1:].any()):
-            return None
         if mask is not None and not bool(mask.all()):
             raise ValueError(
                 "A packed row (several documents per row) with an attention_mask with zeros: pass either packed "

@@ -127,6 +127,12 @@ def attention(module, q, k, v, mask, dropout, return_weights: bool = False):
     return (out, weights) if return_weights else out
 
 
+def _input_shape(input_ids, inputs_embeds) -> tuple[int, int]:
+    """`(B, T)` of the model's input (`(0, 0)` without one: the model itself raises for that)."""
+    x = input_ids if input_ids is not None else inputs_embeds
+    return tuple(x.shape[:2]) if x is not None else (0, 0)
+
+
 def query_chunk(config: BSTConfig, q: torch.Tensor) -> int:
     """Queries per window of the sliding-window and cross attentions' full-sequence forms:
     ``config.attention_query_chunk`` if set; else W on an accelerator (one attention call per layer: launches cost
@@ -1291,7 +1297,12 @@ class BSTModel(BSTPreTrainedModel):
         if cache is not None:
             cache = BSTCache.of(cache, cfg)  # a DynamicCache of BST layers (made by generate) reads as a BSTCache
         bsz, seq_len = self._check_inputs(input_ids, inputs_embeds, attention_mask, cache)
-        if (starts := _Documents.starts(kwargs, attention_mask, (bsz, seq_len))) is not None:
+        # (the causal LM head finds the documents once for itself and the model: ``_document_starts``)
+        if "_document_starts" in kwargs:
+            starts = kwargs["_document_starts"]
+        else:
+            starts = _Documents.starts(kwargs, attention_mask, (bsz, seq_len))
+        if starts is not None:
             if given is not None or asked_cache:
                 raise ValueError(
                     "A packed row (position_ids restarting inside a row, or cu_seq_lens_q/k) cannot fill or continue "
@@ -1404,6 +1415,7 @@ class BSTForCausalLM(BSTPreTrainedModel, GenerationMixin):
     ) -> CausalLMOutputWithCrossAttentions:
         """Causal LM forward. ``labels`` `(B, T)` are the input ids (shifted inside; -100 is ignored). ``cache`` as
         in [`BSTModel.forward`] (``past_key_values`` is its name before transformers 5.24)."""
+        starts = _Documents.starts(kwargs, attention_mask, _input_shape(input_ids, inputs_embeds))
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -1413,7 +1425,7 @@ class BSTForCausalLM(BSTPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
             output_attentions=output_attentions,
-            **{k: kwargs[k] for k in _Documents.KEYS if k in kwargs},
+            _document_starts=starts,
         )
         hidden = outputs.last_hidden_state
         slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -1427,7 +1439,7 @@ class BSTForCausalLM(BSTPreTrainedModel, GenerationMixin):
             logits = self.lm_head(hidden) * scale
         loss = None
         if labels is not None:
-            if (starts := _Documents.starts(kwargs, attention_mask, labels.shape)) is not None:
+            if starts is not None:
                 labels = labels.masked_fill(starts, -100)  # a document's first token: not a target of the previous
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return CausalLMOutputWithCrossAttentions(
@@ -1487,6 +1499,8 @@ class BSTForSequenceClassification(BSTPreTrainedModel):
         output_attentions: bool | None = None,
         **kwargs,
     ) -> SequenceClassifierOutput:
+        if _Documents.starts(kwargs, attention_mask, _input_shape(input_ids, inputs_embeds)) is not None:
+            raise ValueError("A packed row (several documents per row) cannot be classified: pass one per row.")
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -1496,8 +1510,6 @@ class BSTForSequenceClassification(BSTPreTrainedModel):
             output_attentions=output_attentions,
         )
         hidden = outputs.last_hidden_state  # (B, T, D); padded positions are zero
-        if _Documents.starts(kwargs, attention_mask, hidden.shape[:2]) is not None:
-            raise ValueError("A packed row (several documents per row) cannot be classified: pass one per row.")
         valid = attention_mask.bool() if attention_mask is not None else None
         for layer in self.s4_layers:
             hidden = layer(hidden, valid)
