@@ -94,6 +94,25 @@ def make_model(variant: str | None = None, dtype=None, seed: int = 0, model_cls=
     return model_cls(tiny_config(**fields)).to(torch.float32 if dtype is None else dtype).eval()
 
 
+def one_step(tmp_path, **overrides) -> dict:
+    """Trainer (TRL config) arguments for one logged step at learning rate 0 on the CPU (the model stays as it is),
+    with ``overrides``."""
+    return (
+        dict(
+            output_dir=str(tmp_path),
+            max_steps=1,
+            learning_rate=0.0,
+            logging_steps=1,
+            report_to=[],
+            save_strategy="no",
+            use_cpu=True,
+            dataloader_num_workers=0,
+            max_length=None,
+        )
+        | overrides
+    )
+
+
 @pytest.fixture(autouse=True)
 def _restore_default_dtype():
     import torch

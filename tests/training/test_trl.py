@@ -5,7 +5,7 @@ import copy
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import one_step, tiny_config
 from datasets import Dataset
 from transformers import AutoTokenizer
 
@@ -26,21 +26,6 @@ def tiny_model_and_tokenizer():
     config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     torch.manual_seed(0)
     return BSTForCausalLM(config), tokenizer
-
-
-def one_step(tmp_path) -> dict:
-    """TRL trainer arguments for one logged step at learning rate 0 on the CPU (the model stays as it is)."""
-    return dict(
-        output_dir=str(tmp_path),
-        max_steps=1,
-        learning_rate=0.0,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        dataloader_num_workers=0,
-        max_length=None,
-    )
 
 
 def test_the_default_logit_scale_is_a_number_in_the_config(tmp_path):

@@ -7,7 +7,7 @@ point 1)."""
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import VARIANTS, make_model, tiny_config
+from conftest import VARIANTS, make_model, one_step, tiny_config
 
 from modeling_bst import BSTCache, BSTModel
 
@@ -232,19 +232,7 @@ def test_trl_sft_trainer_packing_reports_the_per_document_loss(tmp_path):
     g = torch.Generator().manual_seed(1)
     docs = [torch.randint(3, len(tokenizer), (n,), generator=g) for n in [12, 3, 9, 8, 5, 7]]
     dataset = Dataset.from_dict({"input_ids": [d.tolist() for d in docs]})
-    args = trl.SFTConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=8,
-        packing=True,
-        max_length=16,
-        max_steps=1,
-        learning_rate=0.0,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        dataloader_num_workers=0,
-    )
+    args = trl.SFTConfig(**one_step(tmp_path, per_device_train_batch_size=8, packing=True, max_length=16))
     trainer = trl.SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
     batch = next(iter(trainer.get_train_dataloader()))
     assert batch["input_ids"].shape == (1, 44) and "attention_mask" not in batch  # all six documents, one row
