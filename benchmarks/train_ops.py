@@ -14,7 +14,8 @@ of 2026-11-27: ~20 us per eager op predicted the H200's eager step times of all 
    HF Llama with a ``StaticCache``;
 3. **the inductor-compiled training step** (``--inductor``; minutes: one cold compile per model) of tiny 2-layer models
    (BST: one SH:S4 layer and one block layer): the kernel calls the compiled forward and backward launch, the eager
-   fallbacks among them, complex-dtype nodes in the graphs inductor receives, and dynamo's graph breaks.
+   fallbacks among them, complex-dtype nodes in the graphs inductor receives, and dynamo's graph breaks; on both
+   code paths too (``--paths``; Llama, which has one, is compiled once).
 
 The models are ``benchmarks/train_throughput.build``'s 60m layer structure (8 layers, BST layers {0, 5, 6},
 W = 512) at a narrow width (hidden 64, 8 heads of 8, MLP 128, vocabulary 512: the ``60m-narrow`` preset): the width
@@ -330,10 +331,11 @@ def graph_dtypes(gm) -> dict:
     return dict(nodes=nodes, complex_nodes=complex_nodes, complex_ops=dict(ops.most_common(TOP)))
 
 
-def count_inductor(kind: str, seq_len: int = 128, size: str = "tiny") -> dict:
+def count_inductor(kind: str, seq_len: int = 128, accelerator: bool = False, size: str = "tiny") -> dict:
     """Cold inductor compile (CPU) of ``torch.compile(model)`` for a training step (bf16 autocast, batch 1), then one
     profiled step: kernel calls by class (``graph_calls``), the AOT graphs' complex-dtype nodes, dynamo's graph breaks
-    (``torch._dynamo.explain`` of the forward)."""
+    (``torch._dynamo.explain`` of the forward). ``accelerator``: the graph a GPU compiles (the accelerator code path:
+    one attention call per layer, the learned-bias attention through SDPA), still lowered by the CPU's inductor."""
     import torch._dynamo
     import torch._inductor.config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
@@ -360,7 +362,10 @@ def count_inductor(kind: str, seq_len: int = 128, size: str = "tiny") -> dict:
         loss.backward()
         model.zero_grad(set_to_none=True)
 
-    with inductor_config.patch({"cpp.enable_kernel_profile": True, "force_disable_caches": True}):
+    with (
+        accelerator_code_path(accelerator),
+        inductor_config.patch({"cpp.enable_kernel_profile": True, "force_disable_caches": True}),
+    ):
         start = time.perf_counter()
         step()  # the compile
         compile_s = time.perf_counter() - start
@@ -369,7 +374,7 @@ def count_inductor(kind: str, seq_len: int = 128, size: str = "tiny") -> dict:
             step()
     calls = graph_calls(prof)
     torch._dynamo.reset()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with accelerator_code_path(accelerator), torch.autocast("cpu", dtype=torch.bfloat16):
         explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
     torch._dynamo.reset()
     counts = {k: sum(calls[k].values()) for k in ("kernel", "library", "fallback", "custom", "view")}
@@ -377,6 +382,7 @@ def count_inductor(kind: str, seq_len: int = 128, size: str = "tiny") -> dict:
         part="inductor",
         kind=kind,
         model=NAMES[kind],
+        path="accelerator" if accelerator else "cpu",
         size=size,
         seq_len=seq_len,
         layers=model.config.num_hidden_layers,
@@ -443,13 +449,13 @@ def decode_table(rows) -> list[str]:
 
 def inductor_table(rows) -> list[str]:
     lines = [
-        "| model | launches per step | vs Llama | generated kernels | matmul/attention library calls | eager "
+        "| model | code path | launches per step | vs Llama | generated kernels | matmul/attention library calls | eager "
         "fallbacks | custom-op calls | views | complex nodes in the AOT graphs | graphs / breaks | cold compile s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['model']} | {r['launches']} | {_x(r['vs_llama'])} | {r['kernel_calls']} | {r['library_calls']} | "
+            f"| {r['model']} | {r['path']} | {r['launches']} | {_x(r['vs_llama'])} | {r['kernel_calls']} | {r['library_calls']} | "
             f"{r['fallback_calls']} | {r['custom_calls']} | {r['view_calls']} | {r['complex_nodes']} | "
             f"{r['graph_count']} / {r['graph_breaks']} | {r['compile_s']:.0f} |"
         )
@@ -485,8 +491,7 @@ def plot(result: dict, path: Path):
     panels = [
         ("training step: forward + backward ops", result.get("train") or [], lambda r: r["total"]),
         ("one decode step: ops", result.get("decode") or [], lambda r: r["ops"]),
-        ("compiled training step: launches", [dict(r, path="inductor") for r in result.get("inductor") or []],
-            lambda r: r["launches"]),
+        ("compiled training step: launches", result.get("inductor") or [], lambda r: r["launches"]),
     ]  # fmt: skip
     panels = [p for p in panels if p[1]]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
@@ -547,7 +552,11 @@ def write_docs(result: dict):
             "`## Call CompiledFxGraph` profiler events, with `cpp.enable_kernel_profile`): generated kernels, "
             "matmul/attention library calls, eager fallbacks (aten ops with no lowering) and custom ops; complex nodes "
             "= nodes with a complex-dtype value in the forward and backward graphs AOTAutograd hands inductor "
-            "(inductor has no complex codegen: each becomes a fallback); graphs / breaks from `torch._dynamo.explain`.",
+            "(inductor has no complex codegen: each becomes a fallback); graphs / breaks from `torch._dynamo.explain`. "
+            "Two code paths: the CPU's (what a compiled CPU step runs: query chunks, the learned-bias attention written "
+            "out) and the accelerator's (the graph a GPU compiles, lowered here by the CPU's inductor: its learned-bias "
+            "SDPA becomes the math decomposition, where CUDA runs one fused kernel each way, so its count is an upper "
+            "bound for a GPU).",
             "",
             *inductor_table(result["inductor"]),
             "",
@@ -555,7 +564,10 @@ def write_docs(result: dict):
         for r in result["inductor"]:
             if r["fallback_ops"] or r["custom_ops"]:
                 ops = collections.Counter(r["fallback_ops"]) + collections.Counter(r["custom_ops"])
-                lines.append(f"- {r['model']} fallbacks: " + ", ".join(f"`{n}` {c}" for n, c in ops.most_common(TOP)))
+                lines.append(
+                    f"- {r['model']} ({r['path']} path) fallbacks: "
+                    + ", ".join(f"`{n}` {c}" for n, c in ops.most_common(TOP))
+                )
         lines.append("")
     lines.append("![ops per step](benchmarks/train_ops.png)")
     write_section("train_ops", lines)
@@ -621,14 +633,17 @@ def run(args) -> dict:
                     result["decode"].append(log.add(row))
                     print(f"decode {kind} {path}: {row['ops']} ops", flush=True)
         if args.inductor:
-            for kind in args.kinds:
-                row = count_inductor(kind, args.inductor_seq_len)
-                result["inductor"].append(log.add(row))
-                print(f"inductor {kind}: {row['launches']} launches ({row['compile_s']:.0f} s compile)", flush=True)
+            for path in args.paths:
+                for kind in args.kinds:
+                    if kind == "llama" and path != args.paths[0]:  # Llama has one code path: compiled once
+                        row = dict(next(r for r in result["inductor"] if r["kind"] == "llama"), path=path)
+                    else:
+                        row = count_inductor(kind, args.inductor_seq_len, path == "accelerator")
+                    result["inductor"].append(log.add(row))
+                    print(f"inductor {kind} {path}: {row['launches']} launches ({row['compile_s']:.0f} s compile)",
+                          flush=True)  # fmt: skip
         ratios(result["train"], "total")
         ratios(result["decode"], "ops")
-        for r in result["inductor"]:
-            r["path"] = "inductor"
         ratios(result["inductor"], "launches")
         print_tables(result)
         out.parent.mkdir(parents=True, exist_ok=True)

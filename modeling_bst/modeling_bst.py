@@ -180,6 +180,11 @@ def learned_mask_path(module, mask) -> bool:
     )
 
 
+def _contiguous_as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in ``dtype``, contiguous, in one copy at most (a cast alone keeps ``x``'s strides)."""
+    return x.to(dtype, memory_format=torch.contiguous_format) if x.dtype != dtype else x.contiguous()
+
+
 def learned_mask_attention(q, k, v, mask, dropout: float, mask_scores=None) -> torch.Tensor:
     """SDPA for an additive mask that needs a gradient (the learned T5 bias while training) on the CPU, written out.
 
@@ -193,12 +198,15 @@ def learned_mask_attention(q, k, v, mask, dropout: float, mask_scores=None) -> t
     """
     dtype = q.dtype
     with torch.autocast(q.device.type, enabled=False):
-        q, k, v = upcast(q), upcast(k), upcast(v)
+        # Each cast writes the layout the matmuls read (heads before tokens), so that no further copy is made: a
+        # cast keeps its input's strides, and the matmuls would copy the (token, head)-ordered inputs once more.
+        compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        q, k, v = (_contiguous_as(x, compute) for x in (q, k, v))
         scores = torch.matmul(q, k.transpose(-1, -2)).add_(mask.to(q.dtype))  # in place: a fresh tensor
         weights = torch.softmax(scores if mask_scores is None else mask_scores(scores), dim=-1)
         if dropout > 0:
             weights = F.dropout(weights, p=dropout)
-        return torch.matmul(weights, v).to(dtype).transpose(1, 2).contiguous()
+        return _contiguous_as(torch.matmul(weights, v).transpose(1, 2), dtype)
 
 
 class BSTRecurrentState(nn.Module):

@@ -86,7 +86,7 @@ def test_decode_step_counts_are_sane():
 def test_train_ops_tables_and_docs_render(train_rows, tmp_path, monkeypatch):
     decode = [train_ops.count_decode("llama", 2 * W, False, block_len=W)]
     train_ops.ratios(decode, "ops")
-    inductor = [dict(kind="llama", model="HF Llama (sdpa)", path="inductor", launches=10, vs_llama=1.0,
+    inductor = [dict(kind="llama", model="HF Llama (sdpa)", path="cpu", launches=10, vs_llama=1.0,
         kernel_calls=6, library_calls=4, fallback_calls=0, custom_calls=0, view_calls=2, complex_nodes=0,
         graph_count=1, graph_breaks=0, compile_s=1.0, layers=2, seq_len=128, fallback_ops={}, custom_ops={})]  # fmt: skip
     meta = dict(cpu="cpu", torch="t", transformers="x", seq_len=SEQ_LEN, block_len=W, context=2 * W, command="c")
@@ -96,7 +96,7 @@ def test_train_ops_tables_and_docs_render(train_rows, tmp_path, monkeypatch):
     train_ops.write_docs(result)
     text = "\n".join(written["train_ops"])
     assert "| BST:SH:S4 | accelerator |" in text and "| HF Llama (StaticCache) | cpu |" in text
-    assert "| HF Llama (sdpa) | 10 | 1.00x | 6 | 4 | 0 | 0 | 2 | 0 | 1 / 0 | 1 |" in text
+    assert "| HF Llama (sdpa) | cpu | 10 | 1.00x | 6 | 4 | 0 | 0 | 2 | 0 | 1 / 0 | 1 |" in text
     train_ops.plot(result, tmp_path / "ops.png")
     assert (tmp_path / "ops.png").stat().st_size > 0
 
@@ -149,6 +149,15 @@ def test_inductor_compiled_step_counts_llama():
     assert row["launches"] == row["kernel_calls"] + row["library_calls"] + row["fallback_calls"] + row["custom_calls"]
     assert row["complex_nodes"] == 0 and len(row["aot_graphs"]) == 2
     assert (row["graph_count"], row["graph_breaks"]) == (1, 0)
+
+
+@pytest.mark.slow
+def test_inductor_compiled_step_counts_bst_on_the_accelerator_path():
+    """The graph a GPU compiles (the accelerator code path, lowered by the CPU's inductor, ~3 minutes): one graph,
+    no break, no complex node, no eager fallback, and the row says which path it counted."""
+    row = train_ops.count_inductor("bst", 64, accelerator=True)
+    assert row["path"] == "accelerator" and row["graphs_called"] == 2 and row["fallback_calls"] == 0
+    assert row["complex_nodes"] == 0 and (row["graph_count"], row["graph_breaks"]) == (1, 0)
 
 
 def test_learned_bias_attention_counts_as_cudas_fused_kernel():
