@@ -41,18 +41,17 @@ ATTENTION_RING = ("k", "v", "kpos")
 CONTEXT_RING = ("ctx_k", "ctx_v", "ctx_pos")
 
 
+SIGNATURE_FIELDS = (
+    *("num_hidden_layers", "hidden_size", "num_attention_heads", "head_dim", "block_len", "context_mode", "ssm_kind"),
+    *("ssm_channels", "ssm_state_size", "num_context_states", "layer_types", "num_recurrent_states"),
+    *("mf_independent_filters", "max_position_embeddings"),
+)
+
+
 def cache_signature(config) -> tuple:
     """The structural fields a cache depends on: a cache only fits models with the same signature."""
-    return (
-        *(getattr(config, name) for name in ("num_hidden_layers", "hidden_size", "num_attention_heads", "head_dim")),
-        *(getattr(config, name) for name in ("block_len", "context_mode", "ssm_kind", "ssm_channels")),
-        config.ssm_state_size,
-        config.num_context_states,
-        tuple(config.layer_types),
-        config.num_recurrent_states,
-        getattr(config, "mf_independent_filters", False),
-        config.max_position_embeddings,
-    )
+    values = (getattr(config, name, None) for name in SIGNATURE_FIELDS)
+    return tuple(tuple(v) if isinstance(v, list) else v for v in values)
 
 
 class BSTLayerCache(CacheLayerMixin):
