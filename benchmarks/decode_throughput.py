@@ -154,8 +154,8 @@ def cache_bytes(cache) -> int:
     seen, total = set(), 0
     for layer in cache.layers:
         tensors = [t for _, t in layer.tensors()] if hasattr(layer, "tensors") else [layer.keys, layer.values]
-        if getattr(layer, "ssm", None) is not None and layer.ssm.pending is not None:
-            tensors.append(layer.ssm.pending)
+        if getattr(layer, "pending", None) is not None:
+            tensors.append(layer.pending)
         for t in tensors:
             if isinstance(t, torch.Tensor) and id(t) not in seen:
                 seen.add(id(t))

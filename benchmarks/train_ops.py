@@ -8,7 +8,7 @@ of 2026-11-27: ~20 us per eager op predicted the H200's eager step times of all 
    ``TorchDispatchMode``; views and ``_unsafe_view`` left out: an op is a view when one of its schema's returns
    aliases an input without writing it), bf16 autocast, batch 1, L = 4096; ``_to_copy`` (casts),
    ``_local_scalar_dense`` (host reads: device syncs on a GPU) and ``equal`` (host comparisons) also on their own.
-   On two code paths: the CPU path as it is, and the accelerator path (``modeling_bst.cache_bst.accelerator_code_path``:
+   On two code paths: the CPU path as it is, and the accelerator path (``modeling_bst.utils_bst.accelerator_code_path``:
    CPU tensors take the code a GPU takes);
 2. **one decode step** after a 1k-token prefill (eager, fp32, batch 1): BST and Slide with their own cache against
    HF Llama with a ``StaticCache``;
@@ -43,8 +43,8 @@ import modeling_bst  # noqa: F401
 from benchmarks import train_throughput as tt
 from benchmarks.bench_common import RowLog, positive_int
 from benchmarks.docs_section import cpu_name, write_section
-from modeling_bst.cache_bst import accelerator_code_path
 from modeling_bst.modeling_bst import CACHE_NAME
+from modeling_bst.utils_bst import accelerator_code_path
 
 
 ROOT = Path(__file__).resolve().parents[1]

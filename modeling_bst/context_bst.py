@@ -1,7 +1,7 @@
 """The SSM sublayer and context states of a BST layer (paper Sec. 3.3-3.4): the SSM input projection, the SSM
 kernel of ``ssm_kind`` over the whole sequence (``ssm_bst.py``), and the SH / MH / MF builders of ``context_mode``
 that turn its outputs into the context keys and values the block cross-attention reads. Each has a full-sequence
-form and a one-token step form over the ``BSTCache`` layer passed in.
+form and a one-token step form over the cache layer passed in.
 """
 
 import torch
@@ -9,9 +9,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention_bst import BSTRMSNorm, additive_mask, l2_normalize
-from .cache_bst import BSTLayerCache, constant_memo, decode_memo, gather_rows, maybe_any, tracing
+from .cache_bst import CONTEXT_RING
 from .configuration_bst import BSTConfig
 from .ssm_bst import PerFilterS4D, S4DKernel, UnstructFilter, upcast_ssm
+from .utils_bst import constant_memo, gather_rows, maybe_any, step_memo, tracing
 
 
 # Largest unstruct taps spectrum kept for decoding chunks (per layer; recomputed per chunk beyond it).
@@ -28,10 +29,10 @@ class BSTContextStates(nn.Module):
     to every call) and turns its outputs into context keys/values per mode (subclasses, picked by ``context_mode`` from
     [`CONTEXT_BUILDERS`]), all behind one contract:
 
-    * ``sequence(ssm, xn, lengths, layer_cache, positions, fill_cache)``: full-sequence form. Returns context keys and
+    * ``sequence(ssm, xn, lengths, layer_cache, positions, doc_start, fill_cache)``: full-sequence form. Returns context keys and
       values `(B, nb, S_c, H, d)` per block, an additive cross mask `(W, S_c)` or None, and whether the first query of
       every block has no context (strict mask); with ``fill_cache``, writes the SSM and context state;
-    * ``step(ssm, xn, layer_cache, positions)``: recurrent form for one token; returns keys/values `(B, S_c, H, d)`,
+    * ``step(ssm, xn, layer_cache, plan)``: recurrent form for one token ([`StepPlan`]); returns keys/values `(B, S_c, H, d)`,
       an additive mask `(B, 1, 1, S_c)` or None, and which rows see any context (None: all);
     * ``forward``: the layer calls one of them through the module (``self.context(...)``), so that what hooks a
       module's call sees the builder's parameters: PEFT's adapters on MH's / MF's per-head weights
@@ -54,19 +55,19 @@ class BSTContextStates(nn.Module):
         # meliad_dropout: dropout on the normed context states before the K/V projections (as meliad's cross KVQ).
         self.dropout = nn.Dropout(config.dropout) if config.meliad_dropout else nn.Identity()
 
-    def forward(self, ssm, xn, layer_cache, positions, step=False, lengths=None, fill_cache=False):
-        """[`step`] (``step``) or [`sequence`]."""
-        if step:
-            return self.step(ssm, xn, layer_cache, positions)
-        return self.sequence(ssm, xn, lengths, layer_cache, positions, fill_cache)
+    def forward(self, ssm, xn, layer_cache, positions=None, doc_start=None, lengths=None, fill_cache=False, plan=None):
+        """[`step`] (given a ``plan``) or [`sequence`]."""
+        if plan is not None:
+            return self.step(ssm, xn, layer_cache, plan)
+        return self.sequence(ssm, xn, lengths, layer_cache, positions, doc_start, fill_cache)
 
     def _heads(self, x):
         return x.unflatten(-1, (self.config.num_attention_heads, self.config.head_dim))
 
     @staticmethod
-    def step_constants(ssm, layer_cache: BSTLayerCache):
-        """The SSM's [`step_constants`], memoised in ``layer_cache`` while its parameters are unchanged."""
-        return decode_memo(layer_cache, "ssm", (), ssm.parameters(), ssm.step_constants)
+    def step_constants(ssm, memo: dict | None):
+        """The SSM's [`step_constants`], kept in ``memo`` (a decoding run's) while its parameters are unchanged."""
+        return step_memo(memo, (id(ssm), "ssm"), (), ssm.parameters(), ssm.step_constants)
 
     def _ssm_input(self, xn, lengths):
         z = self.down_proj(xn)  # (B, T, Ds)
@@ -78,7 +79,7 @@ class BSTContextStates(nn.Module):
         """The SSM input ``z`` of a full sequence, the SSM state it continues from (None: a fresh sequence) and
         whether it continues a cached one."""
         continued = layer_cache is not None and positions is not None
-        return self._ssm_input(xn, lengths), (layer_cache.ssm.state if continued else None), continued
+        return self._ssm_input(xn, lengths), (layer_cache.ssm_state if continued else None), continued
 
     def _fill_ssm_state(self, ssm, z, lengths, state0, layer_cache):
         """The SSM state after each row's real tokens into ``layer_cache`` (rows right-aligned for ``final_state``)."""
@@ -86,42 +87,41 @@ class BSTContextStates(nn.Module):
         lens = lengths if lengths is not None else torch.full((bsz,), seq_len, device=z.device)
         idx = torch.arange(seq_len, device=z.device)[None] - (seq_len - lens[:, None])
         z_right = gather_rows(z, idx.clamp(min=0)) * (idx >= 0).to(z.dtype)[..., None]
-        layer_cache.ssm.set(ssm.final_state(z_right.detach(), state0).detach())
+        layer_cache.set_ssm(ssm.final_state(z_right.detach(), state0).detach())
         return lens
 
-    def _step_ssm(self, ssm, xn, layer_cache, p, output: bool = True, chunked: bool = False):
+    def _step_ssm(self, ssm, xn, layer_cache, plan, output: bool = True, chunked: bool = False):
         """One SSM step: ``y_t`` `(B, C, Ds)` (None if not ``output``); the cache's SSM state advances.
 
         ``chunked`` (unstruct, outputs at every step: SH/MH): decode in chunks of M steps ([`_unstruct_chunk`])."""
         z = self.down_proj(xn)[:, 0]  # (B, Ds)
         seen = None
         if self.config.ssm_kind == "unstruct":
-            rp = p - layer_cache.doc_start
             if not tracing():
                 # Unstruct steps cost O(longest document so far): one read of the position per step.
-                seen = int(rp.max()) + 1
+                seen = int(plan.offset.max()) + 1
                 if seen > self.config.max_position_embeddings and not self.config.unstruct_finite_filter:
                     raise ValueError(
                         f"unstruct BST models generate at most max_position_embeddings="
                         f"{self.config.max_position_embeddings} tokens (the filter has no taps beyond it); use an S4 "
                         "model for longer generation."
                     )
-        constants = self.step_constants(ssm, layer_cache)
+        constants = self.step_constants(ssm, plan.memo)
         if self.config.ssm_kind != "unstruct":
-            y, state = ssm.step(z, layer_cache.ssm.state, constants, seen)
-            layer_cache.ssm.set(state)
+            y, state = ssm.step(z, layer_cache.ssm_state, constants, seen)
+            layer_cache.set_ssm(state)
             return y
-        pending = self._unstruct_chunk(ssm, layer_cache, constants, seen) if chunked and output else None
-        y, state = ssm.step(z, layer_cache.ssm.state, constants, seen, output=output, pending=pending)
+        pending = self._unstruct_chunk(ssm, layer_cache, constants, seen, plan.memo) if chunked and output else None
+        y, state = ssm.step(z, layer_cache.ssm_state, constants, seen, output=output, pending=pending)
         if pending is None:
             # Eager: the history stays a view into its slack buffer (``append_history``: O(1) per step). Traced: the
             # step built a new history anyway; written over the old one in place (a fixed address for CUDA graphs).
-            layer_cache.ssm.set(state, contiguous=tracing())
+            layer_cache.set_ssm(state, contiguous=tracing())
         else:
-            layer_cache.ssm.set(state, pending[0], pending[1] + 1, contiguous=False)
+            layer_cache.set_ssm(state, pending[0], pending[1] + 1, contiguous=False)
         return y
 
-    def _unstruct_chunk(self, ssm, layer_cache, constants, seen):
+    def _unstruct_chunk(self, ssm, layer_cache, constants, seen, memo):
         """The current decoding chunk ``(pending outputs, step in the chunk)`` for an unstruct step, or None (a direct
         dot product over the ``seen`` newest inputs).
 
@@ -130,30 +130,30 @@ class BSTContextStates(nn.Module):
         cheap): one FFT convolution of the history with the taps gives the share of every earlier input in the next
         M outputs ([`UnstructFilter.pending_outputs`]). A step then costs O(M) instead of O(seen), plus the chunk's
         O(seen log seen) / M. Under tracing (``seen`` unknown) steps take the direct form and drop the chunk
-        ([`SSMStateCache.set`]): an eager step after a traced one starts a new one."""
+        ([`BSTLayerCache.set_ssm`]): an eager step after a traced one starts a new one."""
         if seen is None:
             return None
-        chunk = layer_cache.ssm.chunk(ssm.decode_chunk)
+        chunk = layer_cache.chunk(ssm.decode_chunk)
         if chunk is not None or seen <= ssm.decode_chunk:
             return chunk
         n = min(seen - 1, ssm.max_len)  # the previous inputs that can be non-zero
         size = ssm.pending_fft_size(n)
-        spectrum = decode_memo(
-            layer_cache,
-            "unstruct_chunk",
+        spectrum = step_memo(
+            memo,
+            (id(ssm), "unstruct_chunk"),
             (size,),
             ssm.parameters(),
             lambda: ssm.pending_spectrum(size, constants),
             CHUNK_SPECTRUM_MEMO_BYTES,
         )
-        return ssm.pending_outputs(layer_cache.ssm.state, n, spectrum), 0
+        return ssm.pending_outputs(layer_cache.ssm_state, n, spectrum), 0
 
 
 class TokenContextStates(BSTContextStates):
     """SH / MH: one context state per token; block b cross-attends to its own W context states (triangular mask).
 
-    The decoding cache keeps the current block's context keys/values in a W-slot ring (``layer_cache.context``, a
-    ``TokenContextCache``)."""
+    The decoding cache keeps the current block's context keys/values in a W-slot ring (``ctx_k``, ``ctx_v``,
+    ``ctx_pos``)."""
 
     # Tokens per segment of the segmented S4 path ([`segmented_context`]); 0: the whole-sequence path.
     segment_len = 0
@@ -205,7 +205,7 @@ class TokenContextStates(BSTContextStates):
             values.append(v)
         return torch.cat(keys, 1)[:, :length], torch.cat(values, 1)[:, :length]
 
-    def sequence(self, ssm, xn, lengths, layer_cache, positions, fill_cache):
+    def sequence(self, ssm, xn, lengths, layer_cache, positions, doc_start, fill_cache):
         cfg = self.config
         bsz, seq_len, _ = xn.shape
         w = self.block_len
@@ -230,21 +230,29 @@ class TokenContextStates(BSTContextStates):
         if fill_cache:
             lens = self._fill_ssm_state(ssm, z, lengths, state0, layer_cache)
             offset = positions if continued else None
-            layer_cache.context.fill(ctx_k.flatten(1, 2).detach(), ctx_v.flatten(1, 2).detach(), lens, w, offset)
+            layer_cache.fill_ring(
+                CONTEXT_RING, ctx_k.flatten(1, 2).detach(), ctx_v.flatten(1, 2).detach(), lens, w, offset
+            )
         return ctx_k, ctx_v, mask, zero_first
 
-    def step(self, ssm, xn, layer_cache, p):
-        cfg = self.config
-        w = self.block_len
-        y = self._step_ssm(ssm, xn, layer_cache, p, chunked=True)
+    def step(self, ssm, xn, layer_cache, plan):
+        y = self._step_ssm(ssm, xn, layer_cache, plan, chunked=True)
         ck, cv = self.lift_and_project(y.to(xn.dtype))  # (B, 1, H, d)
-        ctx_k, ctx_v, cpos = layer_cache.context.write(p, ck[:, 0], cv[:, 0])
-        # Blocks are counted from the start of each row's current document.
-        block_start = (p - (p - layer_cache.doc_start).remainder(w))[:, None]
-        upper = (cpos <= p[:, None]) if cfg.cross_mask == "inclusive" else (cpos < p[:, None])
+        p = plan.positions
+        ctx_k, ctx_v, cpos = layer_cache.write_ring(
+            CONTEXT_RING, plan.rows, plan.slot(self.block_len), p, ck[:, 0], cv[:, 0]
+        )
+        mask, any_valid = plan.get(("context", ck.dtype), lambda: self.step_mask(cpos, plan, ck.dtype))
+        return ctx_k, ctx_v, mask, any_valid
+
+    def step_mask(self, cpos, plan, dtype):
+        """The additive mask `(B, 1, 1, W)` of the context ring's positions ``cpos`` `(B, W)` that a step's token
+        sees (its block's, up to itself; blocks count from each row's document start) and which rows see any."""
+        p = plan.positions[:, None]
+        block_start = p - plan.offset.remainder(self.block_len)[:, None]
+        upper = (cpos <= p) if self.config.cross_mask == "inclusive" else (cpos < p)
         valid = (cpos >= block_start) & upper  # (B, W)
-        mask = additive_mask(valid, ck.dtype)[:, None, None, :]
-        return ctx_k, ctx_v, mask, valid.any(-1)
+        return additive_mask(valid, dtype)[:, None, None, :], valid.any(-1)
 
 
 class SHContextStates(TokenContextStates):
@@ -297,7 +305,7 @@ class MFContextStates(BSTContextStates):
     (block 0: a learned initial context), each lifted by its own projection, plus learned context IDs; no mask.
 
     The decoding cache keeps the current block's S context keys/values and the latest SSM outputs `(B, S, Ds)`, the
-    next block's context (``layer_cache.context``, a ``BlockContextCache``)."""
+    next block's context (``ctx_k``, ``ctx_v``, ``mf_last``)."""
 
     def __init__(self, config: BSTConfig):
         super().__init__(config)
@@ -329,7 +337,7 @@ class MFContextStates(BSTContextStates):
         k, v = (self._heads(proj(c)).unflatten(0, batch_shape) for proj in (self.k_proj, self.v_proj))
         return (l2_normalize(k) if self.config.qk_norm else k), v  # (..., S, H, d_h)
 
-    def sequence(self, ssm, xn, lengths, layer_cache, positions, fill_cache):
+    def sequence(self, ssm, xn, lengths, layer_cache, positions, doc_start, fill_cache):
         cfg = self.config
         bsz, seq_len, _ = xn.shape
         w = self.block_len
@@ -342,8 +350,8 @@ class MFContextStates(BSTContextStates):
             y_end = ssm.block_end_outputs(z, w, state0)  # (B, nb, S, Ds)
         first_k, first_v = self.mf_context(None, (bsz,), xn.dtype)
         if continued:
-            cont_k, cont_v = self.mf_context(layer_cache.context.last, (bsz,), xn.dtype)
-            fresh = (positions == layer_cache.doc_start)[:, None, None, None]
+            cont_k, cont_v = self.mf_context(layer_cache.mf_last, (bsz,), xn.dtype)
+            fresh = (positions == doc_start)[:, None, None, None]
             first_k = torch.where(fresh, first_k.to(cont_k.dtype), cont_k)
             first_v = torch.where(fresh, first_v.to(cont_v.dtype), cont_v)
         rest_k, rest_v = self.mf_context(y_end[:, :-1], (bsz, nb - 1), xn.dtype)
@@ -353,28 +361,29 @@ class MFContextStates(BSTContextStates):
             lens = self._fill_ssm_state(ssm, z, lengths, state0, layer_cache)
             rows = torch.arange(bsz, device=z.device)
             blk = ((lens - 1) // w).clamp(min=0)
-            layer_cache.context.set_context(ctx_k[rows, blk].detach(), ctx_v[rows, blk].detach())
-            # Needed at the next block start (lens % W == 0): the output at the last token, a block end.
-            layer_cache.context.set_last(y_end[rows, (lens // w - 1).clamp(min=0)].detach())
+            # mf_last is needed at the next block start (lens % W == 0): the output at the last token, a block end.
+            layer_cache.set(
+                ctx_k=ctx_k[rows, blk].detach(),
+                ctx_v=ctx_v[rows, blk].detach(),
+                mf_last=y_end[rows, (lens // w - 1).clamp(min=0)].detach(),
+            )
         return ctx_k, ctx_v, None, False
 
-    def step(self, ssm, xn, layer_cache, p):
-        w = self.block_len
-        rp = p - layer_cache.doc_start  # position inside the current document: blocks are counted from its start
-        block_start = rp.remainder(w) == 0
-        if maybe_any(block_start):
+    def step(self, ssm, xn, layer_cache, plan):
+        # Blocks are counted from the start of each row's current document.
+        if maybe_any(plan.block_start):
             # A new block starts: its context is built from the previous block's last SSM outputs.
-            k_new, v_new = self.mf_context(layer_cache.context.last, (xn.shape[0],), xn.dtype)
+            k_new, v_new = self.mf_context(layer_cache.mf_last, (xn.shape[0],), xn.dtype)
             k0, v0 = self.mf_context(None, (xn.shape[0],), xn.dtype)
-            first = (p == layer_cache.doc_start)[:, None, None, None]
+            first = plan.fresh[:, None, None, None]
             k_new, v_new = torch.where(first, k0, k_new), torch.where(first, v0, v_new)
-            layer_cache.context.set_context(k_new, v_new, rows=block_start)
-        block_end = (rp + 1).remainder(w) == 0
+            layer_cache.set(plan.block_start, ctx_k=k_new, ctx_v=v_new)
         # The SSM output matters only at block ends (unstruct computes it only there).
-        y = self._step_ssm(ssm, xn, layer_cache, p, output=self.config.ssm_kind == "s4" or maybe_any(block_end))
+        output = self.config.ssm_kind == "s4" or maybe_any(plan.block_end)
+        y = self._step_ssm(ssm, xn, layer_cache, plan, output=output)
         if y is not None:
-            layer_cache.context.set_last(y, rows=block_end)
-        return layer_cache.context.k, layer_cache.context.v, None, None
+            layer_cache.set(plan.block_end, mf_last=y)
+        return layer_cache.ctx_k, layer_cache.ctx_v, None, None
 
 
 # The SSM kernel of each ``ssm_kind`` and the context builder of each ``context_mode``.

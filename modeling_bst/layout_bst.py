@@ -1,13 +1,14 @@
 """How one forward's input reaches the layers of the Block-State Transformer: a padded batch packed into the
 block layout of the full-sequence form and back ([`_Layout`]), and the split of an input that continues the cache into
-a full-sequence part and one-token steps ([`_Chunk`]). ``BSTModel.forward`` in ``modeling_bst.py`` runs every layer
-through a [`_Chunk`].
+a full-sequence part and one-token steps ([`_Chunk`]), with what one step shares across layers ([`StepPlan`]).
+``BSTModel.forward`` in ``modeling_bst.py`` runs every layer through a [`_Chunk`].
 """
 
 import torch
 import torch.nn.functional as F
 
-from .cache_bst import MAX_ROLLBACK, gather_rows, host_can_branch
+from .cache_bst import MAX_ROLLBACK
+from .utils_bst import gather_rows, host_can_branch
 
 
 class _Layout:
@@ -73,6 +74,49 @@ def _join(a, b, pad_keys: bool = False):
     return torch.cat([a, b], -2 if a.dim() == 4 else 1)
 
 
+class StepPlan:
+    """What one recurrent step at ``positions`` `(B,)` shares across the layers: the row indices, ring slots, each
+    row's offset in its document, block starts and ends, and what a layer derives from its ring after the write
+    (window validity, bias columns, the context mask: every layer's ring holds the same positions). Each is built
+    by the first layer that asks ([`get`]) and reused by the others. ``memo``: constants derived from parameters,
+    kept for a decoding run (cleared when a new cache starts; [`step_memo`])."""
+
+    def __init__(self, positions: torch.Tensor, doc_start: torch.Tensor, block_len: int, memo: dict | None):
+        self.positions, self.doc_start, self.block_len, self.memo = positions, doc_start, block_len, memo
+        self.built = {}
+
+    def get(self, key, build):
+        """``build()``, once per step."""
+        if key not in self.built:
+            self.built[key] = build()
+        return self.built[key]
+
+    @property
+    def rows(self) -> torch.Tensor:
+        return self.get("rows", lambda: torch.arange(self.positions.shape[0], device=self.positions.device))
+
+    def slot(self, size: int) -> torch.Tensor:
+        return self.get(("slot", size), lambda: self.positions.remainder(size))
+
+    @property
+    def offset(self) -> torch.Tensor:
+        """Each row's position in its current document (blocks count from its start)."""
+        return self.get("offset", lambda: self.positions - self.doc_start)
+
+    @property
+    def fresh(self) -> torch.Tensor:
+        """Rows whose document starts at this token."""
+        return self.get("fresh", lambda: self.positions == self.doc_start)
+
+    @property
+    def block_start(self) -> torch.Tensor:
+        return self.get("block_start", lambda: self.offset.remainder(self.block_len) == 0)
+
+    @property
+    def block_end(self) -> torch.Tensor:
+        return self.get("block_end", lambda: (self.offset + 1).remainder(self.block_len) == 0)
+
+
 class _Chunk:
     """One forward's input as a chunk that continues the cache (empty for a fresh sequence), and how a layer runs it:
     the full-sequence form over the first ``head`` columns, then the recurrent form one token at a time over the rest.
@@ -87,17 +131,18 @@ class _Chunk:
       by the full-sequence form, so a continuing chunk must be unpadded.
 
     Between layers the hidden states are a pair ``(head, tail)``: the head in the full-sequence layout, the tail in
-    the caller's columns ([`enter`] / [`columns`]). Each layer's cache advances (row state, rollback records) as the
-    layer finishes with it.
+    the caller's columns ([`enter`] / [`columns`]). The steps' [`StepPlan`]s are built once for all layers; the row
+    state (held by the cache's first layer) advances once, after the last layer ([`finish`]).
     """
 
-    def __init__(self, cache, attention_mask, shape, config, device, check: bool):
+    def __init__(self, cache, attention_mask, shape, config, device, check: bool, memo: dict | None = None):
         bsz, seq_len = shape
         w = config.block_len
-        self.seq_len = seq_len
-        self.fresh = cache is None or cache.is_empty
-        self.record = cache is not None and cache.record_past
-        self.layout, self.common = None, None
+        self.seq_len, self.block_len, self.memo = seq_len, w, memo
+        self.rows = None if cache is None else cache.layers[0]
+        self.fresh = cache is None or self.rows.is_empty
+        self.record = cache is not None and self.rows.record_past
+        self.layout, self.common, self.plans = None, None, None
         if self.fresh:
             head = seq_len
             if self.record and seq_len > 1:
@@ -123,16 +168,22 @@ class _Chunk:
                         "first chunk only."
                     )
             # A decode step (seq_len 1) reads no host mirror of a position: one traced step serves every position.
+            rows = self.rows
             aligned = (
                 seq_len > 1
                 and seq_len % w == 0
                 and not self.record
-                and cache.common_position is not None
-                and cache.common_position % w == 0
-                and cache.docs_on_grid
+                and rows.common_position is not None
+                and rows.common_position % w == 0
+                and rows.docs_on_grid
             )
             head = seq_len if aligned else 0
         self.head = head
+
+    @property
+    def positions(self):
+        """Tokens each row has in the cache before the chunk (None: a fresh sequence)."""
+        return None if self.fresh else self.rows.positions
 
     def enter(self, hidden: torch.Tensor):
         """Caller's columns `(B, T, D)` -> ``(head, tail)``."""
@@ -155,43 +206,59 @@ class _Chunk:
             if self.fresh:
                 kwargs.update(lengths=self.layout.layer_lengths, fill_cache=layer_cache is not None)
             else:
-                kwargs.update(positions=layer_cache.positions, fill_cache=True)
+                kwargs.update(positions=self.positions, doc_start=self.rows.doc_start, fill_cache=True)
             out = layer(head, **kwargs)
             head, attn, cross = out if weights else (out, None, None)
-            if layer_cache is not None and self.fresh:
-                layer_cache.start(self.layout.lengths, self.head, self.common)
-            elif layer_cache is not None:
-                layer_cache.advance(self.head)
         if self.head < self.seq_len:
             tail, tail_attn, tail_cross = self.steps(layer, layer_cache, tail, weights)
             attn, cross = _join(attn, tail_attn, pad_keys=True), _join(cross, tail_cross)
         return (head, tail), attn, cross
 
+    def step_plans(self, n: int) -> list:
+        """One [`StepPlan`] per step of the tail, shared by every layer."""
+        if self.plans is None:
+            if self.fresh:
+                start, doc_start = self.layout.lengths, torch.zeros_like(self.layout.lengths)
+            else:
+                start, doc_start = self.rows.positions, self.rows.doc_start
+            self.plans = [
+                StepPlan(start if t == 0 else start + t, doc_start, self.block_len, self.memo) for t in range(n)
+            ]
+        return self.plans
+
     def steps(self, layer, layer_cache, hidden, weights: bool):
         """The recurrent form over the columns of ``hidden`` `(B, n, D)`, one token per row at a time."""
         n = hidden.shape[1]
-        positions = layer_cache.positions
-        newest = layer_cache.seen_tokens if weights else 0  # a host read, only for the weights' columns
+        # The weights' columns: a host read, only for them.
+        newest = (self.head if self.fresh else self.rows.seen_tokens) if weights else 0
         outs, attns, crosses, undo = [], [], [], []
-        for t in range(n):
+        for t, plan in enumerate(self.step_plans(n)):
             if self.record:
-                undo.append(layer_cache.capture(positions + t))
-            out = layer(
-                hidden[:, t : t + 1], layer_cache=layer_cache, positions=positions + t, output_attentions=weights
-            )
+                undo.append(layer_cache.capture(plan.positions))
+            out = layer(hidden[:, t : t + 1], layer_cache=layer_cache, plan=plan, output_attentions=weights)
             h, attn, cross = out if weights else (out, None, None)
             outs.append(h)
             if attn is not None:
-                attn = _step_weights_by_column(attn, layer_cache.attention.pos, positions + t, newest + t)
+                attn = _step_weights_by_column(attn, layer_cache.kpos, plan.positions, newest + t)
                 attns.append(F.pad(attn, (0, n - 1 - t)))
             if cross is not None:
                 crosses.append(cross)
         if self.record:
-            layer_cache.push_undo(undo)
-        layer_cache.advance(n)
+            layer_cache._undo.extend(undo)
         attn = torch.cat(attns, 2) if attns else None
         cross = torch.cat(crosses, 2) if crosses else None
         return (outs[0] if n == 1 else torch.cat(outs, 1)), attn, cross
+
+    def finish(self):
+        """The row state after the chunk (in the cache's first layer)."""
+        if self.rows is None:
+            return
+        if self.fresh:
+            self.rows.start(self.layout.lengths, self.head, self.common)
+            if self.head < self.seq_len:
+                self.rows.advance(self.seq_len - self.head)
+        else:
+            self.rows.advance(self.seq_len)
 
 
 class _Documents:

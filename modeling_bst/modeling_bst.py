@@ -56,21 +56,12 @@ from .attention_bst import (
     upcast,
     use_flex,
 )
-from .cache_bst import (
-    BSTCache,
-    BSTLayerCache,
-    constant_memo,
-    decode_memo,
-    gather_rows,
-    host_can_branch,
-    maybe_any,
-    on_accelerator,
-    tracing,
-)
+from .cache_bst import ATTENTION_RING, BSTCache, BSTLayerCache, own_layers
 from .configuration_bst import BSTConfig
 from .context_bst import CONTEXT_BUILDERS, SSM_KERNELS, BSTContextStates
-from .layout_bst import _Chunk, _Documents
+from .layout_bst import StepPlan, _Chunk, _Documents
 from .ssm_bst import S4DKernel, UnstructFilter
+from .utils_bst import constant_memo, gather_rows, host_can_branch, maybe_any, on_accelerator, step_memo, tracing
 
 
 logger = logging.get_logger(__name__)
@@ -289,7 +280,9 @@ class BSTRecurrentState(nn.Module):
             states.append(self.update(states[-1], kcat, vcat, valid, state_kv))
         return torch.stack(states, 1), torch.stack(state_keys, 1), torch.stack(state_values, 1)
 
-    def forward(self, k, v, previous, lengths=None, layer_cache=None, positions=None, fill_cache=False):
+    def forward(
+        self, k, v, previous, lengths=None, layer_cache=None, positions=None, doc_start=None, fill_cache=False
+    ):
         """Full-sequence form: the state keys/values that every block's tokens attend to, `(B, nb, S, H, d_h)` x 2.
 
         ``k``/``v`` `(B, T, H, d_h)` are the tokens' self-attention keys/values (T a multiple of W); ``previous`` the
@@ -301,8 +294,8 @@ class BSTRecurrentState(nn.Module):
         nb = seq_len // w
         kb, vb = k.view(bsz, nb, w, heads, hd), v.view(bsz, nb, w, heads, hd)
         if previous is not None:
-            state = layer_cache.recurrent.state.to(kb.dtype)
-            fresh = (positions == layer_cache.doc_start)[:, None, None]
+            state = layer_cache.rec_state.to(kb.dtype)
+            fresh = (positions == doc_start)[:, None, None]
             state = torch.where(fresh, self.initial_state.to(kb.dtype), state)
         else:
             state = self.initial_state.to(kb.dtype).expand(bsz, -1, -1)
@@ -313,27 +306,28 @@ class BSTRecurrentState(nn.Module):
             lens = lengths if lengths is not None else torch.full((bsz,), nb * w, device=kb.device)
             rows = torch.arange(bsz, device=kb.device)
             new_state = all_states[rows, lens // w].detach()
-            layer_cache.recurrent.set(new_state, *(t.detach() for t in self.keys_values(new_state)))
+            rec_k, rec_v = (t.detach() for t in self.keys_values(new_state))
+            layer_cache.set(rec_state=new_state, rec_k=rec_k, rec_v=rec_v)
         return keys, values
 
-    def step_keys_values(self, layer_cache: BSTLayerCache, positions):
+    def step_keys_values(self, layer_cache: BSTLayerCache, plan: StepPlan):
         """Recurrent form, before the token's attention: the state keys/values `(B, S, H, d_h)` it reads; a row
         whose document starts here starts from the learned initial state."""
-        fresh = positions == layer_cache.doc_start
-        if maybe_any(fresh):
-            state = layer_cache.recurrent.state
+        if maybe_any(plan.fresh):
+            state = layer_cache.rec_state
             init_state = self.initial_state.to(state.dtype).expand_as(state)
-            layer_cache.recurrent.set(init_state, *self.keys_values(init_state), rows=fresh)
-        return layer_cache.recurrent.k, layer_cache.recurrent.v
+            rec_k, rec_v = self.keys_values(init_state)
+            layer_cache.set(plan.fresh, rec_state=init_state, rec_k=rec_k, rec_v=rec_v)
+        return layer_cache.rec_k, layer_cache.rec_v
 
-    def step_update(self, ring, layer_cache: BSTLayerCache, positions):
+    def step_update(self, ring, layer_cache: BSTLayerCache, plan: StepPlan):
         """Recurrent form, after the token's attention: at the last token of a block the state absorbs the previous
         and current block (``ring``: the self-attention ring after this token's write, ``(keys, values, positions)``)."""
-        block_end = (positions - layer_cache.doc_start + 1).remainder(self.config.block_len) == 0
-        if maybe_any(block_end):
+        if maybe_any(plan.block_end):
             ring_k, ring_v, kpos = ring
-            new_state = self.update(layer_cache.recurrent.state, ring_k, ring_v, kpos >= 0)
-            layer_cache.recurrent.set(new_state, *self.keys_values(new_state), rows=block_end)
+            new_state = self.update(layer_cache.rec_state, ring_k, ring_v, kpos >= 0)
+            rec_k, rec_v = self.keys_values(new_state)
+            layer_cache.set(plan.block_end, rec_state=new_state, rec_k=rec_k, rec_v=rec_v)
 
 
 class BSTBlockSelfAttention(nn.Module):
@@ -427,13 +421,13 @@ class BSTBlockSelfAttention(nn.Module):
 
     def previous_block(self, layer_cache: BSTLayerCache, positions):
         """The cached block before ``positions``: keys, values `(B, W, H, d)`, which are held (else masked)."""
-        return layer_cache.attention.window(positions, self.block_len)
+        return layer_cache.window(positions, self.block_len)
 
     def write_cache(self, layer_cache: BSTLayerCache, k, v, lengths, positions):
         """Keep the keys/values `(B, T, H, d)` of each row's real tokens in the attention ring."""
         bsz, seq_len = k.shape[:2]
         lens = lengths if lengths is not None else torch.full((bsz,), seq_len, device=k.device)
-        layer_cache.attention.fill(k.detach(), v.detach(), lens, self.ring, positions)
+        layer_cache.fill_ring(ATTENTION_RING, k.detach(), v.detach(), lens, self.ring, positions)
 
     # -- full-sequence form --------------------------------------------------------------------------------------
     def forward(self, q, k, v, lengths=None, layer_cache=None, positions=None, num_positions=None, weights=False):
@@ -662,39 +656,45 @@ class BSTBlockSelfAttention(nn.Module):
         return full[:, :, :num_positions, first : w + num_positions]
 
     # -- recurrent form ------------------------------------------------------------------------------------------
-    def step(self, q, k, v, layer_cache: BSTLayerCache, positions, weights=False):
-        """One token per row at ``positions`` `(B,)`: writes its key/value into the ring, then attends over the W
-        previous (or most recent) tokens. ``q``/``k``/``v`` `(B, 1, H, d_h)` from [`project`].
+    def step(self, q, k, v, layer_cache: BSTLayerCache, plan: StepPlan, weights=False):
+        """One token per row at ``plan.positions`` `(B,)`: writes its key/value into the ring, then attends over the
+        W previous (or most recent) tokens. ``q``/``k``/``v`` `(B, 1, H, d_h)` from [`project`].
 
         Returns the output `(B, 1, H * d_h)`, the weights `(B, H, 1, R)` over the ring (None unless ``weights``)
         and the ring ``(keys, values, key positions)`` after the write (a BRecT cell reads them at block ends).
         """
-        p = positions
         bsz, _, heads, hd = q.shape
-        ring_k, ring_v, kpos = layer_cache.attention.write(p, k[:, 0], v[:, 0])
-        rel = kpos - p[:, None]  # (B, R)
-        valid = (kpos >= 0) & self.window_valid(rel)
-        # The ring holds distances 0 .. R-1 only: gather the scaled T5 bias from a per-distance table.
-        table = self.step_bias_table(layer_cache, q.dtype)  # (H, R), column j = distance j
-        bias = table[:, (-rel).clamp(0, self.ring - 1)].permute(1, 0, 2)  # (B, H, R)
-        mask = torch.where(valid[:, None], bias, masked_fill_value(q.dtype))[:, :, None, :]  # (B, H, 1, R)
-        out, probs = attention(
-            self, q.transpose(1, 2), ring_k.transpose(1, 2), ring_v.transpose(1, 2), mask, 0.0, True
+        p = plan.positions
+        ring_k, ring_v, kpos = layer_cache.write_ring(
+            ATTENTION_RING, plan.rows, plan.slot(self.ring), p, k[:, 0], v[:, 0]
         )
-        any_key = valid.any(-1).to(out.dtype)[:, None, None, None]
+        column, any_key = plan.get(("window", self.ring), lambda: self.step_window(kpos, p))
+        # Scaled T5 bias per distance, and a masked column R for keys outside the window.
+        bias = self.step_bias_table(plan.memo, q.dtype)[:, column].transpose(0, 1)[:, :, None, :]  # (B, H, 1, R)
+        out, probs = attention(
+            self, q.transpose(1, 2), ring_k.transpose(1, 2), ring_v.transpose(1, 2), bias, 0.0, True
+        )
         out = out * any_key
         probs = probs * any_key if weights else None
         return out.reshape(bsz, 1, heads * hd), probs, (ring_k, ring_v, kpos)
 
-    def step_bias_table(self, layer_cache, dtype):
-        """Scaled T5 bias per distance 0 .. R-1, `(H, R)`; memoised in the cache while the parameters are unchanged."""
+    def step_window(self, kpos, positions):
+        """For the ring's key positions ``kpos`` `(B, R)` after a step's write: each key's column of
+        [`step_bias_table`] (its distance, or R outside the window) and which rows see any key `(B, 1, 1, 1)`."""
+        rel = kpos - positions[:, None]
+        valid = (kpos >= 0) & self.window_valid(rel)
+        return torch.where(valid, -rel, self.ring), valid.any(-1)[:, None, None, None]
+
+    def step_bias_table(self, memo, dtype):
+        """Scaled T5 bias per distance 0 .. R-1 and a masked column R, `(H, R + 1)`; kept in ``memo`` (a decoding
+        run's) while the parameters are unchanged."""
 
         def compute():
             distances = -torch.arange(self.ring, device=self.scale.device)
-            return (self.bias(distances).to(dtype) * self.scale.to(dtype)).t().contiguous()
+            table = (self.bias(distances).to(dtype) * self.scale.to(dtype)).t()
+            return F.pad(table, (0, 1), value=masked_fill_value(dtype)).contiguous()
 
-        params = (self.relative_bias.weight, self.scale)
-        return decode_memo(layer_cache, "bias", (dtype,), params, compute)
+        return step_memo(memo, (id(self), "bias"), (dtype,), (self.relative_bias.weight, self.scale), compute)
 
 
 class BSTCrossAttention(nn.Module):
@@ -836,8 +836,9 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
         """The modules of step 3 (none in a block layer)."""
         self.cross_attn = None
 
-    def attend_states(self, hidden_states, xn, k, v, ring, step, layer_cache, lengths, positions, **kwargs):
-        """Step 3: ``(output (B, T, H d_h), weights)``, or None for a layer without a second attention."""
+    def attend_states(self, hidden_states, xn, k, v, ring, plan, layer_cache, lengths, positions, **kwargs):
+        """Step 3: ``(output (B, T, H d_h), weights)``, or None for a layer without a second attention (``plan``:
+        the recurrent form's [`StepPlan`], None in the full-sequence form)."""
         return None
 
     def forward(
@@ -849,6 +850,8 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
         fill_cache: bool = False,
         num_positions: int | None = None,
         output_attentions: bool = False,
+        doc_start: torch.Tensor | None = None,
+        plan: StepPlan | None = None,
     ):
         """
         Args:
@@ -856,17 +859,19 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
                 the full-sequence form T is a multiple of W and rows are right-padded.
             layer_cache ([`BSTLayerCache`], *optional*): read (continuation / decoding) and written (``fill_cache``).
             lengths (`torch.LongTensor` of shape `(B,)`, *optional*): real tokens per row (None: all T are real).
-            positions (`torch.LongTensor` of shape `(B,)`, *optional*): tokens already in ``layer_cache`` per row.
+            positions (`torch.LongTensor` of shape `(B,)`, *optional*): tokens already in ``layer_cache`` per row
+                (a continued chunk in the full-sequence form), ``doc_start`` where each row's document started.
             fill_cache (`bool`): write this layer's state after the input into ``layer_cache``.
             num_positions (`int`, *optional*): how many leading positions the caller asked for (the rest pads the
                 input to whole blocks); the attention weights cover these.
             output_attentions (`bool`): also return the attention weights (eager attention).
+            plan ([`StepPlan`], *optional*): the recurrent form, one token per row (``T = 1``).
 
         Returns:
             ``hidden_states`` `(B, T, D)`; with ``output_attentions`` the tuple ``(hidden_states,
             self_attention_weights, second_attention_weights)`` (the latter None for a block layer).
         """
-        step = layer_cache is not None and positions is not None and hidden_states.shape[1] == 1
+        step = plan is not None
         # 1. Pre-attention norm (meliad's dropout on it in the full-sequence form).
         xn = self.input_norm(hidden_states)
         if not step:
@@ -875,7 +880,7 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
         q, k, v = self.self_attn.project(xn)  # (B, T, H, d_h)
         ring = None
         if step:
-            a_self, self_w, ring = self.self_attn.step(q, k, v, layer_cache, positions, output_attentions)
+            a_self, self_w, ring = self.self_attn.step(q, k, v, layer_cache, plan, output_attentions)
         else:
             a_self, self_w = self.self_attn(q, k, v, lengths, layer_cache, positions, num_positions, output_attentions)
         # 3. The layer type's second attention (context states or recurrent state).
@@ -885,10 +890,11 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
             k,
             v,
             ring,
-            step,
+            plan,
             layer_cache,
             lengths,
             positions,
+            doc_start=doc_start,
             fill_cache=fill_cache,
             num_positions=num_positions,
             output_attentions=output_attentions,
@@ -917,18 +923,19 @@ class BSTContextLayer(BSTDecoderLayer):
         self.context = CONTEXT_BUILDERS[config.context_mode](config)
         self.cross_attn = BSTCrossAttention(config)
 
-    def attend_states(self, hidden_states, xn, k, v, ring, step, layer_cache, lengths, positions, **kwargs):
+    def attend_states(self, hidden_states, xn, k, v, ring, plan, layer_cache, lengths, positions, **kwargs):
         weights = kwargs["output_attentions"]
+        step = plan is not None
         # The SSM reads the normed input, or with ssm_input="raw" the layer input itself.
         if self.config.ssm_input == "raw":
             x = hidden_states if step else self.dropout(hidden_states)
         else:
             x = xn
         if step:
-            keys, values, mask, any_valid = self.context(self.ssm, x, layer_cache, positions, step=True)
+            keys, values, mask, any_valid = self.context(self.ssm, x, layer_cache, plan=plan)
             return self.cross_attn.step(xn, keys, values, mask, any_valid, weights)
         keys, values, mask, zero_first = self.context(
-            self.ssm, x, layer_cache, positions, lengths=lengths, fill_cache=kwargs["fill_cache"]
+            self.ssm, x, layer_cache, positions, kwargs["doc_start"], lengths=lengths, fill_cache=kwargs["fill_cache"]
         )
         return self.cross_attn(xn, keys, values, mask, zero_first, kwargs["num_positions"], weights)
 
@@ -946,16 +953,18 @@ class BSTRecurrentLayer(BSTDecoderLayer):
         self.recurrent = BSTRecurrentState(config)
         self.cross_attn = BSTCrossAttention(config)
 
-    def attend_states(self, hidden_states, xn, k, v, ring, step, layer_cache, lengths, positions, **kwargs):
+    def attend_states(self, hidden_states, xn, k, v, ring, plan, layer_cache, lengths, positions, **kwargs):
         weights = kwargs["output_attentions"]
-        if step:
-            keys, values = self.recurrent.step_keys_values(layer_cache, positions)
+        if plan is not None:
+            keys, values = self.recurrent.step_keys_values(layer_cache, plan)
             out = self.cross_attn.step(xn, keys, values, weights=weights)
-            self.recurrent.step_update(ring, layer_cache, positions)
+            self.recurrent.step_update(ring, layer_cache, plan)
             return out
         continued = layer_cache is not None and positions is not None
         previous = self.self_attn.previous_block(layer_cache, positions) if continued else None
-        keys, values = self.recurrent(k, v, previous, lengths, layer_cache, positions, kwargs["fill_cache"])
+        keys, values = self.recurrent(
+            k, v, previous, lengths, layer_cache, positions, kwargs["doc_start"], kwargs["fill_cache"]
+        )
         return self.cross_attn(xn, keys, values, num_positions=kwargs["num_positions"], weights=weights)
 
 
@@ -991,21 +1000,23 @@ class BSTGSSLayer(GradientCheckpointingLayer):
         fill_cache=False,
         num_positions=None,
         output_attentions=False,
+        doc_start=None,
+        plan=None,
     ):
         """Same contract as [`BSTDecoderLayer.forward`]; a GSS layer has no attention weights (``None``)."""
         xn = self.input_norm(hidden_states)
         u = F.gelu(self.u_proj(xn))  # (B, T, Ds)
         v = F.gelu(self.v_proj(xn))  # (B, T, F)
-        if layer_cache is not None and positions is not None and hidden_states.shape[1] == 1:
+        if plan is not None:
             # Recurrent form
-            constants = decode_memo(layer_cache, "ssm", (), self.ssm.parameters(), self.ssm.step_constants)
-            y, state = self.ssm.step(u[:, 0], layer_cache.ssm.state, constants)  # y (B, 1, Ds)
-            layer_cache.ssm.set(state)
+            constants = step_memo(plan.memo, (id(self), "ssm"), (), self.ssm.parameters(), self.ssm.step_constants)
+            y, state = self.ssm.step(u[:, 0], layer_cache.ssm_state, constants)  # y (B, 1, Ds)
+            layer_cache.set_ssm(state)
         else:
             # Full sequence form
             state0 = None
             if layer_cache is not None and positions is not None:
-                state0 = layer_cache.ssm.state
+                state0 = layer_cache.ssm_state
             if lengths is not None and self.config.bidirectional:
                 u = u * (torch.arange(u.shape[1], device=u.device)[None] < lengths[:, None]).to(u.dtype)[..., None]
             y = self.ssm(u, state0)[:, :, 0]  # (B, T, Ds)
@@ -1014,7 +1025,7 @@ class BSTGSSLayer(GradientCheckpointingLayer):
                 lens = lengths if lengths is not None else torch.full((bsz,), seq_len, device=u.device)
                 idx = torch.arange(seq_len, device=u.device)[None] - (seq_len - lens[:, None])
                 u_right = gather_rows(u, idx.clamp(min=0)) * (idx >= 0).to(u.dtype)[..., None]
-                layer_cache.ssm.set(self.ssm.final_state(u_right.detach(), state0).detach())
+                layer_cache.set_ssm(self.ssm.final_state(u_right.detach(), state0).detach())
         gated = self.y_proj(y.to(v.dtype)) * v
         h = hidden_states + self.dropout(self.o_proj(gated))
         return (h, None, None) if output_attentions else h
@@ -1240,12 +1251,12 @@ class BSTModel(BSTPreTrainedModel):
                 raise ValueError(
                     f"attention_mask has shape {tuple(attention_mask.shape)} but the input has shape {tuple(shape)}."
                 )
-        if cache is not None:
-            if not cache.is_empty and cache.positions.shape[0] != shape[0]:
-                raise ValueError(
-                    f"The cache (`cache`/`past_key_values`) holds {cache.positions.shape[0]} rows but the input has {shape[0]}."
-                )
-        decode_step = cache is not None and not cache.is_empty and shape[1] == 1
+        rows = None if cache is None else cache.layers[0]
+        if rows is not None and not rows.is_empty and rows.positions.shape[0] != shape[0]:
+            raise ValueError(
+                f"The cache (`cache`/`past_key_values`) holds {rows.positions.shape[0]} rows but the input has {shape[0]}."
+            )
+        decode_step = rows is not None and not rows.is_empty and shape[1] == 1
         if input_ids is not None and self._validate_ids(input_ids, decode_step):
             lo, hi = int(input_ids.min()), int(input_ids.max())
             if lo < 0 or hi >= cfg.vocab_size:
@@ -1268,7 +1279,7 @@ class BSTModel(BSTPreTrainedModel):
         if continuing and not tracing():
             # Unstruct decoding reads the longest document length anyway (its O(t) step). A traced step cannot check a
             # position (its graph serves every position): only the eager calls check.
-            done = int((cache.positions - cache.doc_start).max())
+            done = int((cache.layers[0].positions - cache.layers[0].doc_start).max())
         if seq_len + done > cfg.max_position_embeddings:
             raise ValueError(
                 f"unstruct BST models handle at most max_position_embeddings={cfg.max_position_embeddings} "
@@ -1303,7 +1314,7 @@ class BSTModel(BSTPreTrainedModel):
         output_hidden_states = output_hidden_states if output_hidden_states is not None else cfg.output_hidden_states
         output_attentions = self._attention_weights(output_attentions)
         if cache is not None:
-            cache = BSTCache.of(cache, cfg)  # a DynamicCache of BST layers (made by generate) reads as a BSTCache
+            own_layers(cache, cfg)  # a BSTCache, or a DynamicCache / StaticCache of BST layers (made by generate)
         bsz, seq_len = self._check_inputs(input_ids, inputs_embeds, attention_mask, cache)
         # (the causal LM head finds the documents once for itself and the model: ``_document_starts``)
         if "_document_starts" in kwargs:
@@ -1339,7 +1350,11 @@ class BSTModel(BSTPreTrainedModel):
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if use_cache and cache is None:
             cache = BSTCache(cfg, bsz)
-        chunk = _Chunk(cache, attention_mask, (bsz, seq_len), cfg, hidden.device, host_can_branch(hidden))
+        # Constants derived from parameters, kept for one decoding run (from the prefill of a cache on).
+        memo = self.__dict__.setdefault("step_memo", {})
+        if cache is not None and cache.layers[0].is_empty:
+            memo.clear()
+        chunk = _Chunk(cache, attention_mask, (bsz, seq_len), cfg, hidden.device, host_can_branch(hidden), memo)
         self._check_unstruct_length(seq_len, cache, not chunk.fresh)
         all_hidden = [hidden] if output_hidden_states else None
         all_attn, all_cross = ([], []) if output_attentions else (None, None)
@@ -1356,11 +1371,13 @@ class BSTModel(BSTPreTrainedModel):
             if all_attn is not None:
                 all_attn.append(attn)
                 all_cross.append(cross)
+        chunk.finish()
         hidden = self.norm(chunk.columns(state))
         if all_hidden is not None:
             all_hidden.append(hidden)
         if cache is not None and self.training:
-            cache.detach()
+            for layer_cache in cache.layers:
+                layer_cache.detach()
         return BaseModelOutputWithPastAndCrossAttentions(
             last_hidden_state=hidden,
             **{CACHE_NAME: cache if use_cache or given is not None else None},

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 
-from .cache_bst import host_can_branch, memoised, tracing
+from .utils_bst import host_can_branch, memoised, tracing
 
 
 def _no_autocast(device_type: str):

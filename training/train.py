@@ -642,7 +642,9 @@ class BSTTrainer(Trainer):
         if self.stream_segments and self._stream_cache is not None:
             os.makedirs(ckpt, exist_ok=True)
             path = os.path.join(ckpt, STREAM_CACHE_FILE.format(rank=self.args.process_index))
-            save_file(self._stream_cache.to_tensors(), path)
+            from training.cache_snapshot import cache_to_tensors
+
+            save_file(cache_to_tensors(self._stream_cache), path)
         if self.args.should_save:
             _fsync_write(os.path.join(ckpt, CHECKPOINT_COMPLETE), json.dumps({"global_step": self.state.global_step}))
             if limit:
@@ -657,10 +659,10 @@ class BSTTrainer(Trainer):
         if self.stream_segments and checkpoint is not None:
             path = os.path.join(checkpoint, STREAM_CACHE_FILE.format(rank=self.args.process_index))
             if os.path.exists(path):
-                from modeling_bst import BSTCache
+                from training.cache_snapshot import cache_from_tensors
 
                 tensors = load_file(path, device=str(self.args.device))
-                self._stream_cache = BSTCache.from_tensors(self.model.config, tensors)
+                self._stream_cache = cache_from_tensors(self.model.config, tensors)
 
 
 def build_listops(model_args: ModelArguments, data_args: DataArguments, train_args: TrainingArguments):

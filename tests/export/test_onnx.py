@@ -9,6 +9,7 @@ import torch
 from conftest import make_model, tiny_config
 
 from modeling_bst.ssm_bst import S4DKernel, UnstructFilter, real_arithmetic, use_real_arithmetic
+from training.cache_snapshot import cache_to_tensors
 
 
 TOL = dict(atol=1e-10, rtol=1e-10)
@@ -115,7 +116,7 @@ def test_model_in_real_arithmetic_equals_the_complex_model_in_float64(variant):
             got = model(ids[:, 13:18], past_key_values=real_prefill.past_key_values).logits
             torch.testing.assert_close(got, chunk, **TOL)
     # The real form's cache holds no complex tensor.
-    assert not any(t.is_complex() for t in real_prefill.past_key_values.to_tensors().values())
+    assert not any(t.is_complex() for t in cache_to_tensors(real_prefill.past_key_values).values())
 
 
 # -- export -------------------------------------------------------------------------------------------------------------

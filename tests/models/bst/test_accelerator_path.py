@@ -13,7 +13,7 @@ import torch
 from conftest import VARIANTS, make_model
 
 from modeling_bst import BSTCache
-from modeling_bst.cache_bst import accelerator_code_path, on_accelerator
+from modeling_bst.utils_bst import accelerator_code_path, on_accelerator
 
 
 CAUSAL = [v for v in VARIANTS if v != "trsf-xl"] + ["trsf-xl"]

@@ -10,6 +10,7 @@ from transformers import CompileConfig, DynamicCache, StaticCache
 from modeling_bst import BSTCache, BSTForCausalLM
 from modeling_bst.cache_bst import LAYER_CACHE_TYPES, BSTLayerCache
 from modeling_bst.modeling_bst import CACHE_NAME
+from training.cache_snapshot import cache_to_tensors
 
 
 GSS = {"gss-hybrid": dict(bst_layer_indices=[], gss_layer_indices=[0, 2])}
@@ -35,8 +36,7 @@ def test_dynamic_cache_of_the_config_is_made_of_bst_layers(variant):
         full = model(ids).logits
         out = model(ids[:, :9], **{CACHE_NAME: cache}, use_cache=True)
         returned = getattr(out, CACHE_NAME)
-        assert isinstance(returned, transformers.Cache) and isinstance(returned, BSTCache)
-        assert returned.layers is cache.layers  # the same layers: the cache passed in is updated too
+        assert returned is cache  # the cache passed in, updated in place
         assert cache.get_seq_length() == 9
         steps = [out.logits]
         for t in range(9, 18):
@@ -70,7 +70,8 @@ def test_generate_builds_the_default_cache_and_equals_no_cache(variant):
     ids = torch.randint(1, 97, (2, 7))
     out = model.generate(ids, max_new_tokens=9, do_sample=False, return_dict_in_generate=True)
     cache = getattr(out, CACHE_NAME)
-    assert isinstance(cache, BSTCache) and cache.get_seq_length() == 7 + 9 - 1
+    assert all(isinstance(layer, BSTLayerCache) for layer in cache.layers)
+    assert cache.get_seq_length() == 7 + 9 - 1
     plain = model.generate(ids, max_new_tokens=9, do_sample=False, use_cache=False)
     assert torch.equal(out.sequences, plain)
 
@@ -81,11 +82,11 @@ def test_rollback_through_transformers_crop_is_exact():
     ids = torch.randint(1, 97, (1, 12))
     with torch.no_grad():
         model(ids[:, :6], **{CACHE_NAME: cache}, use_cache=True)
-        before = BSTCache.of(cache, model.config).to_tensors()
+        before = cache_to_tensors(cache)
         cache.activate_past_recording()
         model(ids[:, 6:10], **{CACHE_NAME: cache})
         cache.crop(-4)  # transformers' Cache.crop, layer by layer
-        after = BSTCache.of(cache, model.config).to_tensors()
+        after = cache_to_tensors(cache)
     assert before.keys() == after.keys()
     for name in before:
         torch.testing.assert_close(after[name], before[name], atol=0, rtol=0, msg=name)
@@ -141,7 +142,7 @@ def test_static_cache_compiles_the_decode_step_in_generate_and_equals_eager(vari
             return_dict_in_generate=True,
         )
     assert hasattr(model, "_compiled_call")  # generate's own compiled forward ran the decode steps
-    assert type(getattr(out, CACHE_NAME).layers[0]).__name__.startswith("Static")
+    assert getattr(out, CACHE_NAME).is_compileable  # StaticCache: BST's layers, built static
     assert torch.equal(out.sequences, eager)
 
 

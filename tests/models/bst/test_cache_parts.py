@@ -1,16 +1,10 @@
-"""BSTCache's typed per-layer parts: which layer has which, saved names, save/load round trip, older saved caches."""
+"""A BST cache layer per layer type: which states each holds, saved names, snapshot save/load round trip."""
 
 import torch
 from conftest import tiny_config
 
 from modeling_bst import BSTCache, BSTForCausalLM
-from modeling_bst.cache_bst import (
-    AttentionCache,
-    BlockContextCache,
-    RecurrentStateCache,
-    SSMStateCache,
-    TokenContextCache,
-)
+from training.cache_snapshot import cache_from_tensors, cache_to_tensors
 
 
 def model_with_every_layer_type(context_mode="sh"):
@@ -25,30 +19,26 @@ def model_with_every_layer_type(context_mode="sh"):
     return BSTForCausalLM(config).double().eval()
 
 
-def test_each_layer_type_gets_its_typed_parts():
-    for mode, context_cls in (("sh", TokenContextCache), ("mf", BlockContextCache)):
+def test_each_layer_type_holds_its_states():
+    for mode, context in (("sh", ("ctx_k", "ctx_v", "ctx_pos")), ("mf", ("ctx_k", "ctx_v", "mf_last"))):
         cache = BSTCache(model_with_every_layer_type(mode).config, 2)
         bst, block, recurrent, gss = cache.layers
-        assert isinstance(bst.attention, AttentionCache) and isinstance(bst.ssm, SSMStateCache)
-        assert isinstance(bst.context, context_cls) and bst.recurrent is None
-        assert block.attention is not None and (block.ssm, block.context, block.recurrent) == (None, None, None)
-        assert isinstance(recurrent.recurrent, RecurrentStateCache) and recurrent.ssm is None
-        assert gss.attention is None and isinstance(gss.ssm, SSMStateCache)
+        assert bst.names == ("k", "v", "kpos", "ssm_state", *context)
+        assert block.names == ("k", "v", "kpos")
+        assert recurrent.names == ("k", "v", "kpos", "rec_state", "rec_k", "rec_v")
+        assert gss.names == ("ssm_state",)
 
 
-def test_saved_names_round_trip_and_older_saved_caches_load():
+def test_saved_names_round_trip():
     model = model_with_every_layer_type("mf")
     ids = torch.randint(0, 61, (2, 14))
     with torch.no_grad():
         cache = model(ids[:, :9], use_cache=True).past_key_values
-        tensors = {k: t.clone() for k, t in cache.to_tensors().items()}  # as written to disk
+        tensors = {k: t.clone() for k, t in cache_to_tensors(cache).items()}  # as written to disk
         names = {key.split(".", 2)[2] for key in tensors if key.startswith("layers.")}
         assert names == {"k", "v", "kpos", "ssm_state", "ctx_k", "ctx_v", "mf_last", "rec_state", "rec_k", "rec_v"}
         want = model(ids[:, 9:], past_key_values=cache).logits
-        got = model(ids[:, 9:], past_key_values=BSTCache.from_tensors(model.config, tensors)).logits
+        loaded = cache_from_tensors(model.config, tensors)
+        assert loaded.get_seq_length() == 9 and loaded.layers[0].ssm_state.is_complex()
+        got = model(ids[:, 9:], past_key_values=loaded).logits
         torch.testing.assert_close(got, want, atol=0, rtol=0)
-        # Saved by the previous layout: the S4D state as a real view, no seen_tokens.
-        old = {k: (torch.view_as_real(t) if t.is_complex() else t) for k, t in tensors.items() if k != "seen_tokens"}
-        loaded = BSTCache.from_tensors(model.config, old)
-        assert loaded.get_seq_length() == 9 and loaded.layers[0].ssm.state.is_complex()
-        torch.testing.assert_close(model(ids[:, 9:], past_key_values=loaded).logits, want, atol=0, rtol=0)

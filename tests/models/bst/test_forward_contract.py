@@ -8,7 +8,7 @@ from conftest import tiny_config
 from torch.overrides import TorchFunctionMode
 
 import modeling_bst  # noqa: F401
-from modeling_bst import BSTForCausalLM, BSTModel, attention_bst, cache_bst, context_bst, ssm_bst
+from modeling_bst import BSTForCausalLM, BSTModel, attention_bst, cache_bst, context_bst, ssm_bst, utils_bst
 from modeling_bst import modeling_bst as mb
 
 
@@ -219,7 +219,7 @@ def test_decode_step_reads_nothing_back_on_an_accelerator(variant, monkeypatch):
     with torch.no_grad():
         cache = model(ids[:, :-4], use_cache=True).past_key_values
         expected = [model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(8, 12)]
-        for module in (mb, attention_bst, cache_bst, context_bst, ssm_bst):
+        for module in (mb, attention_bst, cache_bst, context_bst, ssm_bst, utils_bst):
             if hasattr(module, "host_can_branch"):
                 monkeypatch.setattr(module, "host_can_branch", lambda t: False)
         monkeypatch.setattr(BSTModel, "_validate_ids", lambda self, input_ids, decode_step: not decode_step)
@@ -329,7 +329,7 @@ def test_generate_takes_a_returned_cache_under_the_installed_name():
     for name in ("cache", "past_key_values"):
         first = model.generate(ids, max_new_tokens=4, **kwargs)
         cache = first[mb.CACHE_NAME]
-        assert isinstance(cache, mb.BSTCache)
+        assert all(isinstance(layer, mb.BSTLayerCache) for layer in cache.layers)
         if name != mb.CACHE_NAME and mb.CACHE_NAME == "past_key_values":
             with pytest.raises(ValueError, match="past_key_values"):
                 model.generate(first.sequences, max_new_tokens=4, **kwargs, **{name: cache})

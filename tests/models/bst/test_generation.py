@@ -23,6 +23,8 @@ from conftest import make_model, tiny_config
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from modeling_bst import BSTCache, BSTForCausalLM
+from modeling_bst.cache_bst import BSTLayerCache
+from training.cache_snapshot import cache_nbytes
 
 
 # The variants of issue #12's generation checklist.
@@ -258,7 +260,7 @@ def test_continuing_from_the_returned_cache_equals_one_generate(variant):
     ids[1, :3] = PAD
     whole = model.generate(ids, attention_mask=mask, max_new_tokens=2 * NEW, do_sample=False)
     first = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True)
-    assert isinstance(first.past_key_values, BSTCache)
+    assert all(isinstance(layer, BSTLayerCache) for layer in first.past_key_values.layers)
     assert first.past_key_values.get_seq_length() == PROMPT_LEN + NEW - 1  # the last token is not processed yet
     mask2 = torch.cat([mask, torch.ones(2, NEW, dtype=mask.dtype)], 1)
     second = model.generate(
@@ -367,7 +369,7 @@ def test_cache_size_does_not_grow_with_decoded_tokens():
         for step in range(200):
             model(token, past_key_values=cache, use_cache=True)
             if step in (20, 199):
-                sizes.append(cache.nbytes())
+                sizes.append(cache_nbytes(cache))
     assert sizes[0] == sizes[1]
     assert cache.get_seq_length() == 9 + 200
 
@@ -452,6 +454,6 @@ def test_fifty_thousand_decoded_tokens_do_not_leak_memory():
         for step in range(50_000):
             model(token, past_key_values=cache, use_cache=True)
             if step == 999:
-                cache_1k, rss_1k = cache.nbytes(), _rss_bytes()
-    assert cache.nbytes() == cache_1k
+                cache_1k, rss_1k = cache_nbytes(cache), _rss_bytes()
+    assert cache_nbytes(cache) == cache_1k
     assert _rss_bytes() - rss_1k < 16 * 2**20, (rss_1k, _rss_bytes())

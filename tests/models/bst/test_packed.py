@@ -59,7 +59,7 @@ def test_a_packed_row_equals_its_documents_run_apart(variant):
 @pytest.mark.parametrize("variant", ["mh-s4", "bst-brect"])
 def test_the_accelerator_code_path(variant):
     """On an accelerator (no host reads in the layers; emulated on the CPU) a packed row equals its documents too."""
-    from modeling_bst.cache_bst import accelerator_code_path
+    from modeling_bst.utils_bst import accelerator_code_path
 
     model = make_model(variant, dtype=torch.float64)
     docs = docs_of(LENGTHS)

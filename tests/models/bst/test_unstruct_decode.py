@@ -10,10 +10,10 @@ import torch
 import torch.utils._pytree as pytree
 from conftest import DecodeStep, make_model
 
-from modeling_bst import BSTCache
-from modeling_bst.cache_bst import SSMStateCache
+from modeling_bst.cache_bst import BSTContextLayerCache
 from modeling_bst.context_bst import BSTContextStates
 from modeling_bst.ssm_bst import UnstructFilter
+from training.cache_snapshot import cache_from_tensors, cache_to_tensors
 
 
 CHUNK = 5  # M: small, so that a few dozen steps cross several chunk (and W = 4 block) boundaries
@@ -34,7 +34,7 @@ def set_chunk(model, chunk):
 
 
 def ssm_parts(cache):
-    return [layer.ssm for layer in cache.layers if layer.ssm is not None]
+    return [layer for layer in cache.layers if getattr(layer, "ssm_state", None) is not None]
 
 
 def tokens(rows, length, seed):
@@ -98,7 +98,7 @@ def test_chunked_steps_equal_parallel_forward_for_padded_rows(mode):
     cfg = model.config
     assert all(p.pending is not None for p in parts)
     assert all(p.pending.shape == (2, cfg.ssm_output_channels, cfg.ssm_channels, CHUNK) for p in parts)
-    assert all(p.state.shape == (2, cfg.ssm_channels, cfg.max_position_embeddings) for p in parts)
+    assert all(p.ssm_state.shape == (2, cfg.ssm_channels, cfg.max_position_embeddings) for p in parts)
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 3, 7])
@@ -235,9 +235,9 @@ def test_saved_cache_round_trip_mid_chunk():
     first, after = tokens(2, 8, seed=19), tokens(2, 9, seed=20)
     with torch.no_grad():
         _, cache = step_logits(model, model(ids, use_cache=True).past_key_values, first)
-        saved = {k: t.clone() for k, t in cache.to_tensors().items()}
+        saved = {k: t.clone() for k, t in cache_to_tensors(cache).items()}
         assert not any("pending" in k for k in saved)
-        loaded = BSTCache.from_tensors(model.config, saved)
+        loaded = cache_from_tensors(model.config, saved)
         assert all(p.pending is None for p in ssm_parts(loaded))
         want, _ = step_logits(model, cache, after)
         got, _ = step_logits(model, loaded, after)
@@ -280,7 +280,7 @@ def test_pending_is_not_a_pytree_leaf():
     with torch.no_grad():
         _, cache = step_logits(model, model(tokens(2, 12, seed=23), use_cache=True).past_key_values, tokens(2, 3, 24))
     names = [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(cache)[0]]
-    assert {n[2:-2] for n in names} == set(cache.to_tensors())
+    assert {n[2:-2] for n in names} == set(cache_to_tensors(cache))
     rebuilt = pytree.tree_unflatten(*pytree.tree_flatten(cache))
     assert all(p.pending is None for p in ssm_parts(rebuilt))
 
@@ -290,41 +290,48 @@ def test_history_is_not_copied_per_step():
     model = unstruct_model("sh")
     with torch.no_grad():
         _, cache = step_logits(model, model(tokens(1, 12, seed=25), use_cache=True).past_key_values, tokens(1, 2, 26))
-        before = [p.state.untyped_storage().data_ptr() for p in ssm_parts(cache)]
+        before = [p.ssm_state.untyped_storage().data_ptr() for p in ssm_parts(cache)]
         _, cache = step_logits(model, cache, tokens(1, 3, seed=27))
-        after = [p.state.untyped_storage().data_ptr() for p in ssm_parts(cache)]
+        after = [p.ssm_state.untyped_storage().data_ptr() for p in ssm_parts(cache)]
     assert before == after
 
 
 # -- mutations: the checks above catch a chunk that is not refreshed, reset or reordered --------------------------
 def stale_chunk(self, size):
-    """A broken ``SSMStateCache.chunk``: an exhausted chunk is reused from its start instead of recomputed."""
+    """A broken ``BSTLayerCache.chunk``: an exhausted chunk is reused from its start instead of recomputed."""
     if self.pending is None:
         return None
     return self.pending, self.pending_offset % size
 
 
 def test_mutation_skipping_the_chunk_refresh_fails(monkeypatch):
-    monkeypatch.setattr(SSMStateCache, "chunk", stale_chunk)
+    monkeypatch.setattr(BSTContextLayerCache, "chunk", stale_chunk)
     with pytest.raises(AssertionError):
         padded_decode_case(unstruct_model("sh"))
 
 
 def test_mutation_reset_keeping_the_chunk_fails(monkeypatch):
-    original = SSMStateCache.reset
+    original = BSTContextLayerCache.reset_rows
 
     def reset_history_only(self, rows):
         pending = self.pending
         original(self, rows)
         self.pending = pending
 
-    monkeypatch.setattr(SSMStateCache, "reset", reset_history_only)
+    monkeypatch.setattr(BSTContextLayerCache, "reset_rows", reset_history_only)
     with pytest.raises(AssertionError):
         test_document_reset_inside_a_chunk()
 
 
 def test_mutation_reorder_without_the_chunk_fails(monkeypatch):
-    monkeypatch.setattr(SSMStateCache, "apply", lambda self, fn: super(SSMStateCache, self).apply(fn))
+    original = BSTContextLayerCache._apply
+
+    def apply_without_chunk(self, fn):
+        pending, self.pending = self.pending, None
+        original(self, fn)
+        self.pending = pending
+
+    monkeypatch.setattr(BSTContextLayerCache, "_apply", apply_without_chunk)
     with pytest.raises((AssertionError, RuntimeError)):
         test_reorder_cache_selects_chunk_rows()
 
@@ -333,7 +340,7 @@ def test_mutation_traced_step_keeping_the_chunk_fails(monkeypatch):
     original = BSTContextStates._step_ssm
 
     def keep_chunk(self, ssm, xn, layer_cache, p, output=True, chunked=False):
-        part = layer_cache.ssm
+        part = layer_cache
         kept = (part.pending, part.pending_offset)
         y = original(self, ssm, xn, layer_cache, p, output, chunked)
         if torch.compiler.is_compiling():
