@@ -79,8 +79,9 @@ from benchmarks.bench_common import (
     read_partial,
     write_json_atomic,
 )
-from benchmarks.docs_section import BENCHMARKS_MD, cpu_name, write_section
+from benchmarks.docs_section import BENCHMARKS_MD, write_section
 from modeling_bst import BSTConfig, BSTForCausalLM
+from reporting import cpu_name
 
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -25,8 +25,9 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MambaConfi
 
 import modeling_bst
 from benchmarks.bench_common import RowLog, device_arg, non_negative_int, positive_int
-from benchmarks.docs_section import clock, cpu_name, device_name, write_section
+from benchmarks.docs_section import clock, write_section
 from modeling_bst import BSTConfig, BSTForCausalLM
+from reporting import cpu_name, device_name
 
 
 ROOT = Path(__file__).resolve().parents[1]

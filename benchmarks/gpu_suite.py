@@ -61,7 +61,8 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from benchmarks.bench_common import RowLog, positive_float, write_json_atomic  # noqa: E402
-from benchmarks.docs_section import clock, device_name  # noqa: E402
+from benchmarks.docs_section import clock  # noqa: E402
+from reporting import device_name  # noqa: E402
 
 
 SCHEMA = "bst-gpu-suite/1"

@@ -41,8 +41,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import modeling_bst  # noqa: F401
 from benchmarks import train_throughput as tt
 from benchmarks.bench_common import RowLog, positive_int
-from benchmarks.docs_section import cpu_name, write_section
+from benchmarks.docs_section import write_section
 from modeling_bst.cache_bst import accelerator_code_path
+from reporting import cpu_name
 
 
 ROOT = Path(__file__).resolve().parents[1]
