@@ -27,8 +27,9 @@ os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
 import torch
 
 from benchmarks.bench_common import RowLog, existing_file, positive_int
-from benchmarks.docs_section import cpu_name, tune_malloc, write_section
+from benchmarks.docs_section import tune_malloc, write_section
 from modeling_bst import BSTConfig, BSTForCausalLM, ssm_bst
+from reporting import cpu_name
 
 
 def _inductor_fft_conv(u, k_f):

@@ -79,9 +79,9 @@ from benchmarks.bench_common import (
     read_partial,
     write_json_atomic,
 )
-from benchmarks.docs_section import BENCHMARKS_MD, cpu_name, write_section
+from benchmarks.docs_section import BENCHMARKS_MD, write_section
 from modeling_bst import BSTConfig, BSTForCausalLM
-from modeling_bst.modeling_bst import CACHE_NAME  # the installed transformers' name: `cache` (5.x) or past_key_values
+from reporting import cpu_name
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -226,9 +226,9 @@ def prefill(name: str, model, ids, synthetic: bool = False):
             cache.update(k, v, i)
     elif name.startswith("Llama"):
         cache = DynamicCache(config=model.config)
-        model(ids, use_cache=True, logits_to_keep=1, **{CACHE_NAME: cache})
+        model(ids, use_cache=True, logits_to_keep=1, past_key_values=cache)
     else:
-        cache = getattr(model(ids, use_cache=True, logits_to_keep=1), CACHE_NAME)
+        cache = model(ids, use_cache=True, logits_to_keep=1).past_key_values
     return cache, time.perf_counter() - start
 
 
@@ -266,7 +266,7 @@ def decode_once(name: str, model, cache1, ids, batch: int, new_tokens: int) -> d
         do_sample=False,
         streamer=clock,
         pad_token_id=0,
-        **{CACHE_NAME: cache},
+        past_key_values=cache,
     )
     peak = rss_bytes("VmHWM") - base
     steps = len(clock.times) - 2  # the prompt's put and the first token's (generate's own first forward)

@@ -1,27 +1,15 @@
-"""Shared by the benchmark scripts: the machine's CPU name, allocator tuning, device timing, and replacing one marked
-section of docs/benchmarks.md."""
+"""Shared by the benchmark scripts: allocator tuning, device timing, and replacing one marked section of
+docs/benchmarks.md (the machine's name and the section writer itself are ``reporting``'s, shared with research/)."""
 
-import platform
 import time
 from pathlib import Path
 
 import torch
 
+import reporting
+
 
 BENCHMARKS_MD = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
-
-
-def device_name(device: str) -> str:
-    """The accelerator's name for ``cuda`` (e.g. ``NVIDIA H100 80GB HBM3``), the CPU's otherwise."""
-    return torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else cpu_name()
 
 
 def clock(device: str) -> float:
@@ -49,13 +37,5 @@ def tune_malloc() -> bool:
 
 
 def write_section(name: str, lines: list[str], path: Path = BENCHMARKS_MD):
-    """Write ``lines`` between ``<!-- name:start -->`` and ``<!-- name:end -->``, leaving other sections alone."""
-    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
-    section = "\n".join([start, *lines, end])
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if start in text and end in text:
-        head, rest = text.split(start, 1)
-        text = head + section + rest.split(end, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(text)
+    """[`reporting.write_section`] into docs/benchmarks.md unless ``path`` names another page."""
+    reporting.write_section(name, lines, Path(path), heading="# Benchmarks\n")

@@ -100,7 +100,8 @@ def write_docs(rows: list[dict], budget_gib: float) -> None:
     import torch
     import transformers
 
-    from benchmarks.docs_section import cpu_name, write_section
+    from benchmarks.docs_section import write_section
+    from reporting import cpu_name
 
     out_dir = ROOT / "docs" / "benchmarks"
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -20,8 +20,9 @@ from transformers import CompileConfig
 
 import modeling_bst  # noqa: F401
 from benchmarks.bench_common import RowLog, device_arg, positive_int, write_json_atomic
-from benchmarks.docs_section import clock, device_name, write_section
+from benchmarks.docs_section import clock, write_section
 from modeling_bst import BSTConfig, BSTForCausalLM
+from reporting import device_name
 
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -25,9 +25,9 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MambaConfi
 
 import modeling_bst
 from benchmarks.bench_common import RowLog, device_arg, non_negative_int, positive_int
-from benchmarks.docs_section import clock, cpu_name, device_name, write_section
+from benchmarks.docs_section import clock, write_section
 from modeling_bst import BSTConfig, BSTForCausalLM
-from modeling_bst.modeling_bst import CACHE_NAME  # the installed transformers' name for a model's cache
+from reporting import cpu_name, device_name
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,14 +101,14 @@ def measure(kind: str, model, context: int, steps: int, device: str = "cpu", ste
         return best * 1000, 0
     if kind == "llama-static":
         cache = StaticCache(config=model.config, max_cache_len=context + steps + 8)
-        out = model(ids, use_cache=True, logits_to_keep=1, **{CACHE_NAME: cache})
+        out = model(ids, use_cache=True, logits_to_keep=1, past_key_values=cache)
     elif kind == "llama-dynamic":
-        out = model(ids, use_cache=True, logits_to_keep=1, **{CACHE_NAME: DynamicCache(config=model.config)})
+        out = model(ids, use_cache=True, logits_to_keep=1, past_key_values=DynamicCache(config=model.config))
     elif kind == "mamba":
         out = model(ids, use_cache=True)
     else:
         out = model(ids, use_cache=True, logits_to_keep=1)
-    cache = getattr(out, CACHE_NAME, None)
+    cache = getattr(out, "past_key_values", None)
     if cache is None:
         cache = getattr(out, "cache_params", None)
     position = context
@@ -121,11 +121,11 @@ def measure(kind: str, model, context: int, steps: int, device: str = "cpu", ste
             cache = out.cache_params
         elif kind.startswith("llama"):
             pos = torch.tensor([[position]], device=device)
-            out = step_model(token, use_cache=True, position_ids=pos, **{CACHE_NAME: cache})
-            cache = getattr(out, CACHE_NAME)
+            out = step_model(token, use_cache=True, position_ids=pos, past_key_values=cache)
+            cache = out.past_key_values
         else:
-            out = step_model(token, use_cache=True, **{CACHE_NAME: cache})
-            cache = getattr(out, CACHE_NAME)
+            out = step_model(token, use_cache=True, past_key_values=cache)
+            cache = out.past_key_values
         position += 1
         if i >= 2:
             times.append(clock(device) - start)
@@ -159,13 +159,13 @@ def compiled_max_diff(kind: str, model, step_model, device: str, context: int = 
         cache = StaticCache(config=model.config, max_cache_len=context + steps + 8)
     else:
         cache = DynamicCache(config=model.config) if kind == "llama-dynamic" else None
-    out = model(ids, use_cache=True, logits_to_keep=1, **{CACHE_NAME: cache})
-    caches = [getattr(out, CACHE_NAME), copy.deepcopy(getattr(out, CACHE_NAME))]
+    out = model(ids, use_cache=True, logits_to_keep=1, past_key_values=cache)
+    caches = [out.past_key_values, copy.deepcopy(out.past_key_values)]
     token, diff = out.logits[:, -1:].argmax(-1), 0.0
     for t in range(steps):
         extra = {"position_ids": torch.tensor([[context + t]], device=device)} if kind.startswith("llama") else {}
-        a = model(token, use_cache=True, **extra, **{CACHE_NAME: caches[0]}).logits
-        b = step_model(token, use_cache=True, **extra, **{CACHE_NAME: caches[1]}).logits
+        a = model(token, use_cache=True, **extra, past_key_values=caches[0]).logits
+        b = step_model(token, use_cache=True, **extra, past_key_values=caches[1]).logits
         diff = max(diff, (a.float() - b.float()).abs().max().item())
         token = a[:, -1:].argmax(-1)
     return diff

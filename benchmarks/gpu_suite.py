@@ -61,7 +61,8 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from benchmarks.bench_common import RowLog, positive_float, write_json_atomic  # noqa: E402
-from benchmarks.docs_section import clock, device_name  # noqa: E402
+from benchmarks.docs_section import clock  # noqa: E402
+from reporting import device_name  # noqa: E402
 
 
 SCHEMA = "bst-gpu-suite/1"
@@ -431,15 +432,15 @@ def measure_batch(kind: str, model, context: int, steps: int, device: str, batch
         cache = gs.StaticCache(config=model.config, max_cache_len=context + steps + 8)
     else:
         cache = gs.DynamicCache(config=model.config) if kind == "llama-dynamic" else None
-    out = model(ids, use_cache=True, logits_to_keep=1, **{gs.CACHE_NAME: cache})
-    cache, best = getattr(out, gs.CACHE_NAME), float("inf")
+    out = model(ids, use_cache=True, logits_to_keep=1, past_key_values=cache)
+    cache, best = out.past_key_values, float("inf")
     for i in range(steps + 2):
         extra = (
             {"position_ids": torch.full((batch, 1), context + i, device=device)} if kind.startswith("llama") else {}
         )
         start = clock(device)
-        out = step_model(token, use_cache=True, **extra, **{gs.CACHE_NAME: cache})
-        cache = getattr(out, gs.CACHE_NAME)
+        out = step_model(token, use_cache=True, **extra, past_key_values=cache)
+        cache = out.past_key_values
         if i >= 2:
             best = min(best, clock(device) - start)
     return best * 1000, gs.tensor_bytes(cache)

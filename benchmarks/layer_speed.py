@@ -60,8 +60,9 @@ from benchmarks.bench_common import (
     positive_float,
     positive_int,
 )
-from benchmarks.docs_section import clock, device_name, tune_malloc
+from benchmarks.docs_section import clock, tune_malloc
 from modeling_bst import BSTConfig, BSTModel
+from reporting import device_name
 
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -40,9 +40,10 @@ from benchmarks import (
     layer_speed,
 )
 from benchmarks.bench_common import RowLog, existing_file, positive_int
-from benchmarks.docs_section import clock, cpu_name, tune_malloc, write_section
+from benchmarks.docs_section import clock, tune_malloc, write_section
 from modeling_bst import ssm_bst
 from modeling_bst.context_bst import MH_SEGMENT_LEN, TokenContextStates
+from reporting import cpu_name
 
 
 ROOT = Path(__file__).resolve().parents[1]

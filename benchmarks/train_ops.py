@@ -42,9 +42,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import modeling_bst  # noqa: F401
 from benchmarks import train_throughput as tt
 from benchmarks.bench_common import RowLog, positive_int
-from benchmarks.docs_section import cpu_name, write_section
-from modeling_bst.modeling_bst import CACHE_NAME
+from benchmarks.docs_section import write_section
 from modeling_bst.utils_bst import accelerator_code_path
+from reporting import cpu_name
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -246,13 +246,13 @@ def count_decode(kind: str, context: int, accelerator: bool, size: str = NARROW,
         cache = transformers.StaticCache(config=model.config, max_cache_len=context + warmup + 8)
     counter = OpCounter()
     with accelerator_code_path(accelerator):
-        out = model(ids, use_cache=True, logits_to_keep=1, **{CACHE_NAME: cache})
-        cache = getattr(out, CACHE_NAME)
+        out = model(ids, use_cache=True, logits_to_keep=1, past_key_values=cache)
+        cache = out.past_key_values
         for i in range(warmup + 1):
             extra = {"position_ids": torch.tensor([[context + i]])} if kind == "llama" else {}
             with counter if i == warmup else _nothing():
-                out = model(token, use_cache=True, **extra, **{CACHE_NAME: cache})
-            cache = getattr(out, CACHE_NAME)
+                out = model(token, use_cache=True, **extra, past_key_values=cache)
+            cache = out.past_key_values
     s = counter.summary()
     return dict(
         part="decode",

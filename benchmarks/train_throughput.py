@@ -31,8 +31,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import modeling_bst  # noqa: F401
 from benchmarks.bench_common import DTYPE_ALIASES, RowLog, alias_choice, device_arg, positive_int
-from benchmarks.docs_section import clock, cpu_name, device_name, tune_malloc, write_section
+from benchmarks.docs_section import clock, tune_malloc, write_section
 from modeling_bst import BSTConfig, BSTForCausalLM
+from reporting import cpu_name, device_name
 
 
 ROOT = Path(__file__).resolve().parents[1]

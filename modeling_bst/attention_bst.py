@@ -123,7 +123,7 @@ def use_flex(module, q: torch.Tensor, dropout: float, *tensors: torch.Tensor) ->
 def flex_kernel(device_type: str):
     """The FlexAttention kernel for ``device_type``, or None where none is exact: on accelerators transformers'
     [`compile_friendly_flex_attention`] (compiled once; uncompiled inside a compiled region); on CPU none. In torch
-    2.13 inductor's compiled CPU kernel is wrong at some lengths (issue #45, float32: 8, 24, 40, 56, 72 and 120 tokens
+    2.13 inductor's compiled CPU kernel is wrong at some lengths (float32: 8, 24, 40, 56, 72 and 120 tokens
     with a causal mask, also 152, 232, 264 and 520 without one: every length = 8 mod 16 of 27 measured in 1-520; NaN
     at some), and its unfused form materialises the dense scores (the SDPA path does not)."""
     return None if device_type == "cpu" else compile_friendly_flex_attention

@@ -27,8 +27,8 @@ Departures from the paper / meliad, each a config field (see docs/paper-mapping.
 * the SH/MH triangular cross mask is inclusive (j <= i) by default.
 """
 
+import functools
 import math
-import re
 from dataclasses import fields
 
 import torch
@@ -66,24 +66,31 @@ from .utils_bst import constant_memo, gather_rows, host_can_branch, maybe_any, o
 
 logger = logging.get_logger(__name__)
 
-# transformers 5.24 renamed the cache that a model's ``forward`` takes and returns, and that ``generate`` keeps among
-# its model kwargs, from ``past_key_values`` to ``cache`` (the old name stays a deprecated alias there until 5.40).
-# BST's forwards take either name and return the cache under the installed transformers' name.
+# The name of a model's cache among ``forward``'s arguments, ``generate``'s model kwargs and the outputs in the
+# installed transformers: ``cache`` from transformers 5.24 on (which reads ``past_key_values`` as a deprecated alias),
+# ``past_key_values`` in 5.23. The outputs are built under this name; [`cache_argument`] takes either on input.
 CACHE_NAME = (
     "cache" if "cache" in {f.name for f in fields(BaseModelOutputWithPastAndCrossAttentions)} else "past_key_values"
 )
 
 
-def resolve_cache_argument(cache, past_key_values):
-    """The cache a forward was given under either name (``cache``; ``past_key_values`` before transformers 5.24)."""
-    if past_key_values is None:
-        return cache
-    if cache is not None and cache is not past_key_values:
-        raise ValueError(
-            "Got two different caches, `cache` and `past_key_values`: pass the BSTCache once (`past_key_values` is "
-            "the name transformers used before 5.24)."
-        )
-    return past_key_values
+def cache_argument(forward):
+    """Decorates a ``forward(..., cache=None, ...)`` so that it also takes the cache as ``past_key_values`` (the name
+    of every supported transformers version), as transformers' ``deprecate_kwarg`` renames an argument. The same cache
+    under both names is one cache; two different ones raise."""
+
+    @functools.wraps(forward)
+    def wrapper(*args, **kwargs):
+        if "past_key_values" in kwargs:
+            other, cache = kwargs.pop("past_key_values"), kwargs.get("cache")
+            if cache is not None and other is not None and cache is not other:
+                raise ValueError(
+                    "Got two different caches, `cache` and `past_key_values`: pass the BSTCache once, under either name."
+                )
+            kwargs["cache"] = other if cache is None else cache
+        return forward(*args, **kwargs)
+
+    return wrapper
 
 
 def eager_attention_forward(module, query, key, value, attention_mask, scaling=1.0, dropout=0.0, **kwargs):
@@ -1040,13 +1047,6 @@ DECODER_LAYER_CLASSES = {
 }
 
 
-# Parameter names that only earlier layouts of the package wrote (see ``training/convert_checkpoint.py``).
-EARLIER_LAYOUT_KEY = re.compile(
-    r"(^|\.)layers\.\d+\.(cross_attn\.(context|recurrent)\.|context\.ssm\.|q2_proj\.|self_scale$|cross_scale$"
-    r"|(q|k)_proj\.weight$|relative_bias\.|up_proj\.weight$|down_proj\.weight$)"
-)
-
-
 def load_offloaded_layers_whole(model):
     """Makes every decoder layer (``_no_split_modules``) that a ``device_map`` offloaded load all of its weights when
     the layer is called. accelerate hooks each offloaded module with direct weights to load them when *that module*
@@ -1157,22 +1157,11 @@ class BSTPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """[`PreTrainedModel.from_pretrained`]. A checkpoint whose parameter names are those of an earlier layout of
-        this package raises an error naming the command that converts it (instead of loading with fresh weights).
-        Layers offloaded by a ``device_map`` (to the CPU or disk) load whole ([`load_offloaded_layers_whole`])."""
-        want_info = kwargs.pop("output_loading_info", False)
-        model, info = super().from_pretrained(
-            pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
-        )
-        earlier = sorted(k for k in info.get("unexpected_keys", ()) if EARLIER_LAYOUT_KEY.search(k))
-        if earlier:
-            raise ValueError(
-                f"{pretrained_model_name_or_path} holds parameters named as in an earlier layout of modeling_bst "
-                f"(e.g. {earlier[0]!r}). Convert it once with `python -m training.convert_checkpoint "
-                f"{pretrained_model_name_or_path} <new folder>` and load the new folder."
-            )
-        load_offloaded_layers_whole(model)
-        return (model, info) if want_info else model
+        """[`PreTrainedModel.from_pretrained`], with the layers that a ``device_map`` offloads (to the CPU or disk)
+        loading whole ([`load_offloaded_layers_whole`])."""
+        loaded = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        load_offloaded_layers_whole(loaded[0] if isinstance(loaded, tuple) else loaded)
+        return loaded
 
     def resize_token_embeddings(self, *args, **kwargs):
         """As transformers' (which sets ``config.vocab_size``), keeping ``config.logit_scale``: a trained model's
@@ -1286,6 +1275,7 @@ class BSTModel(BSTPreTrainedModel):
                 f"tokens (the filter length); got {seq_len + done}. Use ssm_kind='s4' for longer sequences."
             )
 
+    @cache_argument
     @can_return_tuple
     def forward(
         self,
@@ -1296,17 +1286,16 @@ class BSTModel(BSTPreTrainedModel):
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
-        past_key_values: BSTCache | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPastAndCrossAttentions:
-        """``cache``: a [`BSTCache`] to continue (``past_key_values`` is its name before transformers 5.24; either
-        works). The output holds the cache under the installed transformers' name (``cache`` from 5.24 on).
+        """``cache`` (or ``past_key_values``, [`cache_argument`]): a [`BSTCache`] to continue. The output holds the
+        cache under the installed transformers' name ([`CACHE_NAME`]).
 
         Every input is a chunk that continues the cache, which is empty for a fresh sequence ([`_Chunk`]). A packed
         row (several documents: ``position_ids`` that restart, or ``cu_seq_lens_q/k``, in ``kwargs``) runs each
         document as a row of its own and equals the documents run apart ([`_Documents`]); it takes no cache."""
         cfg = self.config
-        cache = given = None if cfg.bidirectional else resolve_cache_argument(cache, past_key_values)
+        cache = given = None if cfg.bidirectional else cache
         asked_cache = use_cache
         use_cache = (
             use_cache if use_cache is not None else cfg.use_cache and not self.training
@@ -1423,6 +1412,7 @@ class BSTForCausalLM(BSTPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
 
+    @cache_argument
     @can_return_tuple
     def forward(
         self,
@@ -1435,17 +1425,15 @@ class BSTForCausalLM(BSTPreTrainedModel, GenerationMixin):
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        past_key_values: BSTCache | None = None,
         **kwargs,
     ) -> CausalLMOutputWithCrossAttentions:
-        """Causal LM forward. ``labels`` `(B, T)` are the input ids (shifted inside; -100 is ignored). ``cache`` as
-        in [`BSTModel.forward`] (``past_key_values`` is its name before transformers 5.24)."""
+        """Causal LM forward. ``labels`` `(B, T)` are the input ids (shifted inside; -100 is ignored). ``cache`` (or
+        ``past_key_values``) as in [`BSTModel.forward`]."""
         starts = _Documents.starts(kwargs, attention_mask, _input_shape(input_ids, inputs_embeds))
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             cache=cache,
-            past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,

@@ -175,7 +175,7 @@ def merge_records(previous: dict, new: dict) -> dict:
 
 
 def report(record: dict, docs: Path | None) -> str:
-    from benchmarks.docs_section import write_section
+    from reporting import write_section
 
     lines = [
         "## How much each BST uses its SSM's context states",

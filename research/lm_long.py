@@ -171,7 +171,7 @@ def record_path(model: str, seed: int, proto: Protocol = CPU) -> Path:
 
 
 def _cpu() -> str:
-    from benchmarks.docs_section import cpu_name
+    from reporting import cpu_name
 
     return cpu_name()
 
@@ -759,7 +759,7 @@ def _books_table(records: list[dict], lengths: tuple[int, int], proto: Protocol 
 def report(results_dir: Path | None = None, docs: Path | None | str = "default", proto: Protocol = CPU) -> str:
     """Table-1-style table (mean and spread over seeds), learning curves and length generalisation (one PNG), written
     into the protocol's section (``lm_long`` for the CPU one) of ``docs`` (None: only returned)."""
-    from benchmarks.docs_section import cpu_name, write_section
+    from reporting import cpu_name, write_section
 
     docs = proto.docs if docs == "default" else docs
     records = load_records(results_dir or proto.results)

@@ -197,7 +197,7 @@ def plot(results: dict, path: Path) -> None:
 def report(results_dir: Path = RESULTS, docs: Path | None = common.DOCS) -> str:
     """The Table-1-style table and the length-generalisation table + plot (``docs/results/lm_quality.png``) from the
     run JSONs; written into the ``lm_quality`` section of ``docs`` (None: only returned)."""
-    from benchmarks.docs_section import cpu_name, write_section
+    from reporting import cpu_name, write_section
 
     results = load_results(results_dir)
     if not results:

@@ -512,7 +512,7 @@ def train_and_eval(
     identity = dict(settings, model=model, length=length, num_pairs=num_pairs, seed=seed)
     if overrides:  # (runs without overrides keep the identity of checkpoints written before --set existed)
         identity["overrides"] = overrides
-    from benchmarks.docs_section import device_name
+    from reporting import device_name
 
     machine = {"device": device, "device_name": device_name(device)}
     sitting = {"git_commit": git_commit(), "torch_threads": torch.get_num_threads(), **machine}
@@ -854,7 +854,7 @@ def _folder(path: Path) -> str:
 def _machine(records: list[dict]) -> tuple[str, bool]:
     """The machines the records ran on (``settings.device_name``; this machine's CPU name for CPU records written
     before device names were recorded) and whether every run was on the CPU."""
-    from benchmarks.docs_section import cpu_name
+    from reporting import cpu_name
 
     names, on_cpu = [], True
     for r in records:
@@ -947,7 +947,7 @@ def report(
     (None: each budget's own grid). The text names ``results_dir`` and the machine of the records; the CPU
     protocol's section (``mqar``) also says that its runs shared the 2-core CPU with other runs (so its wall times are
     not a speed benchmark)."""
-    from benchmarks.docs_section import write_section
+    from reporting import write_section
 
     check_section(section)
     records = load_results(results_dir)

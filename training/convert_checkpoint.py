@@ -2,7 +2,8 @@
 
     python -m training.convert_checkpoint OLD_FOLDER NEW_FOLDER
 
-``from_pretrained`` refuses such a folder with an error naming this command. The weights keep their values and
+The model's code knows only the current names: loaded directly, such a folder's renamed parameters are left out
+(transformers' load report lists them as unexpected, their layers keep fresh weights). The weights keep their values and
 dtypes (only names change, so the converted model's logits are those of the original), the config is rewritten by the
 current ``BSTConfig``, the folder gets the current modeling code (``trust_remote_code`` loads it) and every other file
 (tokenizer, generation config, model card, training records) is copied unchanged. Safetensors only: a pickled

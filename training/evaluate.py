@@ -85,13 +85,11 @@ def window_nll(model, inputs, targets, chunk_size: int = 0, cache=None, keep_cac
     use_cache = keep_cache or cache is not None or (0 < chunk_size < T)
     if not use_cache:
         return _nll(model(inputs, use_cache=False).logits, targets), None
-    from modeling_bst.modeling_bst import CACHE_NAME  # the installed transformers' name for a model's cache
-
     step = chunk_size if chunk_size > 0 else T
     total = torch.zeros((), dtype=torch.float64)
     for s in range(0, T, step):
-        out = model(inputs[:, s : s + step], use_cache=True, **{CACHE_NAME: cache})
-        cache = getattr(out, CACHE_NAME)
+        out = model(inputs[:, s : s + step], use_cache=True, past_key_values=cache)
+        cache = out.past_key_values
         total += _nll(out.logits, targets[:, s : s + step])
     return total, cache
 

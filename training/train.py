@@ -620,11 +620,9 @@ class BSTTrainer(Trainer):
         cache = self._stream_cache
         if cache is not None and doc_start is not None:
             cache.reset_rows(doc_start)
-        from modeling_bst.modeling_bst import CACHE_NAME  # the installed transformers' name for a model's cache
-
-        inputs = dict(stream_inputs(inputs), use_cache=True, **{CACHE_NAME: cache})
+        inputs = dict(stream_inputs(inputs), use_cache=True, past_key_values=cache)
         loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
-        new_cache = getattr(outputs, CACHE_NAME)
+        new_cache = outputs.past_key_values
         self._stream_cache = new_cache.detach() if hasattr(new_cache, "detach") else new_cache
         return (loss, outputs) if return_outputs else loss
 

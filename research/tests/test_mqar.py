@@ -286,7 +286,7 @@ def test_report_names_its_section_folder_and_machine(tmp_path, monkeypatch):
     """`--section NAME` writes section NAME of `--docs` and results/NAME.png beside it, whatever the output folder;
     the text names that folder and the records' machine (the GPU's name for CUDA records; the "other runs"
     sentence only in the CPU protocol's `mqar` section). Without `--section`, a non-default folder is only printed."""
-    from benchmarks.docs_section import cpu_name
+    from reporting import cpu_name
 
     out = tmp_path / "runs"
     docs = tmp_path / "docs" / "results.md"

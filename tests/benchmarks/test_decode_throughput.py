@@ -76,7 +76,7 @@ def test_replicated_prefill_generates_what_batched_generate_does(name):
     cache1, _ = dt.prefill(name, model, ids[:, :-1])
     cache = dt.replicate(name, model, cache1, batch, context + 6)
     with torch.no_grad():
-        ours = model.generate(ids.expand(batch, -1), max_new_tokens=5, do_sample=False, **{dt.CACHE_NAME: cache})
+        ours = model.generate(ids.expand(batch, -1), max_new_tokens=5, do_sample=False, past_key_values=cache)
         kw = {"cache_implementation": "static"} if name == "Llama (static)" else {}
         plain = model.generate(ids.expand(batch, -1), max_new_tokens=5, do_sample=False, **kw)
     assert torch.equal(ours, plain)

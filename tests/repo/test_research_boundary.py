@@ -76,3 +76,41 @@ def test_the_wheel_does_not_ship_research():
     assert "modeling_bst" in packages and "training" in packages and "training.tasks" in packages
     assert not [p for p in packages if _is_research(p)]
     assert "research*" in exclude
+
+
+def _research_imports(path: Path) -> set[str]:
+    """The top-level modules and ``research.*`` modules that a research file imports, at any depth of its code."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            if node.module == "research":
+                names |= {f"research.{a.name}" for a in node.names}
+    return names
+
+
+def test_research_imports_no_benchmark_and_has_no_import_cycle():
+    """The helpers research/ shares with benchmarks/ live in ``reporting`` (neither imports the other), and research's
+    modules import each other without a cycle (the plots import the experiments, which import ``research.style``)."""
+    files = {f"research.{p.stem}": p for p in sorted((ROOT / "research").glob("*.py")) if p.stem != "__init__"}
+    imports = {name: _research_imports(path) for name, path in files.items()}
+    benchmarks = {name: sorted(m for m in found if m.split(".")[0] == "benchmarks") for name, found in imports.items()}
+    assert not {name: found for name, found in benchmarks.items() if found}
+    graph = {name: sorted(m for m in found if m in files) for name, found in imports.items()}
+    assert set(graph["research.plots"]) >= {"research.lm_long", "research.lm_quality", "research.mqar"}
+    done, path = set(), []
+
+    def visit(name):
+        assert name not in path, f"import cycle: {' -> '.join([*path[path.index(name) :], name])}"
+        if name in done:
+            return
+        path.append(name)
+        for other in graph[name]:
+            visit(other)
+        path.pop()
+        done.add(name)
+
+    for name in graph:
+        visit(name)

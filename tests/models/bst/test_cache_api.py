@@ -9,7 +9,6 @@ from transformers import CompileConfig, DynamicCache, StaticCache
 
 from modeling_bst import BSTCache, BSTForCausalLM
 from modeling_bst.cache_bst import LAYER_CACHE_TYPES, BSTLayerCache
-from modeling_bst.modeling_bst import CACHE_NAME
 from training.cache_snapshot import cache_to_tensors
 
 
@@ -34,20 +33,20 @@ def test_dynamic_cache_of_the_config_is_made_of_bst_layers(variant):
     ids = torch.randint(1, 97, (2, 18))
     with torch.no_grad():
         full = model(ids).logits
-        out = model(ids[:, :9], **{CACHE_NAME: cache}, use_cache=True)
-        returned = getattr(out, CACHE_NAME)
+        out = model(ids[:, :9], past_key_values=cache, use_cache=True)
+        returned = out.past_key_values
         assert returned is cache  # the cache passed in, updated in place
         assert cache.get_seq_length() == 9
         steps = [out.logits]
         for t in range(9, 18):
-            steps.append(model(ids[:, t : t + 1], **{CACHE_NAME: cache}).logits)
+            steps.append(model(ids[:, t : t + 1], past_key_values=cache).logits)
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
 
 
 def test_a_forward_returns_a_transformers_cache():
     model = make_model("sh-s4")
     out = model(torch.randint(1, 97, (1, 7)), use_cache=True)
-    assert isinstance(getattr(out, CACHE_NAME), transformers.Cache)
+    assert isinstance(out.past_key_values, transformers.Cache)
 
 
 def test_an_empty_dynamic_cache_takes_the_models_layers():
@@ -56,8 +55,8 @@ def test_an_empty_dynamic_cache_takes_the_models_layers():
     ids = torch.randint(1, 97, (2, 10))
     with torch.no_grad():
         full = model(ids).logits
-        first = model(ids[:, :6], **{CACHE_NAME: cache}, use_cache=True).logits
-        rest = model(ids[:, 6:], **{CACHE_NAME: cache}).logits
+        first = model(ids[:, :6], past_key_values=cache, use_cache=True).logits
+        rest = model(ids[:, 6:], past_key_values=cache).logits
     assert all(isinstance(layer, BSTLayerCache) for layer in cache.layers)
     torch.testing.assert_close(torch.cat([first, rest], 1), full, atol=1e-5, rtol=1e-5)
 
@@ -69,7 +68,7 @@ def test_generate_builds_the_default_cache_and_equals_no_cache(variant):
     assert "_prepare_cache_for_generation" not in vars(BSTForCausalLM)
     ids = torch.randint(1, 97, (2, 7))
     out = model.generate(ids, max_new_tokens=9, do_sample=False, return_dict_in_generate=True)
-    cache = getattr(out, CACHE_NAME)
+    cache = out.past_key_values
     assert all(isinstance(layer, BSTLayerCache) for layer in cache.layers)
     assert cache.get_seq_length() == 7 + 9 - 1
     plain = model.generate(ids, max_new_tokens=9, do_sample=False, use_cache=False)
@@ -81,10 +80,10 @@ def test_rollback_through_transformers_crop_is_exact():
     cache = DynamicCache(config=model.config)
     ids = torch.randint(1, 97, (1, 12))
     with torch.no_grad():
-        model(ids[:, :6], **{CACHE_NAME: cache}, use_cache=True)
+        model(ids[:, :6], past_key_values=cache, use_cache=True)
         before = cache_to_tensors(cache)
         cache.activate_past_recording()
-        model(ids[:, 6:10], **{CACHE_NAME: cache})
+        model(ids[:, 6:10], past_key_values=cache)
         cache.crop(-4)  # transformers' Cache.crop, layer by layer
         after = cache_to_tensors(cache)
     assert before.keys() == after.keys()
@@ -98,13 +97,13 @@ def test_a_cache_of_another_model_is_refused_with_the_reason():
     ids = torch.randint(1, 97, (1, 5))
     other = DynamicCache(config=tiny_config(num_hidden_layers=2, bst_layer_indices=[1]))
     with pytest.raises(TypeError, match="one BST cache layer per model layer"):
-        model(ids, **{CACHE_NAME: other})
+        model(ids, past_key_values=other)
     wider = BSTCache(tiny_config(hidden_size=64, head_dim=16))
     with pytest.raises(ValueError, match="different model configuration"):
-        model(ids, **{CACHE_NAME: wider})
+        model(ids, past_key_values=wider)
     attention_only = DynamicCache(config=transformers.LlamaConfig(num_hidden_layers=3))
     with pytest.raises(TypeError, match="DynamicCache with layers"):
-        model(ids, **{CACHE_NAME: attention_only})
+        model(ids, past_key_values=attention_only)
 
 
 def _compile_on_cpu(backend: str):
@@ -142,7 +141,7 @@ def test_static_cache_compiles_the_decode_step_in_generate_and_equals_eager(vari
             return_dict_in_generate=True,
         )
     assert hasattr(model, "_compiled_call")  # generate's own compiled forward ran the decode steps
-    assert getattr(out, CACHE_NAME).is_compileable  # StaticCache: BST's layers, built static
+    assert out.past_key_values.is_compileable  # StaticCache: BST's layers, built static
     assert torch.equal(out.sequences, eager)
 
 

@@ -1,5 +1,5 @@
 """Checkpoints written by every layout of the model load with identical logits: the current layout directly, earlier
-ones after ``python -m training.convert_checkpoint`` (which ``from_pretrained`` names when refusing them).
+ones after ``python -m training.convert_checkpoint`` (the model's code knows only the current names).
 
 ``tests/fixtures/checkpoints/layout<k>/<variant>/`` holds tiny checkpoints (``config.json`` + ``model.safetensors``)
 saved by layout k of the parameter names (see ``training/convert_checkpoint.py``), with the float64 logits that code
@@ -97,13 +97,19 @@ def test_earlier_checkpoint_converts_with_identical_logits(layout, name, tmp_pat
     assert_expected_logits(BSTForCausalLM.from_pretrained(out), folder)
 
 
-@pytest.mark.parametrize(
-    "layout,name", [(layout, name) for layout, name in EARLIER if (layout, name) != ("layout2", "gss")]
-)
-def test_earlier_checkpoint_is_refused_with_the_conversion_command(layout, name):
-    """Loading an earlier layout directly would give freshly initialised layers: it raises, naming the command."""
-    with pytest.raises(ValueError, match="python -m training.convert_checkpoint"):
-        BSTForCausalLM.from_pretrained(FIXTURES / layout / name)
+@pytest.mark.parametrize("layout,name", EARLIER)
+def test_a_direct_load_of_an_earlier_layout_leaves_exactly_the_converted_names_unplaced(layout, name):
+    """The model knows only the current names: loaded directly, an earlier checkpoint's renamed parameters are
+    transformers' unexpected keys (their layers keep fresh weights, which the load report names), and those are
+    exactly the names the converter changes, into exactly the missing ones."""
+    folder = FIXTURES / layout / name
+    _, info = BSTForCausalLM.from_pretrained(folder, output_loading_info=True)
+    config = BSTConfig.from_pretrained(folder)
+    types = [config.layer_kind(i) for i in range(config.num_hidden_layers)]
+    renamed = {k for k in load_file(str(folder / "model.safetensors")) if current_name(k, types) != k}
+    assert set(info["unexpected_keys"]) == renamed
+    assert set(info["missing_keys"]) == {current_name(k, types) for k in renamed}
+    assert bool(renamed) == ((layout, name) != ("layout2", "gss"))
 
 
 def test_second_layout_gss_checkpoint_loads_directly():

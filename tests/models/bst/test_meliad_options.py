@@ -9,7 +9,6 @@ import torch
 from conftest import SEQ_LEN, make_model, tiny_config
 
 from modeling_bst import BSTForCausalLM
-from modeling_bst.modeling_bst import CACHE_NAME
 
 
 def _lm_head_inputs(model, ids):
@@ -163,8 +162,8 @@ def test_embedding_dropout_drops_every_streamed_segment(variant):
     cache = None
     for segment in segments:
         seen.clear()
-        out = model(segment, use_cache=True, **{CACHE_NAME: cache})
-        cache = getattr(out, CACHE_NAME)
+        out = model(segment, use_cache=True, past_key_values=cache)
+        cache = out.past_key_values
         dropped = [o for n, o in seen if n]
         assert dropped and any(bool((o == 0).any()) for o in dropped), "no embedding dropout on this segment"
     assert cache is not None and not cache.layers[0].is_empty
