@@ -116,7 +116,10 @@ def test_index_fields_agreeing_with_layer_types_are_accepted():
         (dict(bst_layer_indices=[1]), r"layers \[1\] are in both recurrent_layer_indices and bst_layer_indices"),
         (dict(gss_layer_indices=[3]), r"gss_layer_indices entries must be in \[0, num_hidden_layers=3\)"),
         (dict(gss_layer_indices=None), "gss_layer_indices must be a list of layer indices"),
-        (dict(num_hidden_layers=2), r"num_hidden_layers=2 would drop layers \[2\] of types \['bst_context'\]"),
+        (
+            dict(num_hidden_layers=2),
+            r"bst_layer_indices entries must be in \[0, num_hidden_layers=2\), got out-of-range \[2\]",
+        ),
         (dict(layer_types=None), "layer_types must be a list of layer types"),
         (dict(layer_types=["bst_context"]), "layer_types must have num_hidden_layers=3 entries"),
         (dict(num_hidden_layers=0), "num_hidden_layers must be a positive integer"),
@@ -136,7 +139,7 @@ def test_an_assignment_that_would_break_the_record_raises_and_changes_nothing(ch
 
 def test_update_layers_applies_several_fields_as_one_change_in_any_order(tmp_path):
     config = BSTConfig.from_pretrained(ROOT / "training" / "presets" / "bst-sh-s4.json")  # 12 layers, BST [0, 7, 9]
-    with pytest.raises(BSTConfigError, match="would drop layers"):
+    with pytest.raises(BSTConfigError, match=r"bst_layer_indices entries must be in \[0, num_hidden_layers=4\)"):
         copy.deepcopy(config).num_hidden_layers = 4  # one by one, the first assignment already fails
     for fields in (
         dict(num_hidden_layers=4, gss_layer_indices=[0], bst_layer_indices=[2]),
