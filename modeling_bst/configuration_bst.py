@@ -4,8 +4,7 @@ SSM kernels) and the baselines of the paper's Table 1 (Slide, Transformer-XL, Bl
 
 import math
 from dataclasses import fields
-from types import UnionType
-from typing import Literal, Union, get_args, get_origin
+from typing import Literal, get_args, get_origin
 
 from huggingface_hub import errors
 from huggingface_hub.dataclasses import strict, validated_field
@@ -94,16 +93,6 @@ def _default_logit_scale(vocab_size) -> float:
     return 1.0 / math.sqrt(vocab_size)
 
 
-def _describe(annotation) -> str:
-    """A field's annotation in words: ``float | int`` -> "float or int"."""
-    origin, args = get_origin(annotation), get_args(annotation)
-    if origin is Literal:
-        return f"one of {args}"
-    if origin in (Union, UnionType):
-        return " or ".join(map(_describe, args))
-    return "None" if annotation is type(None) else str(annotation) if args else annotation.__name__
-
-
 def _errors_name_the_field(cls):
     """Raise ``@strict``'s validation errors as [`BSTConfigError`], naming the field."""
     strict_setattr, strict_validate = cls.__setattr__, cls.validate
@@ -113,9 +102,12 @@ def _errors_name_the_field(cls):
         try:
             strict_setattr(self, name, value)
         except errors.StrictDataclassFieldValidationError as e:
-            cause = e.__cause__
-            why = cause if isinstance(cause, ValueError) else f"must be {_describe(annotations[name])}, got {value!r}."
-            raise _error(f"{name} {why}") from cause
+            cause, annotation = e.__cause__, annotations[name]
+            if isinstance(cause, TypeError):
+                literal = get_origin(annotation) is Literal
+                expected = f"one of {get_args(annotation)}" if literal else getattr(annotation, "__name__", annotation)
+                cause = f"must be {expected}, got {value!r}."
+            raise _error(f"{name} {cause}") from e.__cause__
 
     def validate(self):
         """Run the class validators (``validate_*``)."""
@@ -249,13 +241,12 @@ class BSTConfig(PreTrainedConfig):
         if "layer_types" in changes and layer_types is None:
             raise _error("layer_types must be a list of layer types, got None.")
         given = {kind: changes[field] for kind, field in LAYER_INDEX_FIELDS.items() if field in changes}
-        if layer_types is None:  # the other kinds keep their layers (first: an overlap names the given field last)
-            given = {
-                kind: getattr(self, field) for kind, field in LAYER_INDEX_FIELDS.items() if kind not in given
-            } | given
+        if layer_types is None:  # the other kinds keep their layers, placed first: an overlap names the given field
+            kept = {kind: getattr(self, field) for kind, field in LAYER_INDEX_FIELDS.items() if kind not in given}
+            given = kept | given
         layer_types = _layer_types(n, layer_types, given)
-        PreTrainedConfig.__setattr__(self, "num_hidden_layers", n)
-        PreTrainedConfig.__setattr__(self, "layer_types", layer_types)
+        super().__setattr__("num_hidden_layers", n)
+        super().__setattr__("layer_types", layer_types)
 
     def update(self, config_dict):
         """transformers' ``update``, with the layer fields set as one change (``update_layers``)."""

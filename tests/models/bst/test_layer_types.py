@@ -1,8 +1,9 @@
-"""BSTConfig.layer_types: the one record of the layer types (issue #12; issue #33 item 5).
+"""BSTConfig.layer_types: the one record of the layer types (issue #12; issue #33 item 5; issue #46 point 2).
 
 The index fields (``bst_layer_indices``, ``recurrent_layer_indices``, ``gss_layer_indices``) are keyword arguments and
-config.json keys converted to ``layer_types``, and read-only views of it afterwards; config.json stores them instead
-of ``layer_types`` (the class docstring says why)."""
+config.json keys converted to ``layer_types``, and properties read from it afterwards; assigning a layer field after
+construction is ``update_layers`` of it, which rebuilds ``layer_types`` as construction does. config.json stores the
+index fields instead of ``layer_types`` (the class docstring says why)."""
 
 import copy
 import json
@@ -42,7 +43,7 @@ def test_index_fields_are_read_only_views_of_layer_types():
     # a view is a new list: changing it changes nothing
     config.bst_layer_indices.append(2)
     assert config.layer_types == ["bst_gss", "bst_context", "bst_block", "bst_block"]
-    # assigning a view: exactly its layers get the type, its other layers become blocks
+    # assigning an index field rebuilds layer_types: exactly its layers get the type, its other layers become blocks
     config.recurrent_layer_indices = [3]
     config.bst_layer_indices = [2]
     assert config.layer_types == ["bst_gss", "bst_block", "bst_context", "bst_recurrent"]
