@@ -176,7 +176,7 @@ class BSTConfig(PreTrainedConfig):
     unstruct_decay_slow: float | int = 1.5
     unstruct_finite_filter: bool = True  # zero taps beyond max_position_embeddings (False: refuse longer inputs)
     attend_self: bool = False  # the window holds the W previous tokens (False) or the W latest, the token's own too
-    attention_query_chunk: int | None = _checked(*POSITIVE, None)  # queries per window call, divides W; None: by device
+    attention_query_chunk: int | None = _checked(*POSITIVE, None)  # queries per window call, divides W; None: auto
     cross_mask: Literal["inclusive", "strict"] = "inclusive"  # SH/MH context state j seen at i >= j or i > j
     qk_norm: bool = True  # L2-normalised queries and keys with a learned per-head logit scale
     attn_scale_init: float | int | None = None  # that scale's start; None: sqrt(d_h), 1/sqrt(d_h) without qk_norm
@@ -295,7 +295,7 @@ class BSTConfig(PreTrainedConfig):
 
     @property
     def resolved_attention_query_chunk(self) -> int:
-        """Queries per sliding-window call: W/4 for W >= 256, W/2 for W >= 128, else W, when not given."""
+        """Queries per sliding-window call on the CPU: W/4 for W >= 256, W/2 for W >= 128, else W, when not given."""
         if self.attention_query_chunk is not None:
             return self.attention_query_chunk
         w = self.block_len
