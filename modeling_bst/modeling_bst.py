@@ -1443,7 +1443,7 @@ class BSTForCausalLM(BSTPreTrainedModel, GenerationMixin):
         hidden = outputs.last_hidden_state
         slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         hidden = self.final_dropout(hidden[:, slice_indices, :])
-        scale = self.config.resolved_logit_scale
+        scale = self.config.logit_scale
         if getattr(self.lm_head, "bias", None) is None:
             # meliad scales the logits; scaling the (T, D) input of a bias-free head is the same product and V / D
             # times less work than scaling the (T, V) logits (5% of a training step at V = 32k, D = 512).

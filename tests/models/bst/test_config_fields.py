@@ -23,7 +23,7 @@ TINY_TRAIN_CONFIG = str(Path(__file__).resolve().parents[3] / "configs" / "train
 
 # The keyword arguments of BSTConfig.__init__ before the dataclass conversion, with their defaults (None for the
 # index fields means "from layer_types, else the default": [0, 7, 9] for bst_layer_indices, [] for the others). The
-# index fields are keyword arguments still, but no longer fields: read-only views of layer_types (issue #33 item 5).
+# index fields are keyword arguments still, but no longer fields: properties read from layer_types (issue #33 item 5).
 EARLIER_INIT_DEFAULTS = dict(
     vocab_size=32000,
     hidden_size=1024,
@@ -105,7 +105,7 @@ def _types_in(annotation):
 def test_every_field_is_annotated_and_defaulted_as_before():
     own = {f.name: f for f in fields(BSTConfig) if f.name not in {g.name for g in fields(PreTrainedConfig)}}
     assert set(own) == set(EARLIER_INIT_DEFAULTS) - INDEX_FIELDS
-    for name in INDEX_FIELDS:  # keyword arguments (None: the default) and read-only views of layer_types
+    for name in INDEX_FIELDS:  # keyword arguments (None: the default) and properties read from layer_types
         assert isinstance(getattr(BSTConfig, name), property), name
         assert BSTConfig(**{name: None}) == BSTConfig(), name
     for name, f in own.items():

@@ -1,8 +1,9 @@
-"""BSTConfig.layer_types: the one record of the layer types (issue #12; issue #33 item 5).
+"""BSTConfig.layer_types: the one record of the layer types (issue #12; issue #33 item 5; issue #46 point 2).
 
 The index fields (``bst_layer_indices``, ``recurrent_layer_indices``, ``gss_layer_indices``) are keyword arguments and
-config.json keys converted to ``layer_types``, and read-only views of it afterwards; config.json stores them instead
-of ``layer_types`` (the class docstring says why)."""
+config.json keys converted to ``layer_types``, and properties read from it afterwards; assigning a layer field after
+construction is ``update_layers`` of it, which rebuilds ``layer_types`` as construction does. config.json stores the
+index fields instead of ``layer_types`` (the class docstring says why)."""
 
 import copy
 import json
@@ -42,7 +43,7 @@ def test_index_fields_are_read_only_views_of_layer_types():
     # a view is a new list: changing it changes nothing
     config.bst_layer_indices.append(2)
     assert config.layer_types == ["bst_gss", "bst_context", "bst_block", "bst_block"]
-    # assigning a view: exactly its layers get the type, its other layers become blocks
+    # assigning an index field rebuilds layer_types: exactly its layers get the type, its other layers become blocks
     config.recurrent_layer_indices = [3]
     config.bst_layer_indices = [2]
     assert config.layer_types == ["bst_gss", "bst_block", "bst_context", "bst_recurrent"]
@@ -116,7 +117,10 @@ def test_index_fields_agreeing_with_layer_types_are_accepted():
         (dict(bst_layer_indices=[1]), r"layers \[1\] are in both recurrent_layer_indices and bst_layer_indices"),
         (dict(gss_layer_indices=[3]), r"gss_layer_indices entries must be in \[0, num_hidden_layers=3\)"),
         (dict(gss_layer_indices=None), "gss_layer_indices must be a list of layer indices"),
-        (dict(num_hidden_layers=2), r"num_hidden_layers=2 would drop layers \[2\] of types \['bst_context'\]"),
+        (
+            dict(num_hidden_layers=2),
+            r"bst_layer_indices entries must be in \[0, num_hidden_layers=2\), got out-of-range \[2\]",
+        ),
         (dict(layer_types=None), "layer_types must be a list of layer types"),
         (dict(layer_types=["bst_context"]), "layer_types must have num_hidden_layers=3 entries"),
         (dict(num_hidden_layers=0), "num_hidden_layers must be a positive integer"),
@@ -136,7 +140,7 @@ def test_an_assignment_that_would_break_the_record_raises_and_changes_nothing(ch
 
 def test_update_layers_applies_several_fields_as_one_change_in_any_order(tmp_path):
     config = BSTConfig.from_pretrained(ROOT / "training" / "presets" / "bst-sh-s4.json")  # 12 layers, BST [0, 7, 9]
-    with pytest.raises(BSTConfigError, match="would drop layers"):
+    with pytest.raises(BSTConfigError, match=r"bst_layer_indices entries must be in \[0, num_hidden_layers=4\)"):
         copy.deepcopy(config).num_hidden_layers = 4  # one by one, the first assignment already fails
     for fields in (
         dict(num_hidden_layers=4, gss_layer_indices=[0], bst_layer_indices=[2]),

@@ -196,7 +196,7 @@ def test_training_block_attention_takes_the_learned_mask_path_with_sdpa_gradient
 def test_logit_scale_is_applied_once_with_or_without_a_head_bias():
     model = make_model("sh-s4", dtype=torch.float64)
     ids = torch.randint(0, 97, (2, SEQ_LEN), generator=torch.Generator().manual_seed(2))
-    scale = model.config.resolved_logit_scale
+    scale = model.config.logit_scale
     assert scale != 1.0
     with torch.no_grad():
         hidden = model.model(ids).last_hidden_state
