@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention_bst import BSTRMSNorm, additive_mask, l2_normalize
+from .attention_bst import BSTRMSNorm
 from .cache_bst import BSTLayerCache, constant_memo, decode_memo, gather_rows, maybe_any, tracing
 from .configuration_bst import BSTConfig
+from .functional_bst import additive_mask, context_valid, l2_normalize
 from .ssm_bst import PerFilterS4D, S4DKernel, UnstructFilter, upcast_ssm
 
 
@@ -222,8 +223,7 @@ class TokenContextStates(BSTContextStates):
 
             def build():
                 i = torch.arange(w, device=z.device)
-                allowed = i[None] <= i[:, None] if cfg.cross_mask == "inclusive" else i[None] < i[:, None]
-                return additive_mask(allowed, ck.dtype)
+                return additive_mask(context_valid(i[None], i[:, None], cfg.cross_mask), ck.dtype)
 
             mask = constant_memo(self, ("cross", ck.dtype, str(z.device)), build)  # (W, W), built once
             zero_first = cfg.cross_mask == "strict"
@@ -241,8 +241,7 @@ class TokenContextStates(BSTContextStates):
         ctx_k, ctx_v, cpos = layer_cache.context.write(p, ck[:, 0], cv[:, 0])
         # Blocks are counted from the start of each row's current document.
         block_start = (p - (p - layer_cache.doc_start).remainder(w))[:, None]
-        upper = (cpos <= p[:, None]) if cfg.cross_mask == "inclusive" else (cpos < p[:, None])
-        valid = (cpos >= block_start) & upper  # (B, W)
+        valid = (cpos >= block_start) & context_valid(cpos, p[:, None], cfg.cross_mask)  # (B, W)
         mask = additive_mask(valid, ck.dtype)[:, None, None, :]
         return ctx_k, ctx_v, mask, valid.any(-1)
 
