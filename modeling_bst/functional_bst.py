@@ -131,12 +131,32 @@ def s4d_discretize(log_dt, a_log_real, a_imag, b, dtype: torch.dtype):
     return dt_a, pair_mul(complex_pair(b.to(dtype)), ratio)
 
 
+def _split(length: int, chunk: int):
+    inner = max(1, min(chunk, length))
+    return inner, -(-length // inner)
+
+
+def s4d_vandermonde(coeff, dt_a, length: int, offset: int = 0, chunk: int = 64) -> torch.Tensor:
+    """``Re sum_n coeff[..., h, n] Abar[h, n] ** (offset + l)`` for ``l < length``, ``coeff`` a pair of
+    `(..., Ds, N2)` -> `(..., Ds, length)`.
+
+    Powers are factored as ``A^(a*c + b) = A^(a*c) A^b``: only ``L/c + c`` exponentials per mode, the rest one real
+    matmul (the real part of a complex product needs ``Re Re - Im Im`` only)."""
+    inner, outer = _split(length, chunk)
+    p_in = pair_powers(dt_a, torch.arange(inner, device=dt_a[0].device))  # (Ds, N2, c)
+    p_out = pair_powers(dt_a, offset + inner * torch.arange(outer, device=dt_a[0].device))  # (Ds, N2, a)
+    weighted = pair_mul((coeff[0].unsqueeze(-1), coeff[1].unsqueeze(-1)), p_out)  # (..., Ds, N2, a)
+    out = torch.einsum("...hna,hnc->...hac", weighted[0], p_in[0]) - torch.einsum(
+        "...hna,hnc->...hac", weighted[1], p_in[1]
+    )  # (..., Ds, a, c)
+    return out.flatten(-2)[..., :length]
+
+
 def s4d_kernel(c, dt_a, b_bar, length: int) -> torch.Tensor:
     """The convolution kernel ``K[c, h, l] = 2 Re(sum_n C Bbar Abar^l)`` `(C, Ds, length)`; ``c`` the read-outs as
     a real `(C, Ds, N2, 2)` tensor, ``dt_a`` and ``b_bar`` from [`s4d_discretize`]."""
     coeff = pair_mul(complex_pair(c.to(dt_a[0].dtype)), b_bar)  # (C, Ds, N2)
-    powers = pair_powers(dt_a, torch.arange(length, device=dt_a[0].device))  # (Ds, N2, L)
-    return 2 * (torch.einsum("chn,hnl->chl", coeff[0], powers[0]) - torch.einsum("chn,hnl->chl", coeff[1], powers[1]))
+    return 2 * s4d_vandermonde(coeff, dt_a, length)
 
 
 def s4d_free_response(c, dt_a, state, length: int) -> torch.Tensor:
@@ -146,20 +166,21 @@ def s4d_free_response(c, dt_a, state, length: int) -> torch.Tensor:
     cp = complex_pair(c.to(dtype))
     x0 = complex_pair(state if state.is_complex() else state.to(dtype))
     coeff = pair_mul((cp[0][None], cp[1][None]), (x0[0][:, None], x0[1][:, None]))  # (B, C, Ds, N2)
-    powers = pair_powers(dt_a, torch.arange(1, length + 1, device=dt_a[0].device))  # (Ds, N2, L)
-    return 2 * (
-        torch.einsum("bchn,hnl->bchl", coeff[0], powers[0].to(dtype))
-        - torch.einsum("bchn,hnl->bchl", coeff[1], powers[1].to(dtype))
-    )
+    return 2 * s4d_vandermonde(coeff, dt_a, length, offset=1)
 
 
-def s4d_final_state(z: torch.Tensor, dt_a, b_bar, state: torch.Tensor | None = None) -> torch.Tensor:
+def s4d_final_state(z: torch.Tensor, dt_a, b_bar, state: torch.Tensor | None = None, chunk: int = 64) -> torch.Tensor:
     """The state after inputs ``z`` `(B, L, Ds)`: ``Abar^L x0 + sum_j Abar^(L-1-j) Bbar z_j``, real
-    `(B, Ds, N2, 2)`; ``state`` ``x0`` complex or real (None: zero)."""
-    length = z.shape[1]
-    powers = pair_powers(dt_a, torch.arange(length - 1, -1, -1, device=z.device))  # (Ds, N2, L)
-    x = torch.einsum("blh,hnl->bhn", z, powers[0]), torch.einsum("blh,hnl->bhn", z, powers[1])
-    x = pair_mul(x, b_bar)
+    `(B, Ds, N2, 2)`; ``state`` ``x0`` complex or real (None: zero). Powers factored as in [`s4d_vandermonde`]."""
+    bsz, length, ds = z.shape
+    inner, outer = _split(length, chunk)
+    z_rev = F.pad(z.flip(1), (0, 0, 0, inner * outer - length))  # lag l = L-1-j first
+    z_rev = z_rev.view(bsz, outer, inner, ds)  # (B, a, c, Ds)
+    p_in = pair_powers(dt_a, torch.arange(inner, device=z.device))  # (Ds, N2, c)
+    p_out = pair_powers(dt_a, inner * torch.arange(outer, device=z.device))  # (Ds, N2, a)
+    partial = torch.einsum("bach,hnc->bhna", z_rev, p_in[0]), torch.einsum("bach,hnc->bhna", z_rev, p_in[1])
+    x = pair_mul(partial, p_out)
+    x = pair_mul((x[0].sum(-1), x[1].sum(-1)), b_bar)  # (B, Ds, N2)
     if state is not None:
         decay = pair_powers(dt_a, torch.tensor([length], device=z.device))
         carried = pair_mul((decay[0][..., 0], decay[1][..., 0]), complex_pair(state))
@@ -176,8 +197,8 @@ def s4d_step_constants(log_dt, a_log_real, a_imag, b, c, d, dtype: torch.dtype):
 
 
 def s4d_step(z_t: torch.Tensor, state: torch.Tensor, constants):
-    """One token: ``z_t`` `(B, Ds)`, ``state`` `(B, Ds, N2, 2)` (or complex), ``constants`` from
-    [`s4d_step_constants`] -> ``y_t`` `(B, C, Ds)` and the new state `(B, Ds, N2, 2)`."""
+    """One token: ``z_t`` `(B, Ds)`, ``state`` `(B, Ds, N2, 2)`, ``constants`` from [`s4d_step_constants`] ->
+    ``y_t = 2 Re(C x_t) + D z_t`` `(B, C, Ds)` and the new state ``x_t = Abar x + Bbar z_t`` `(B, Ds, N2, 2)`."""
     a_bar, b_bar, c2, skip = constants
     x = pair_mul(complex_pair(a_bar), complex_pair(state))
     b = complex_pair(b_bar)

@@ -208,7 +208,9 @@ class BSTLayerMath(nn.Module):
     def self_bias(self, rel):
         """Scaled T5 bias where the window lets a query see a key, a large negative number elsewhere: `(H, ...)`."""
         cfg = self.config
-        bucket = fb.t5_relative_bucket(rel, False, cfg.relative_attention_num_buckets, cfg.relative_attention_max_distance)
+        bucket = fb.t5_relative_bucket(
+            rel, False, cfg.relative_attention_num_buckets, cfg.relative_attention_max_distance
+        )
         bias = self.self_attn.relative_bias(bucket) * self.self_attn.scale  # (..., H)
         valid = fb.window_valid(rel, self.block_len, cfg.attend_self)
         bias = torch.where(valid[..., None], bias, fb.masked_fill_value(bias.dtype))
