@@ -1,5 +1,6 @@
-"""Attention helpers of the Block-State Transformer that are not modules: the T5 relative-position buckets, the
-additive masks, L2 normalisation and the RMS norm shared by the attention and context modules, and FlexAttention for
+"""Attention helpers of the Block-State Transformer that are not modules: the RMS norm module shared by the attention
+and context modules (its maths, like the T5 relative-position buckets, the additive masks and L2 normalisation, is in
+``functional_bst.py``), and FlexAttention for
 ``attn_implementation="flex_attention"``: which calls can take it ([`use_flex`]), the compiled kernel, block masks
 built analytically from a mask's band structure ([`tiled_block_mask`]), and the full-sequence forms on it: the block
 self-attention ([`flex_block_attention`]) and the block-diagonal cross-attentions ([`grouped_flex`]).
@@ -8,8 +9,6 @@ The attention modules and the eager / SDPA dispatch through transformers' attent
 ``modeling_bst.py``.
 """
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,50 +16,10 @@ from torch.nn.attention.flex_attention import BlockMask
 from transformers.integrations.flex_attention import compile_friendly_flex_attention
 from transformers.utils import logging
 
+from .functional_bst import rms_norm
+
 
 logger = logging.get_logger(__name__)
-
-
-def upcast(x: torch.Tensor) -> torch.Tensor:
-    """float32 for half-precision tensors, unchanged otherwise (float32/float64 keep their precision)."""
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-
-
-def t5_relative_bucket(relative_position, bidirectional: bool, num_buckets: int, max_distance: int):
-    """T5 bucket of ``key_pos - query_pos``: exact for small distances, log-spaced up to ``max_distance``."""
-    bucket = torch.zeros_like(relative_position)
-    n = -relative_position
-    if bidirectional:
-        num_buckets //= 2
-        bucket = (n < 0).long() * num_buckets
-        n = n.abs()
-    else:
-        n = n.clamp(min=0)
-    max_exact = num_buckets // 2
-    large = (
-        max_exact
-        + (
-            torch.log(n.float().clamp(min=1) / max_exact)
-            / math.log(max_distance / max_exact)
-            * (num_buckets - max_exact)
-        ).long()
-    )
-    large = large.clamp(max=num_buckets - 1)
-    return bucket + torch.where(n < max_exact, n, large)
-
-
-def l2_normalize(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(upcast(x).pow(2).sum(-1, keepdim=True) + 1e-6).to(x.dtype)
-
-
-def masked_fill_value(dtype: torch.dtype) -> float:
-    # Finite, so that fully masked rows stay finite (they are zeroed afterwards, meliad's safe softmax).
-    return torch.finfo(dtype).min
-
-
-def additive_mask(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """0 where ``valid``, a large negative number elsewhere."""
-    return torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill(~valid, masked_fill_value(dtype))
 
 
 class BSTRMSNorm(nn.Module):
@@ -72,10 +31,7 @@ class BSTRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        dtype = x.dtype
-        x32 = upcast(x)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * upcast(self.weight)).to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 # -- FlexAttention (attn_implementation="flex_attention") ----------------------------------------------------------

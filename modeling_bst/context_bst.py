@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention_bst import BSTRMSNorm, additive_mask, l2_normalize
+from .attention_bst import BSTRMSNorm
 from .cache_bst import CONTEXT_RING
 from .configuration_bst import BSTConfig
+from .functional_bst import additive_mask, context_valid, l2_normalize
 from .ssm_bst import PerFilterS4D, S4DKernel, UnstructFilter, upcast_ssm
 from .utils_bst import constant_memo, gather_rows, maybe_any, step_memo, tracing
 
@@ -222,8 +223,7 @@ class TokenContextStates(BSTContextStates):
 
             def build():
                 i = torch.arange(w, device=z.device)
-                allowed = i[None] <= i[:, None] if cfg.cross_mask == "inclusive" else i[None] < i[:, None]
-                return additive_mask(allowed, ck.dtype)
+                return additive_mask(context_valid(i[None], i[:, None], cfg.cross_mask), ck.dtype)
 
             mask = constant_memo(self, ("cross", ck.dtype, str(z.device)), build)  # (W, W), built once
             zero_first = cfg.cross_mask == "strict"
@@ -250,8 +250,7 @@ class TokenContextStates(BSTContextStates):
         sees (its block's, up to itself; blocks count from each row's document start) and which rows see any."""
         p = plan.positions[:, None]
         block_start = p - plan.offset.remainder(self.block_len)[:, None]
-        upper = (cpos <= p) if self.config.cross_mask == "inclusive" else (cpos < p)
-        valid = (cpos >= block_start) & upper  # (B, W)
+        valid = (cpos >= block_start) & context_valid(cpos, p, self.config.cross_mask)  # (B, W)
         return additive_mask(valid, dtype)[:, None, None, :], valid.any(-1)
 
 

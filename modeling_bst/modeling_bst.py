@@ -45,20 +45,11 @@ from transformers.modeling_outputs import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import can_return_tuple, logging
 
-from .attention_bst import (
-    BSTRMSNorm,
-    additive_mask,
-    flex_block_attention,
-    grouped_flex,
-    l2_normalize,
-    masked_fill_value,
-    t5_relative_bucket,
-    upcast,
-    use_flex,
-)
+from .attention_bst import BSTRMSNorm, flex_block_attention, grouped_flex, use_flex
 from .cache_bst import ATTENTION_RING, BSTCache, BSTLayerCache, own_layers
 from .configuration_bst import BSTConfig
 from .context_bst import CONTEXT_BUILDERS, SSM_KERNELS, BSTContextStates
+from .functional_bst import additive_mask, l2_normalize, masked_fill_value, t5_relative_bucket, upcast, window_valid
 from .layout_bst import StepPlan, _Chunk, _Documents
 from .ssm_bst import S4DKernel, UnstructFilter
 from .utils_bst import constant_memo, gather_rows, host_can_branch, maybe_any, on_accelerator, step_memo, tracing
@@ -403,10 +394,7 @@ class BSTBlockSelfAttention(nn.Module):
 
     def window_valid(self, relative_position):
         """Causal sliding window on ``key_pos - query_pos``: exactly W previous tokens (or W most recent with self)."""
-        w = self.block_len
-        if self.config.attend_self:
-            return (relative_position <= 0) & (relative_position > -w)
-        return (relative_position < 0) & (relative_position >= -w)
+        return window_valid(relative_position, self.block_len, self.config.attend_self)
 
     def block_mask(self, num_queries: int, key_start: int, key_end: int, dtype, device):
         """Additive mask `(1, H, Q, K)`: T5 bias and sliding window of queries at positions 0 .. Q-1 over keys at

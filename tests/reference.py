@@ -10,13 +10,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from modeling_bst.ssm_bst import (
-    _no_autocast,
-    complex_pair,
-    compute_dtype,
-    fft_conv,
-    vandermonde_powers,
-)
+from modeling_bst.functional_bst import complex_pair
+from modeling_bst.ssm_bst import _no_autocast, compute_dtype, fft_conv
 
 
 # -- S4D ---------------------------------------------------------------------------------------------------------
@@ -195,6 +190,79 @@ def block_self_attention_reference(layer, xn: torch.Tensor, length: int | None =
 # -- S4D's complex chunked forms (the training path before issue #44): references of the real ones ----------------
 
 
+# -- S4D in complex arithmetic: the model computes the same maps in real arithmetic (functional_bst) -----------------
+
+
+def vandermonde_powers(log_a: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
+    """``exp(log_a[..., None] * exponents)``: powers of the diagonal state matrix. `(Ds, N2)` -> `(Ds, N2, len)`."""
+    arg = log_a.unsqueeze(-1) * exponents.to(log_a.real.dtype)
+    return torch.polar(torch.exp(arg.real), arg.imag)
+
+
+def as_complex(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Complex tensor from a real `(..., 2)` parameter, in fresh memory."""
+    param = param.to(dtype)
+    return torch.complex(param[..., 0], param[..., 1])
+
+
+def complex_discretize(kernel):
+    """``(dt Lambda, Bbar)`` of an ``S4DKernel`` as complex `(Ds, N2)` tensors (zero-order hold)."""
+    dtype = compute_dtype(kernel.log_dt)
+    lam = torch.complex(-torch.exp(kernel.A_log_real.to(dtype)), -kernel.A_imag.to(dtype))
+    dt_a = lam * torch.exp(kernel.log_dt.to(dtype)).unsqueeze(-1)  # (Ds, N2)
+    return dt_a, as_complex(kernel.B, dtype) * torch.expm1(dt_a) / lam
+
+
+def output_matrix(kernel, backward: bool = False) -> torch.Tensor:
+    param = kernel.C_backward if backward else kernel.C
+    return as_complex(param, compute_dtype(param))  # (C, Ds, N2)
+
+
+def complex_vandermonde(coeff: torch.Tensor, log_a: torch.Tensor, length: int, offset: int = 0) -> torch.Tensor:
+    """``sum_n coeff[..., h, n] * exp(log_a[h, n]) ** (offset + l)`` for ``l < length``: complex `(..., Ds, length)`."""
+    powers = vandermonde_powers(log_a, offset + torch.arange(length, device=log_a.device))  # (Ds, N2, L)
+    return torch.einsum("...hn,hnl->...hl", coeff, powers)
+
+
+def complex_kernel(kernel, length: int, backward: bool = False) -> torch.Tensor:
+    """``K[c, h, l] = 2 Re(sum_n C Bbar Abar^l)`` `(C, Ds, length)`."""
+    dt_a, d_b = complex_discretize(kernel)
+    return 2 * complex_vandermonde(output_matrix(kernel, backward) * d_b, dt_a, length).real
+
+
+def complex_forward(kernel, z: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
+    """The full-sequence S4D outputs `(B, L, C, Ds)` (causal): a direct convolution with [`complex_kernel`], D skip,
+    and the free response ``2 Re(C Abar^(t+1) x0)`` of a complex ``state``."""
+    z = z.to(compute_dtype(kernel.log_dt))
+    length = z.shape[1]
+    y = direct_causal_conv(z.transpose(1, 2), complex_kernel(kernel, length))  # (B, C, Ds, L)
+    y = y + kernel.D.to(z.dtype)[None, :, :, None] * z.transpose(1, 2)[:, None]
+    if state is not None:
+        dt_a, _ = complex_discretize(kernel)
+        coeff = output_matrix(kernel)[None] * state[:, None]  # (B, C, Ds, N2)
+        y = y + 2 * complex_vandermonde(coeff, dt_a, length, offset=1).real
+    return y.permute(0, 3, 1, 2)
+
+
+def complex_final_state(kernel, z: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
+    """``Abar^L x0 + sum_j Abar^(L-1-j) Bbar z_j``: complex `(B, Ds, N2)`."""
+    z = z.to(compute_dtype(kernel.log_dt))
+    length = z.shape[1]
+    dt_a, d_b = complex_discretize(kernel)
+    powers = vandermonde_powers(dt_a, torch.arange(length - 1, -1, -1, device=z.device))  # (Ds, N2, L)
+    out = torch.einsum("blh,hnl->bhn", z.to(powers.dtype), powers) * d_b
+    return out if state is None else out + torch.exp(dt_a * length) * state
+
+
+def complex_step(kernel, z_t: torch.Tensor, state: torch.Tensor):
+    """One token with a complex state: ``x = Abar x + Bbar z``, ``y = 2 Re(C x) + D z``."""
+    z_t = z_t.to(compute_dtype(kernel.log_dt))
+    dt_a, d_b = complex_discretize(kernel)
+    state = torch.exp(dt_a) * state + d_b * z_t.unsqueeze(-1)
+    y = 2 * torch.einsum("chn,bhn->bch", output_matrix(kernel), state).real
+    return y + kernel.D.to(z_t.dtype) * z_t.unsqueeze(1), state
+
+
 def stacked_states(x0: torch.Tensor) -> torch.Tensor:
     """Complex chunk-start states `(B, n, Ds, N2)` as real `(Ds, B * n, 2 N2)` (real parts, then imaginary), the
     left operand of the free-response matmul against [`chunk_constants`]' read-out."""
@@ -230,7 +298,7 @@ def complex_chunk_start_states(kernel, z: torch.Tensor, chunk: int, state: torch
     """The states entering every chunk of ``chunk`` tokens as complex numbers: the given ``state`` (or zero), then
     the chunk-end states of [`block_states`]. ``z`` `(B, nc * chunk, Ds)` (compute dtype) -> `(B, nc, Ds, N2)`."""
     with _no_autocast(z.device.type):
-        dt_a, d_b = kernel.discretize()
+        dt_a, d_b = complex_discretize(kernel)
         bsz, nc = z.shape[0], z.shape[1] // chunk
         if state is not None and not state.is_complex():
             state = torch.complex(*complex_pair(state))  # a state in the real form (eager real arithmetic)
@@ -244,9 +312,9 @@ def chunk_constants(kernel, chunk: int):
     """What [`chunked_forward`] needs from the parameters: the spectrum of the first ``chunk`` lags (D skip
     included) and the free-response read-out ``G[c, s, n, j] = C[c, s, n] Abar[s, n]^(j+1)`` laid out for a real
     batched matmul, `(Ds, 2 N2, C * chunk)` (``Re(G x) = Re(G) Re(x) - Im(G) Im(x)``)."""
-    dt_a, _ = kernel.discretize()
+    dt_a, _ = complex_discretize(kernel)
     powers = vandermonde_powers(dt_a, torch.arange(1, chunk + 1, device=dt_a.device))  # (Ds, N2, T)
-    g = kernel.output_matrix().unsqueeze(-1) * powers  # (C, Ds, N2, T)
+    g = output_matrix(kernel).unsqueeze(-1) * powers  # (C, Ds, N2, T)
     g = torch.cat([g.real, -g.imag], 2).permute(1, 2, 0, 3).reshape(kernel.channels, 2 * kernel.n_modes, -1)
     return kernel.spectrum(chunk), g
 
@@ -281,8 +349,8 @@ def complex_block_end_outputs(kernel, z: torch.Tensor, block_len: int, state: to
     """[`block_end_outputs`] with complex states and the log-depth scan of [`block_states`] (a reference)."""
     with _no_autocast(z.device.type):
         z = z.to(compute_dtype(kernel.log_dt))
-        dt_a, d_b = kernel.discretize()
+        dt_a, d_b = complex_discretize(kernel)
         x = block_states(kernel, z, block_len, dt_a, d_b, state)
-        y = 2 * torch.einsum("chn,bkhn->bkch", kernel.output_matrix(), x).real
+        y = 2 * torch.einsum("chn,bkhn->bkch", output_matrix(kernel), x).real
         z_end = z[:, block_len - 1 :: block_len]  # (B, nb, Ds)
         return y + kernel.D.to(z.dtype)[None, None] * z_end.unsqueeze(2)

@@ -26,6 +26,7 @@ CODE_FILES = (
     "ssm_bst.py",
     "cache_bst.py",
     "utils_bst.py",
+    "functional_bst.py",
 )
 CARD_TEMPLATE = Path(__file__).resolve().parents[1] / "hub_cards" / "model_card.md"
 PAPER = "https://arxiv.org/abs/2306.09539"

@@ -1,8 +1,13 @@
-"""The maths of a Block-State Transformer layer for serving, in plain PyTorch (no vLLM import).
+"""A Block-State Transformer layer for serving, in plain PyTorch (no vLLM import).
 
-The plugin's own implementation, independent of ``modeling_bst`` (which needs a newer transformers than vLLM
-pins); its parameter names are those of ``modeling_bst`` so that a saved checkpoint loads as it is. Parity with
-``modeling_bst``'s ``generate()`` is what the plugin's tests check.
+The tensor maths (norms, T5 buckets, the window and context mask rules, the S4D discretisation, chunked form and
+recurrent step in real arithmetic) is ``modeling_bst/functional_bst.py``, the file the model itself uses: it imports
+only torch, so it runs under the older transformers vLLM pins, and this module loads it by its path in the
+repository ([`load_functional`]; the plugin is installed editable from the repository, ``scripts/setup.sh``). What is
+here is the serving layout: parameter names of ``modeling_bst`` (a saved checkpoint loads as it is), one request's
+chunk or a batch of decode steps over fixed-size per-request states. Per-position parity with ``modeling_bst``'s
+forward is tested in the main suite (``tests/integrations/test_vllm_layers.py``), greedy parity with ``generate()``
+in the plugin's own tests.
 
 A layer processes one request's chunk of ``T`` consecutive tokens at positions ``p0 .. p0 + T - 1`` (a whole
 prompt, a piece of a chunked prefill, or one decoded token) and advances that request's state in place. Every part
@@ -16,37 +21,43 @@ of the state has a fixed size, whatever the length of the sequence:
 * MF: ``last`` `(S, D_s)`: the SSM's S read-outs at the last block end, from which the current block's context
   states come.
 
-A decode step is the chunk of one token; ``BSTLayerMath.decode`` runs the steps of many requests at once.
+A decode step is the chunk of one token; ``BSTLayerMath.decode`` runs the steps of many requests at once. The maths
+runs in the parameters' dtype (float32 when served; float64 in the parity test), the SSM in at least float32.
 """
 
-import math
+import importlib.util
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS norm in float32 (no mean, no bias, learned scale)."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (x32 * weight.float()).to(x.dtype)
+FUNCTIONAL = Path(__file__).resolve().parents[3] / "modeling_bst" / "functional_bst.py"
 
 
-def l2_normalize(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.float().pow(2).sum(-1, keepdim=True) + 1e-6).to(x.dtype)
+def load_functional():
+    """``modeling_bst/functional_bst.py`` of the repository this plugin is installed from, as the module
+    ``bst_vllm.functional_bst`` (loaded by path: ``modeling_bst``'s package needs a newer transformers)."""
+    name = "bst_vllm.functional_bst"
+    if name not in sys.modules:
+        if not FUNCTIONAL.is_file():
+            raise ImportError(
+                f"BST serving: {FUNCTIONAL} not found. The plugin uses the model's own maths file: install it from "
+                "the BST repository (pip install --no-deps -e <repo>/integrations/vllm, scripts/setup.sh)."
+            )
+        spec = importlib.util.spec_from_file_location(name, FUNCTIONAL)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
-def t5_bucket(relative_position: torch.Tensor, num_buckets: int, max_distance: int) -> torch.Tensor:
-    """Causal T5 bucket of ``key_pos - query_pos`` (<= 0 for the keys a token can see): the distance itself below
-    ``num_buckets // 2``, log-spaced buckets up to ``max_distance``, the last bucket beyond."""
-    n = (-relative_position).clamp(min=0)
-    exact = num_buckets // 2
-    log_bucket = (
-        exact
-        + (torch.log(n.float().clamp(min=1) / exact) / math.log(max_distance / exact) * (num_buckets - exact)).long()
-    )
-    return torch.where(n < exact, n, log_bucket.clamp(max=num_buckets - 1))
+fb = load_functional()
+rms_norm = fb.rms_norm
+# S4D outputs of a prefill chunk are computed in pieces of this many tokens (the model's chunk length).
+S4D_CHUNK_LEN = 64
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -55,62 +66,45 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     ``q`` `(..., H, Tq, d)`, ``k``/``v`` `(..., H, Tk, d)`, ``mask`` broadcastable to `(..., H, Tq, Tk)` (finite
     large negative where masked) -> `(..., H, Tq, d)`; a query that sees no key gets zeros."""
     scores = torch.matmul(q, k.transpose(-1, -2)) + mask
-    out = torch.matmul(torch.softmax(scores.float(), -1).to(q.dtype), v)
-    seen = (mask > torch.finfo(mask.dtype).min).any(-1, keepdim=True)
+    out = torch.matmul(torch.softmax(fb.upcast(scores), -1).to(q.dtype), v)
+    seen = (mask > fb.masked_fill_value(mask.dtype)).any(-1, keepdim=True)
     return out * seen.to(out.dtype)
 
 
-class S4DConstants:
-    """A diagonal S4 (S4D) layer's zero-order-hold discretisation: ``x_t = Abar x_{t-1} + Bbar z_t`` per channel,
-    ``y_{c,t} = 2 Re(C_c x_t) + D_c z_t`` for the C read-outs (1 for SH, H for MH, S for MF). Complex64."""
+class S4D:
+    """The S4D maths of one layer's SSM parameters (``log_dt``, ``A_log_real``, ``A_imag``, ``B``, ``C``, ``D``),
+    with what depends only on them computed once (serving never changes the parameters): the chunked form's tables
+    per number of chunks and the step constants. States are real `(..., D_s, N/2, 2)`."""
 
-    def __init__(self, log_dt, a_log_real, a_imag, b, c, d):
-        lam = torch.complex(-torch.exp(a_log_real.float()), -a_imag.float())  # (Ds, N2)
-        self.dt_a = lam * torch.exp(log_dt.float()).unsqueeze(-1)
-        self.a_bar = torch.exp(self.dt_a)
-        self.b_bar = torch.complex(b[..., 0].float(), b[..., 1].float()) * torch.expm1(self.dt_a) / lam
-        self.c2 = 2 * torch.complex(c[..., 0].float(), c[..., 1].float())  # (C, Ds, N2)
-        self.d = d.float()  # (C, Ds)
-        self._toeplitz = {}
+    def __init__(self, ssm: nn.Module):
+        self.params = ssm.log_dt, ssm.A_log_real, ssm.A_imag, ssm.B, ssm.C, ssm.D
+        self.dtype = torch.float64 if ssm.log_dt.dtype == torch.float64 else torch.float32
+        self.discrete = fb.s4d_discretize(*self.params[:4], self.dtype)
+        self.step_constants = fb.s4d_step_constants(*self.params, self.dtype)
+        self._tables = {}
 
-    def toeplitz(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``Abar^(i-j)`` for ``j <= i < length`` (zero above the diagonal) `(Ds, N2, L, L)` and ``Abar^(i+1)``
-        `(Ds, N2, L)`: a chunk of L states from the chunk's inputs and its start state."""
-        if length not in self._toeplitz:
-            idx = torch.arange(length, device=self.dt_a.device)
-            lag = idx[:, None] - idx[None]
-            powers = torch.exp(self.dt_a[..., None] * torch.arange(length + 1, device=idx.device).float())
-            lower = powers[..., lag.clamp(min=0)] * (lag >= 0)
-            self._toeplitz[length] = (lower, powers[..., 1:])
-        return self._toeplitz[length]
+    def tables(self, chunk: int, num_chunks: int):
+        key = (chunk, num_chunks)
+        if key not in self._tables:
+            groups, _ = fb.chunk_groups(num_chunks)
+            exps, mask, offsets = fb.chunk_exponents_layout(chunk, groups, True)
+            exps = torch.tensor([exps, mask], dtype=self.dtype, device=self.params[0].device)
+            self._tables[key] = fb.s4d_chunk_tables(self.params, exps, offsets, chunk, num_chunks)
+        return self._tables[key]
 
-    def scan(self, z: torch.Tensor, state: torch.Tensor, chunk: int = 32):
-        """Outputs ``y`` `(T, C, Ds)` for the inputs ``z`` `(T, Ds)` from the complex ``state`` `(Ds, N2)`, and the
-        state after the last input: chunks of ``chunk`` tokens in closed form, carried from chunk to chunk."""
-        outputs = []
-        z = z.float()
-        for start in range(0, z.shape[0], chunk):
-            zc = z[start : start + chunk]
-            n = zc.shape[0]
-            lower, ahead = self.toeplitz(n)
-            u = self.b_bar[..., None] * zc.t()[:, None, :]  # (Ds, N2, n)
-            states = torch.einsum("hnij,hnj->hni", lower, u) + ahead * state[..., None]  # (Ds, N2, n)
-            outputs.append(torch.einsum("chn,hni->ich", self.c2, states).real + self.d[None] * zc[:, None, :])
-            state = states[..., -1]
-        return torch.cat(outputs), state
+    def scan(self, z: torch.Tensor, state: torch.Tensor):
+        """Outputs ``y`` `(T, C, Ds)` for the inputs ``z`` `(T, Ds)` from ``state`` `(Ds, N2, 2)`, and the state
+        after the last input."""
+        z = z.to(self.dtype)[None]
+        chunk = min(S4D_CHUNK_LEN, z.shape[1])
+        tables = self.tables(chunk, -(-z.shape[1] // chunk))
+        y = fb.s4d_chunked_forward(z, chunk, tables, state[None])
+        return y[0], fb.s4d_final_state(z, *self.discrete, state[None])[0]
 
     def step(self, z: torch.Tensor, state: torch.Tensor):
-        """One token of many requests: ``z`` `(B, Ds)`, complex ``state`` `(B, Ds, N2)` -> ``y`` `(B, C, Ds)` and
-        the new state."""
-        z = z.float()
-        state = self.a_bar * state + self.b_bar * z[..., None]
-        y = torch.einsum("chn,bhn->bch", self.c2, state).real + self.d * z[:, None, :]
-        return y, state
-
-
-def as_complex(state: torch.Tensor) -> torch.Tensor:
-    """`(..., 2)` float32 (real, imaginary) -> complex `(...)`."""
-    return torch.complex(state[..., 0], state[..., 1])
+        """One token of many requests: ``z`` `(B, Ds)`, ``state`` `(B, Ds, N2, 2)` -> ``y`` `(B, C, Ds)` and the new
+        state."""
+        return fb.s4d_step(z.to(self.dtype), state.to(self.dtype), self.step_constants)
 
 
 class BSTLayerMath(nn.Module):
@@ -188,11 +182,10 @@ class BSTLayerMath(nn.Module):
                 shapes += [(w, heads, hd), (w, heads, hd)]
         return tuple(shapes)
 
-    def s4d(self) -> S4DConstants:
-        """The SSM's discretisation; computed once (serving never changes the parameters)."""
+    def s4d(self) -> S4D:
+        """The SSM's maths; its constants computed once (serving never changes the parameters)."""
         if self._constants is None:
-            p = self.ssm
-            self._constants = S4DConstants(p.log_dt, p.A_log_real, p.A_imag, p.B, p.C, p.D)
+            self._constants = S4D(self.ssm)
         return self._constants
 
     # -- pieces ---------------------------------------------------------------------------------------------------
@@ -203,27 +196,24 @@ class BSTLayerMath(nn.Module):
         a = self.self_attn
         q, k, v = self._heads(a.q_proj(xn)), self._heads(a.k_proj(xn)), self._heads(a.v_proj(xn))
         if self.config.qk_norm:
-            q, k = l2_normalize(q), l2_normalize(k)
+            q, k = fb.l2_normalize(q), fb.l2_normalize(k)
         return q * a.scale[:, None], k, v
 
     def cross_query(self, xn):
         q = self._heads(self.cross_attn.q_proj(xn))
         if self.config.qk_norm:
-            q = l2_normalize(q)
+            q = fb.l2_normalize(q)
         return q * self.cross_attn.scale[:, None]
-
-    def window_valid(self, rel):
-        w = self.block_len
-        if self.config.attend_self:
-            return (rel <= 0) & (rel > -w)
-        return (rel < 0) & (rel >= -w)
 
     def self_bias(self, rel):
         """Scaled T5 bias where the window lets a query see a key, a large negative number elsewhere: `(H, ...)`."""
         cfg = self.config
-        bucket = t5_bucket(rel, cfg.relative_attention_num_buckets, cfg.relative_attention_max_distance)
+        bucket = fb.t5_relative_bucket(
+            rel, False, cfg.relative_attention_num_buckets, cfg.relative_attention_max_distance
+        )
         bias = self.self_attn.relative_bias(bucket) * self.self_attn.scale  # (..., H)
-        bias = torch.where(self.window_valid(rel)[..., None], bias, torch.finfo(bias.dtype).min)
+        valid = fb.window_valid(rel, self.block_len, cfg.attend_self)
+        bias = torch.where(valid[..., None], bias, fb.masked_fill_value(bias.dtype))
         return bias.movedim(-1, 0)
 
     def lift_tokens(self, y):
@@ -237,7 +227,7 @@ class BSTLayerMath(nn.Module):
             c = rms_norm(torch.einsum("ths,hsd->thd", y, ctx.up_proj), ctx.norm.weight, self.eps)  # (T, H, D)
             k = torch.einsum("thd,hde->the", c, ctx.k_proj)
             v = torch.einsum("thd,hde->the", c, ctx.v_proj)
-        return (l2_normalize(k) if self.config.qk_norm else k), v
+        return (fb.l2_normalize(k) if self.config.qk_norm else k), v
 
     def mf_context(self, y_prev):
         """MF: context keys, values `(..., S, H, d_h)` of a block from the previous block's last SSM outputs
@@ -253,7 +243,7 @@ class BSTLayerMath(nn.Module):
         else:
             c = rms_norm(c + ctx.context_ids, ctx.norm.weight, self.eps)
         k, v = self._heads(ctx.k_proj(c)), self._heads(ctx.v_proj(c))
-        return (l2_normalize(k) if cfg.qk_norm else k), v
+        return (fb.l2_normalize(k) if cfg.qk_norm else k), v
 
     def finish(self, x, a_self, a_second):
         """Concatenation of the attention outputs, output projection and residual, then MLP and residual."""
@@ -304,8 +294,8 @@ class BSTLayerMath(nn.Module):
         src = x if cfg.ssm_input == "raw" else xn
         z = self.context.down_proj(src)  # (T, Ds)
         ssm_state = state[2]
-        y, new_state = self.s4d().scan(z, as_complex(ssm_state))  # (T, C, Ds)
-        ssm_state.copy_(torch.view_as_real(new_state))
+        y, new_state = self.s4d().scan(z, ssm_state)  # (T, C, Ds)
+        ssm_state.copy_(new_state)
         qc = self.cross_query(xn)  # (T, H, d)
         pos = torch.arange(p0, p0 + t, device=x.device)
         if self.mode == "mf":
@@ -341,9 +331,7 @@ class BSTLayerMath(nn.Module):
             a, b = max(p0, start), min(p0 + t, start + w)
             qpos = torch.arange(a, b, device=x.device)[:, None]
             kpos = torch.arange(start, b, device=x.device)[None]
-            valid = kpos <= qpos if cfg.cross_mask == "inclusive" else kpos < qpos
-            mask = torch.zeros(valid.shape, dtype=qc.dtype, device=x.device)
-            mask = mask.masked_fill(~valid, torch.finfo(qc.dtype).min)
+            mask = fb.additive_mask(fb.context_valid(kpos, qpos, cfg.cross_mask), qc.dtype)
             k0 = start - (p0 - m)
             outs.append(
                 attend(qc[:, a - p0 : b - p0], keys[:, k0 : b - start + k0], values[:, k0 : b - start + k0], mask)
@@ -388,8 +376,8 @@ class BSTLayerMath(nn.Module):
         rows = torch.arange(bsz, device=x.device)
         src = x if cfg.ssm_input == "raw" else xn
         z = self.context.down_proj(src)
-        y, new_state = self.s4d().step(z, as_complex(state[2][slots]))  # (B, C, Ds)
-        state[2][slots] = torch.view_as_real(new_state)
+        y, new_state = self.s4d().step(z, state[2][slots])  # (B, C, Ds)
+        state[2][slots] = new_state.to(state[2].dtype)
         qc = self.cross_query(xn)[:, :, None]  # (B, H, 1, d)
         if self.mode == "mf":
             last = state[3][slots]  # (B, S, Ds)
@@ -407,8 +395,7 @@ class BSTLayerMath(nn.Module):
         ctx_k[rows, positions % w], ctx_v[rows, positions % w] = ck, cv
         j = torch.arange(w, device=x.device)[None]
         offset = (positions % w)[:, None]
-        valid = j <= offset if cfg.cross_mask == "inclusive" else j < offset
-        mask = torch.zeros(valid.shape, dtype=qc.dtype, device=x.device).masked_fill(~valid, torch.finfo(qc.dtype).min)
+        mask = fb.additive_mask(fb.context_valid(j, offset, cfg.cross_mask), qc.dtype)
         out = attend(qc, ctx_k.transpose(1, 2), ctx_v.transpose(1, 2), mask[:, None, None]).flatten(1)
         state[3][slots], state[4][slots] = ctx_k, ctx_v
         return out

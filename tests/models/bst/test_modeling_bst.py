@@ -20,7 +20,7 @@ from transformers import (
 )
 
 from modeling_bst import BSTCache, BSTConfig, BSTForCausalLM, BSTForSequenceClassification, BSTModel
-from modeling_bst.attention_bst import t5_relative_bucket
+from modeling_bst.functional_bst import t5_relative_bucket
 
 
 # Variants beyond the Table-1 families: mask options and the remaining cell options.

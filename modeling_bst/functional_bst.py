@@ -1,0 +1,401 @@
+"""The pure tensor maths of the Block-State Transformer, in PyTorch alone.
+
+Functions of tensors, no modules and no parameters of their own: the RMS norm and L2 normalisation, the T5 relative
+buckets and additive masks, which keys a query sees (the block self-attention's window, the SH/MH context mask), and
+the diagonal state-space (S4D) maths in real arithmetic: the zero-order-hold discretisation, the kernel, the
+recurrent step, the state after a sequence and the chunked form (within-chunk Toeplitz matmuls, a two-level scan of
+the chunk states). This file imports nothing but torch: the model's modules call it, and the vLLM plugin
+(``integrations/vllm``), which runs under an older transformers, loads the same file.
+
+Complex numbers are real tensors: a pair ``(re, im)`` of tensors, or one tensor with a trailing dimension of 2
+(``view_as_real`` layout) for a state. Shape legend: B batch, L length, C read-outs per SSM channel, Ds SSM channels,
+N2 complex modes, T chunk length, W block length, H heads.
+"""
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+# -- norms ------------------------------------------------------------------------------------------------------------
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """float32 for half-precision tensors, unchanged otherwise (float32/float64 keep their precision)."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS norm (no mean, no bias, learned scale ``weight``), computed in at least float32, returned in ``x``'s dtype."""
+    x32 = upcast(x)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * upcast(weight)).to(x.dtype)
+
+
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    """``x`` divided by its L2 norm over the last dimension (queries / keys with ``qk_norm``)."""
+    return x * torch.rsqrt(upcast(x).pow(2).sum(-1, keepdim=True) + 1e-6).to(x.dtype)
+
+
+# -- attention: relative positions and masks ---------------------------------------------------------------------------
+def t5_relative_bucket(relative_position, bidirectional: bool, num_buckets: int, max_distance: int):
+    """T5 bucket of ``key_pos - query_pos``: exact for small distances, log-spaced up to ``max_distance``."""
+    bucket = torch.zeros_like(relative_position)
+    n = -relative_position
+    if bidirectional:
+        num_buckets //= 2
+        bucket = (n < 0).long() * num_buckets
+        n = n.abs()
+    else:
+        n = n.clamp(min=0)
+    max_exact = num_buckets // 2
+    large = (
+        max_exact
+        + (
+            torch.log(n.float().clamp(min=1) / max_exact)
+            / math.log(max_distance / max_exact)
+            * (num_buckets - max_exact)
+        ).long()
+    )
+    large = large.clamp(max=num_buckets - 1)
+    return bucket + torch.where(n < max_exact, n, large)
+
+
+def masked_fill_value(dtype: torch.dtype) -> float:
+    """The additive mask value of a hidden key: finite, so that a row with no key stays finite (it is zeroed
+    afterwards, meliad's safe softmax)."""
+    return torch.finfo(dtype).min
+
+
+def additive_mask(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where ``valid``, a large negative number elsewhere."""
+    return torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill(~valid, masked_fill_value(dtype))
+
+
+def window_valid(relative_position: torch.Tensor, block_len: int, attend_self: bool) -> torch.Tensor:
+    """The causal block self-attention's window on ``key_pos - query_pos``: the W tokens before the query, or with
+    ``attend_self`` the W most recent ones including the query."""
+    if attend_self:
+        return (relative_position <= 0) & (relative_position > -block_len)
+    return (relative_position < 0) & (relative_position >= -block_len)
+
+
+def context_valid(key_pos: torch.Tensor, query_pos: torch.Tensor, cross_mask: str) -> torch.Tensor:
+    """SH/MH cross-attention within a block: the context state of the token at ``key_pos`` is seen by the query at
+    ``query_pos`` of the same block if ``key_pos <= query_pos`` (``"inclusive"``) or ``key_pos < query_pos``
+    (``"strict"``). (MF: every query of block b sees the S context states made from the SSM outputs at the end of
+    block b - 1, or the learned initial context in block 0.)"""
+    return key_pos <= query_pos if cross_mask == "inclusive" else key_pos < query_pos
+
+
+# -- complex numbers as real pairs ---------------------------------------------------------------------------------------
+def complex_pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(re, im)`` of a complex tensor or of a real one in ``view_as_real`` layout (`(..., 2)`)."""
+    if x.is_complex():
+        return x.real, x.imag
+    return x[..., 0], x[..., 1]
+
+
+def pair_mul(a, b):
+    """Product of two complex numbers given as ``(re, im)`` pairs."""
+    return a[0] * b[0] - a[1] * b[1], a[0] * b[1] + a[1] * b[0]
+
+
+def pair_powers(log_a, exponents: torch.Tensor):
+    """``exp(log_a[..., None] * exponents)`` as a ``(re, im)`` pair of `(Ds, N2, len)` tensors, ``log_a`` a pair of
+    `(Ds, N2)`: ``e^(t a) (cos(t b) + i sin(t b))``."""
+    exponents = exponents.to(log_a[0].dtype)
+    magnitude = torch.exp(log_a[0].unsqueeze(-1) * exponents)
+    phase = log_a[1].unsqueeze(-1) * exponents
+    return magnitude * torch.cos(phase), magnitude * torch.sin(phase)
+
+
+# -- S4D: discretisation, kernel, state, step ---------------------------------------------------------------------------
+# Per channel h: x_t = Abar_h x_{t-1} + Bbar_h z_t, y_{c,t} = 2 Re(C_{c,h} x_t) + D_{c,h} z_t, with Lambda = -exp(A_log_real)
+# - i A_imag, Abar = exp(dt Lambda), Bbar = (Abar - 1) / Lambda B (zero-order hold). The parameters are real tensors:
+# log_dt (Ds,), A_log_real / A_imag (Ds, N2), B (Ds, N2, 2), C (C, Ds, N2, 2), D (C, Ds).
+
+
+def s4d_discretize(log_dt, a_log_real, a_imag, b, dtype: torch.dtype):
+    """``(dt Lambda, Bbar)`` as ``(re, im)`` pairs of `(Ds, N2)` tensors in ``dtype``."""
+    dt = torch.exp(log_dt.to(dtype)).unsqueeze(-1)
+    lam = -torch.exp(a_log_real.to(dtype)), -a_imag.to(dtype)
+    dt_a = lam[0] * dt, lam[1] * dt
+    # expm1(a + ib) = expm1(a) cos(b) - 2 sin^2(b / 2) + i e^a sin(b) (no cancellation for small dt)
+    e = (
+        torch.expm1(dt_a[0]) * torch.cos(dt_a[1]) - 2 * torch.sin(dt_a[1] / 2) ** 2,
+        torch.exp(dt_a[0]) * torch.sin(dt_a[1]),
+    )
+    norm = lam[0] ** 2 + lam[1] ** 2
+    ratio = (e[0] * lam[0] + e[1] * lam[1]) / norm, (e[1] * lam[0] - e[0] * lam[1]) / norm  # e / Lambda
+    return dt_a, pair_mul(complex_pair(b.to(dtype)), ratio)
+
+
+def _split(length: int, chunk: int):
+    inner = max(1, min(chunk, length))
+    return inner, -(-length // inner)
+
+
+def s4d_vandermonde(coeff, dt_a, length: int, offset: int = 0, chunk: int = 64) -> torch.Tensor:
+    """``Re sum_n coeff[..., h, n] Abar[h, n] ** (offset + l)`` for ``l < length``, ``coeff`` a pair of
+    `(..., Ds, N2)` -> `(..., Ds, length)`.
+
+    Powers are factored as ``A^(a*c + b) = A^(a*c) A^b``: only ``L/c + c`` exponentials per mode, the rest one real
+    matmul (the real part of a complex product needs ``Re Re - Im Im`` only)."""
+    inner, outer = _split(length, chunk)
+    p_in = pair_powers(dt_a, torch.arange(inner, device=dt_a[0].device))  # (Ds, N2, c)
+    p_out = pair_powers(dt_a, offset + inner * torch.arange(outer, device=dt_a[0].device))  # (Ds, N2, a)
+    weighted = pair_mul((coeff[0].unsqueeze(-1), coeff[1].unsqueeze(-1)), p_out)  # (..., Ds, N2, a)
+    out = torch.einsum("...hna,hnc->...hac", weighted[0], p_in[0]) - torch.einsum(
+        "...hna,hnc->...hac", weighted[1], p_in[1]
+    )  # (..., Ds, a, c)
+    return out.flatten(-2)[..., :length]
+
+
+def s4d_kernel(c, dt_a, b_bar, length: int) -> torch.Tensor:
+    """The convolution kernel ``K[c, h, l] = 2 Re(sum_n C Bbar Abar^l)`` `(C, Ds, length)`; ``c`` the read-outs as
+    a real `(C, Ds, N2, 2)` tensor, ``dt_a`` and ``b_bar`` from [`s4d_discretize`]."""
+    coeff = pair_mul(complex_pair(c.to(dt_a[0].dtype)), b_bar)  # (C, Ds, N2)
+    return 2 * s4d_vandermonde(coeff, dt_a, length)
+
+
+def s4d_free_response(c, dt_a, state, length: int) -> torch.Tensor:
+    """The outputs ``2 Re(C Abar^(t+1) x0)`` `(B, C, Ds, length)` of a state ``x0`` (`(B, Ds, N2)` complex or real
+    `(B, Ds, N2, 2)`) with no further input."""
+    dtype = dt_a[0].dtype
+    cp = complex_pair(c.to(dtype))
+    x0 = complex_pair(state if state.is_complex() else state.to(dtype))
+    coeff = pair_mul((cp[0][None], cp[1][None]), (x0[0][:, None], x0[1][:, None]))  # (B, C, Ds, N2)
+    return 2 * s4d_vandermonde(coeff, dt_a, length, offset=1)
+
+
+def s4d_final_state(z: torch.Tensor, dt_a, b_bar, state: torch.Tensor | None = None, chunk: int = 64) -> torch.Tensor:
+    """The state after inputs ``z`` `(B, L, Ds)`: ``Abar^L x0 + sum_j Abar^(L-1-j) Bbar z_j``, real
+    `(B, Ds, N2, 2)`; ``state`` ``x0`` complex or real (None: zero). Powers factored as in [`s4d_vandermonde`]."""
+    bsz, length, ds = z.shape
+    inner, outer = _split(length, chunk)
+    z_rev = F.pad(z.flip(1), (0, 0, 0, inner * outer - length))  # lag l = L-1-j first
+    z_rev = z_rev.view(bsz, outer, inner, ds)  # (B, a, c, Ds)
+    p_in = pair_powers(dt_a, torch.arange(inner, device=z.device))  # (Ds, N2, c)
+    p_out = pair_powers(dt_a, inner * torch.arange(outer, device=z.device))  # (Ds, N2, a)
+    partial = torch.einsum("bach,hnc->bhna", z_rev, p_in[0]), torch.einsum("bach,hnc->bhna", z_rev, p_in[1])
+    x = pair_mul(partial, p_out)
+    x = pair_mul((x[0].sum(-1), x[1].sum(-1)), b_bar)  # (B, Ds, N2)
+    if state is not None:
+        decay = pair_powers(dt_a, torch.tensor([length], device=z.device))
+        carried = pair_mul((decay[0][..., 0], decay[1][..., 0]), complex_pair(state))
+        x = x[0] + carried[0], x[1] + carried[1]
+    return torch.stack(x, -1)
+
+
+def s4d_step_constants(log_dt, a_log_real, a_imag, b, c, d, dtype: torch.dtype):
+    """What a recurrent step needs: ``(Abar, Bbar, 2 C)`` as real `(..., 2)` tensors and ``D``, in ``dtype``."""
+    dt_a, b_bar = s4d_discretize(log_dt, a_log_real, a_imag, b, dtype)
+    magnitude = torch.exp(dt_a[0])
+    a_bar = torch.stack([magnitude * torch.cos(dt_a[1]), magnitude * torch.sin(dt_a[1])], -1)
+    return a_bar, torch.stack(b_bar, -1), 2 * c.to(dtype), d.to(dtype)
+
+
+def s4d_step(z_t: torch.Tensor, state: torch.Tensor, constants):
+    """One token: ``z_t`` `(B, Ds)`, ``state`` `(B, Ds, N2, 2)`, ``constants`` from [`s4d_step_constants`] ->
+    ``y_t = 2 Re(C x_t) + D z_t`` `(B, C, Ds)` and the new state ``x_t = Abar x + Bbar z_t`` `(B, Ds, N2, 2)`."""
+    a_bar, b_bar, c2, skip = constants
+    x = pair_mul(complex_pair(a_bar), complex_pair(state))
+    b = complex_pair(b_bar)
+    x = x[0] + b[0] * z_t.unsqueeze(-1), x[1] + b[1] * z_t.unsqueeze(-1)
+    c = complex_pair(c2)
+    y = torch.einsum("chn,bhn->bch", c[0], x[0]) - torch.einsum("chn,bhn->bch", c[1], x[1])
+    return y + skip * z_t.unsqueeze(1), torch.stack(x, -1)
+
+
+# -- S4D: the chunked form --------------------------------------------------------------------------------------------
+# Per chunk of T tokens (the SSD / Mamba2 chunked form, for a diagonal complex state): the output is a causal
+# convolution with the first T lags of the kernel (a lower-triangular T x T Toeplitz matrix per read-out and
+# channel, D skip on its diagonal) plus the free response to the state entering the chunk; the chunk's own end
+# state is a matmul against the powers ``Bbar Abar^(T-1-j)``; entering states come from a two-level scan over
+# chunks ([`s4d_chunk_scan`]). Complex numbers are (re, im) pairs stacked in one real dimension (``2 N2``: real parts
+# of the N2 modes, then imaginary ones), complex products by per-mode constants 2 x 2 real blocks
+# ``[[re, -im], [im, re]]``: everything is a real batched matmul and one discretisation.
+
+
+@functools.lru_cache(maxsize=256)
+def chunk_exponents_layout(chunk: int, groups: int, conv: bool):
+    """The exponent columns of [`s4d_chunk_tables`] as Python lists ``(exponents, log_mask, offsets)``.
+
+    Columns: ``0.5`` and ``1`` (the discretisation); ``chunk - 1 .. 0`` (local chunk states, tokens in order); the
+    read-outs ``0 .. chunk`` (``0`` only without ``conv``); then, if chunks are scanned (``groups`` > 0), for ``s =
+    chunk`` (within a group of chunks) and ``s = chunk * groups`` (across groups): ``groups`` masked columns (log-mask
+    -inf: exactly 0 in the table) and ``s * m`` for ``m`` in ``[0, groups]``, whose windows of ``groups + 1`` are the
+    rows of the lower-triangular Toeplitz grid ``s (i - j)`` (reversed). ``offsets``: where the read-outs and the
+    scan's columns start.
+    """
+    exps = [0.5, 1.0] + [float(t) for t in range(chunk - 1, -1, -1)]
+    readout = len(exps)
+    exps += [float(t) for t in range(chunk + 1 if conv else 1)]
+    mask = [0.0] * len(exps)
+    scan = len(exps)
+    for step in (chunk, chunk * groups) if groups else ():
+        exps += [0.0] * groups + [float(step * m) for m in range(groups + 1)]
+        mask += [-math.inf] * groups + [0.0] * (groups + 1)
+    return exps, mask, (readout, scan)
+
+
+def chunk_groups(num_chunks: int) -> tuple[int, int]:
+    """Chunks per group and groups of the two-level chunk scan ([`s4d_chunk_scan`]): about sqrt(nc) each, so that its
+    per-mode matrices hold O(nc) entries. ``(0, 0)`` for one chunk (nothing to scan)."""
+    if num_chunks <= 1:
+        return 0, 0
+    groups = math.isqrt(num_chunks - 1) + 1  # ceil(sqrt(nc))
+    return groups, -(-num_chunks // groups)
+
+
+def s4d_chunk_tables(params, exps: torch.Tensor, offsets, chunk: int, num_chunks: int, conv: bool = True):
+    """What the chunked form needs from the S4D parameters ``params`` = ``(log_dt, A_log_real, A_imag, B, C, D)``,
+    from one discretisation in the dtype of ``exps`` (`(2, E)`: the exponents and log-mask of
+    [`chunk_exponents_layout`], whose ``offsets`` are given).
+
+    Returns ``(rw, g, *scan)`` (a flat tuple, so that it can be memoised):
+
+    * ``rw`` `(Ds, T, C*T + 2 N2)`: ``[R | W]`` with the within-chunk convolution ``R[h, j, (c, t)] =
+      K[c, h, t - j]`` (0 for j > t, ``K[0]`` with D added) and the local-state weights ``W[h, j, (p, n)] =
+      (Bbar Abar^(T-1-j))_p`` (p: real, imaginary part). Without ``conv``: ``W`` only;
+    * ``g`` `(Ds, 2 N2, C*T)`: half the free-response read-out, ``sum_{p, n} x[p, n] g[(p, n), (c, t)]`` =
+      ``Re(C Abar^(t+1) x)`` for a state ``x`` stacked as ``(re, im)`` (callers multiply by 2 in their matmul).
+      Without ``conv``: `(Ds, 2 N2, C)`, ``Re(C x)``;
+    * ``scan``: the three per-mode matrices of [`s4d_chunk_scan`] for ``num_chunks`` chunks (none for one chunk).
+    """
+    log_dt, a_log_real, a_imag, b_param, c_param, d_param = params
+    dtype = exps.dtype
+    groups, num_groups = chunk_groups(num_chunks)
+    readout, grid = offsets
+    ds, modes = a_imag.shape
+    out_channels = c_param.shape[0]
+    neg_dt = -torch.exp(log_dt.to(dtype)).unsqueeze(-1)  # (Ds, 1)
+    lam = torch.exp(a_log_real.to(dtype)), a_imag.to(dtype)  # -Lambda
+    w = lam[0] * neg_dt, lam[1] * neg_dt  # dt Lambda = log Abar, (Ds, N2)
+    # Abar^e for every exponent e: e^(e Re w) (cos(e Im w) + i sin(e Im w)), 0 where masked.
+    magnitude = torch.exp(torch.addcmul(exps[1], w[0].unsqueeze(-1), exps[0]))  # (Ds, N2, E)
+    phase = w[1].unsqueeze(-1) * exps[0]
+    cos, sin = torch.cos(phase), torch.sin(phase)
+    # (Ds, 2, 2, N2, E): the 2 x 2 real block [[re, -im], [im, re]] of every power.
+    powers = (torch.stack([cos, -sin, sin, cos], 1) * magnitude.unsqueeze(1)).unflatten(1, (2, 2))
+    # Column blocks by one split (one op in the backward, where separate slices would take one each).
+    sizes = [2, readout - 2, grid - readout, powers.shape[-1] - grid]
+    head, local, rows, grids = powers.split(sizes, -1)
+    # Bbar = B expm1(dt Lambda) / Lambda. expm1(a + ib) = expm1(a) cos b - 2 sin^2(b/2) + i e^a sin b (no
+    # cancellation for small dt); sin(b/2), cos b and e^a sin b are the table's columns 0 and 1.
+    sin_half = sin[..., 0]
+    e_re = torch.addcmul(torch.expm1(w[0]) * cos[..., 1], sin_half, sin_half, value=-2)
+    e_im = head[:, 1, 0, :, 1]
+    # expm1 / Lambda = -expm1 conj(-Lambda) / |Lambda|^2; times B, with the minus sign kept in ``b_re``.
+    y_re = torch.addcmul(e_re * lam[0], e_im, lam[1])  # Re(expm1 conj(-Lambda))
+    y_im = torch.addcmul(e_re * lam[1], e_im, lam[0], value=-1)  # -Im(expm1 conj(-Lambda))
+    b = b_param.to(dtype).unbind(-1)
+    b_re = torch.addcmul(b[0] * y_re, b[1], y_im)  # -|Lambda|^2 Re(Bbar)
+    b_im = torch.addcmul(b[0] * y_im, b[1], y_re, value=-1)  # |Lambda|^2 Im(Bbar)
+    norm = torch.addcmul(lam[0] * lam[0], lam[1], lam[1])  # |Lambda|^2
+    # W = Bbar Abar^(T-1-j): (re, im) = Re(Bbar) (re, im)(A) + Im(Bbar) (-im, re)(A), the block's columns.
+    local = local.unbind(2)  # block columns (Ds, 2, N2, T), exponents T-1 .. 0
+    b_re, b_im, norm = b_re[:, None, :, None], b_im[:, None, :, None], norm[:, None, :, None]
+    w_local = torch.addcmul(b_im * local[1], b_re, local[0], value=-1)  # |Lambda|^2 W
+    w_local = (w_local / norm).permute(0, 3, 1, 2).reshape(ds, chunk, 2 * modes)  # (Ds, T, 2 N2)
+    # Read-out rows for x = (re, im): Re(C A) = Re C re(A) - Im C im(A) and -Im(C A), i.e. Re(C) times the block's
+    # first row (re, -im) minus Im(C) times its second row (im, re). Used as 2 g (``alpha=2``).
+    c_re, c_im = (c[:, :, None, :, None] for c in c_param.to(dtype).unbind(-1))  # (C, Ds, 1, N2, 1)
+    rows = rows.unbind(1)  # block rows (Ds, 2, N2, T + 1 | 1): exponents 0 .. T
+    g = torch.addcmul(c_re * rows[0], c_im, rows[1], value=-1)  # (C, Ds, 2, N2, T + 1)
+    g0 = g[..., 0].permute(1, 2, 3, 0).reshape(ds, 2 * modes, out_channels)  # Re(C x)
+    scan = ()
+    if groups:
+        # Both grids (Ds, 2, 2, N2, 2, i, j) from windows of their columns (Hankel; the flip makes them Toeplitz), in
+        # one copy as (Ds N2, 2, (j, p_in), (i, p_out)): right-multiplication by the block [[re, -im], [im, re]] of
+        # Abar^(s (i - j)), s = T | T * groups.
+        blocks = grids.unflatten(-1, (2, 2 * groups + 1)).unfold(-1, groups + 1, 1).flip(-1)
+        blocks = blocks.permute(0, 3, 4, 6, 2, 5, 1)
+        in_group, across = blocks.reshape(ds * modes, 2, 2 * groups + 2, 2 * groups + 2).unbind(1)
+        # column j = 0: the entering state carried to chunk i < groups; rows j = 1 .. groups: chunk j - 1 of the
+        # group to the state entering chunk i (i = groups: the group's end state)
+        carry, in_group = in_group.split([2, 2 * groups], 1)
+        carry = carry[..., : 2 * groups]
+        across = across[:, : 2 * num_groups, : 2 * num_groups]  # group j's end state to group i's start
+        scan = in_group, carry, across
+    if not conv:
+        return w_local, g0, *scan
+    # The first T lags of the kernel, K[c, h, l] = 2 Re(C Bbar Abar^l) (+ D at l = 0), lag T-1-j at row j.
+    skip = F.pad(d_param.to(dtype).t().unsqueeze(1), (0, 0, chunk - 1, 0))  # (Ds, T, C): D at lag 0
+    k_rev = torch.baddbmm(skip, w_local, g0, alpha=2)  # (Ds, T, C)
+    # Toeplitz rows by one unfold of the zero-padded lags: window j holds K[T-1-j-i] at i, so entry (j, T-1-t) is
+    # K[t-j] (0 for t < j).
+    toeplitz = F.pad(k_rev, (0, 0, 0, chunk - 1)).unfold(1, chunk, 1).flip(-1)  # (Ds, T, C, T)
+    rw = torch.cat([toeplitz.reshape(ds, chunk, out_channels * chunk), w_local], -1)
+    g = g[..., 1:].permute(1, 2, 3, 0, 4).reshape(ds, 2 * modes, out_channels * chunk)
+    return rw, g, *scan
+
+
+def s4d_chunk_scan(local: torch.Tensor, state: torch.Tensor | None, scan, num_chunks: int, first: int = 0):
+    """States entering chunks ``first .. num_chunks - 1``: `(Ds, B * n, 2 N2)` (stacked ``(re, im)``), from the
+    chunks' local end states ``local`` `(Ds, B, n_in, 2 N2)` (``n_in <= num_chunks``; missing ones are zero) and the
+    state before the first chunk (``state``: complex `(B, Ds, N2)`, real `(B, Ds, N2, 2)` or None).
+
+    ``x_k = sum_{j<k} A^(k-1-j) local_j + A^k state`` with ``A = Abar^T`` per mode, in two levels of per-mode real
+    matmuls (``scan``: the matrices from [`s4d_chunk_tables`], empty for one chunk): within groups of ~sqrt(nc)
+    chunks, then across groups, then the group's entering state carried to each of its chunks. Memory O(Ds N2 nc)
+    (one level would need an nc x nc matrix per mode) and a fixed number of ops whatever the length.
+    """
+    ds, bsz, n_in = local.shape[0], local.shape[1], local.shape[2]
+    modes = local.shape[3] // 2
+    if state is not None:
+        state = (torch.view_as_real(state) if state.is_complex() else state).to(local.dtype)  # (B, Ds, N2, 2)
+    if not scan:  # one chunk: it starts from the given state
+        x0 = state.permute(1, 0, 3, 2) if state is not None else local.new_zeros(ds, bsz, 2, modes)
+        return x0.reshape(ds, bsz, 2 * modes)
+    in_group, carry, across = scan
+    groups, num_groups = in_group.shape[1] // 2, across.shape[1] // 2
+    # (Ds N2, B * groups', (j, p)): chunk-major within a group, p = re, im last
+    v = local.view(ds, bsz, n_in, 2, modes).permute(0, 4, 1, 2, 3)
+    if n_in < groups * num_groups:
+        v = F.pad(v, (0, 0, 0, groups * num_groups - n_in))
+    x = torch.bmm(v.reshape(ds * modes, bsz * num_groups, 2 * groups), in_group)  # (.., (i <= groups, p))
+    if num_groups > 1 or state is not None:
+        ends = x.view(ds * modes, bsz, num_groups, groups + 1, 2)[:, :, : num_groups - 1, groups]
+        if state is None:
+            entering = F.pad(ends, (0, 0, 1, 0))  # (Ds N2, B, groups, 2): zero before the first group
+        else:
+            entering = torch.cat([state.permute(1, 2, 0, 3).reshape(ds * modes, bsz, 1, 2), ends], 2)
+        entering = torch.bmm(entering.view(ds * modes, bsz, 2 * num_groups), across)  # (Ds N2, B, (G, p))
+        x = torch.baddbmm(x[..., : 2 * groups], entering.view(ds * modes, bsz * num_groups, 2), carry)
+    # (Ds, N2, B, chunks, 2) -> (Ds, B * n, 2 N2)
+    x = x.view(ds, modes, bsz, -1, 2)[:, :, :, first:num_chunks]
+    return x.permute(0, 2, 3, 4, 1).reshape(ds, bsz * (num_chunks - first), 2 * modes)
+
+
+def s4d_chunked_forward(z: torch.Tensor, chunk: int, tables, state: torch.Tensor | None = None) -> torch.Tensor:
+    """The S4D outputs of ``z`` `(B, L, Ds)` from ``state`` (None: zero) chunk by chunk: `(B, L, C, Ds)`.
+
+    One batched matmul per channel gives every chunk's within-chunk convolution and local end state (the ``[R | W]``
+    of [`s4d_chunk_tables`], ``tables`` for ``ceil(L / chunk)`` chunks); [`s4d_chunk_scan`] the states entering the
+    chunks; one more adds their free response ``2 Re(C Abar^(t+1) x)``."""
+    bsz, length, ds = z.shape
+    nc = -(-length // chunk)
+    if nc * chunk != length:
+        z = F.pad(z, (0, 0, 0, nc * chunk - length))  # causal: zeros at the end change no earlier output
+    rw, g, *scan = tables
+    out_channels = g.shape[-1] // chunk
+    u = z.view(bsz * nc, chunk, ds).permute(2, 0, 1)  # (Ds, B*nc, T)
+    out = torch.bmm(u, rw)  # (Ds, B*nc, C*T + 2 N2): within-chunk outputs, local end states
+    width = out_channels * chunk
+    y = out[..., :width]
+    if nc > 1 or state is not None:
+        x0 = s4d_chunk_scan(out[..., width:].view(ds, bsz, nc, -1), state, scan, nc)
+        y = torch.baddbmm(y, x0, g, alpha=2)  # + the free response of every chunk
+    y = y.view(ds, bsz, nc, out_channels, chunk).permute(1, 2, 4, 3, 0)
+    return y.reshape(bsz, nc * chunk, out_channels, ds)[:, :length]
+
+
+def direct_causal_conv(u: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Causal convolution ``y[..., t] = sum_{j<=t} k[..., j] u[..., t-j]`` as a direct one (``conv1d``, no FFT):
+    ``u`` `(B, Ds, L)`, ``k`` `(C, Ds, L)` -> `(B, C, Ds, L)`. O(C Ds L^2)."""
+    out_channels, channels, length = k.shape
+    weight = k.flip(-1).transpose(0, 1).reshape(channels * out_channels, 1, length)  # channel-major groups
+    y = F.conv1d(F.pad(u, (length - 1, 0)), weight, groups=channels)  # (B, Ds * C, L)
+    return y.view(u.shape[0], channels, out_channels, length).transpose(1, 2)
