@@ -11,7 +11,13 @@ computed here in PyTorch. vLLM then hands each request one state slot (``state_i
 as for Mamba. All layers declare the same state tuple (a block layer leaves the SSM / context part unused), so
 that all layers share one page size.
 
-Prefix caching is not supported: the model does not implement vLLM's Mamba prefix caching (``align`` mode).
+Prefix caching runs in vLLM's Mamba ``align`` mode (``engine_config.py``): the state of a request is complete at any
+position (W-slot rings by position mod W, the S4D state, the current block's context states or MF read-outs), so
+the layers read and write the slot vLLM names exactly as without prefix caching, and vLLM keeps the slot of every
+prefill chunk end (a block boundary) as the cached state of that prefix. Before a step vLLM copies a request's
+running state into the slot of the block it is now in, or a cached prefix's state into a new request's slot, with
+the copy functions [`BSTForCausalLM.get_mamba_state_copy_func`] returns: one per state tensor, each the whole
+tensor of the source slot (no part of a BST state shifts with the position).
 """
 
 from collections.abc import Iterable
@@ -21,11 +27,23 @@ from torch import nn
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.abstract import MambaBase
-from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
+from vllm.model_executor.layers.mamba.mamba_utils import MambaCopySpec
+from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree, SupportsMambaPrefixCaching
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from .config import check_supported
 from .layers import BSTLayerMath, rms_norm
+
+
+def copy_whole_state(state: torch.Tensor, block_ids: list[int], cur_block_idx: int, num_accepted_tokens: int):
+    """vLLM's align-mode state copy for one BST state tensor ``state`` `(num_slots, ...)`: all of the state of the
+    slot ``block_ids[cur_block_idx]`` (the ring of the last W keys / values, the S4D state, the context states or MF
+    read-outs alike: none of them shifts with the position). ``num_accepted_tokens`` > 1 only comes with speculative
+    decoding, which the plugin does not serve."""
+    if num_accepted_tokens != 1:
+        raise ValueError("BST serving: speculative decoding is not supported (a state copy with accepted drafts).")
+    src = state[block_ids[cur_block_idx]]
+    return MambaCopySpec(start_addr=src.data_ptr(), num_elements=src.numel())
 
 
 def state_shapes(config) -> tuple[tuple[int, ...], ...]:
@@ -111,7 +129,7 @@ class BSTModel(nn.Module):
         return rms_norm(hidden, self.norm.weight, self.eps)
 
 
-class BSTForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
+class BSTForCausalLM(nn.Module, HasInnerState, IsAttentionFree, SupportsMambaPrefixCaching):
     """A ``modeling_bst`` checkpoint (block and BST layers, S4D SSM, SH / MH / MF context states) in vLLM."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
@@ -147,6 +165,15 @@ class BSTForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig):
         return (torch.float32,) * len(state_shapes(vllm_config.model_config.hf_config))
+
+    # Instance methods, not vLLM's class methods: how many state tensors a layer has depends on the checkpoint
+    # (2 for a model of block layers, 4 with MF context states, 5 with SH / MH), and vLLM calls these on the model.
+    def get_mamba_state_copy_func(self):
+        """Prefix caching (align mode): the copy of each state tensor of a layer from one slot to another."""
+        return (copy_whole_state,) * len(state_shapes(self.config))
+
+    def get_mamba_state_copy_funcs(self, mamba_types):
+        return {mamba_type: self.get_mamba_state_copy_func() for mamba_type in mamba_types}
 
     # -- weights --------------------------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

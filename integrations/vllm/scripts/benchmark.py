@@ -12,6 +12,11 @@ prompt length and concurrency c, c requests of that prompt length decode ``--out
 generated) tokens per second, the peak resident memory of the engine's processes, and the per-sequence state:
 a BST sequence keeps a fixed-size state (W-token attention ring, S4D state, context states) whatever its length,
 a Llama sequence keeps its keys/values for every token. Each model runs in its own process (its own engine).
+
+``--prefix-ttft N`` measures prefix caching instead: the BST model served with prefix caching on, the time to first
+token (a one-token ``LLM.generate``) of an N-token prompt, of the same prompt again, and of the prompt extended by
+256 tokens (a follow-up turn), with the tokens each found in the prefix cache; and the first prompt's time with
+prefix caching off, in another engine.
 """
 
 import argparse
@@ -181,6 +186,53 @@ def run_one(kind: str, folder: Path, prompt_lens, concurrency, output_len) -> li
     return rows
 
 
+def prefix_ttft(folder: Path, length: int, caching: bool) -> dict:
+    """Time to first token with prefix caching (``caching``: first prompt, the same again, the prompt extended by
+    256 tokens) or without it (the first prompt), in one engine; seconds and prefix-cache hits."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"  # the checkpoint says MAX_LEN; S4 BST runs at any length
+    llm = LLM(model=str(folder), dtype="float32", max_model_len=length + 512, max_num_seqs=4,
+              enable_prefix_caching=caching, seed=0)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(1, VOCAB, (length,), generator=g).tolist()
+    follow_up = prompt + torch.randint(1, VOCAB, (256,), generator=g).tolist()
+    llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], params, use_tqdm=False)  # warm-up
+    result = {}
+    for label, ids in [("first", prompt), ("repeat", prompt), ("follow_up", follow_up)][: 3 if caching else 1]:
+        t0 = time.time()
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+        result[label] = dict(prompt_len=len(ids), ttft_s=round(time.time() - t0, 3), cached=out.num_cached_tokens)
+        print(json.dumps({label: result[label]}), file=sys.stderr, flush=True)
+    llm.llm_engine.engine_core.shutdown()
+    return result
+
+
+def prefix_report(length: int) -> str:
+    """Both engines (prefix caching on and off) in child processes; a Markdown table."""
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "bst"
+        write_bst(folder)
+        runs = {}
+        for mode in ("on", "off"):
+            command = [sys.executable, __file__, "--run", f"prefix-{mode}", "--folder", str(folder)]
+            command += ["--prefix-ttft", str(length)]
+            out = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True).stdout
+            runs[mode] = json.loads(out.strip().splitlines()[-1])
+    first = runs["on"]["first"]["ttft_s"]
+    lines = [
+        "| prefix caching | request | prompt_len | cached_tokens | ttft_s | vs first |",
+        "|---|---|---|---|---|---|",
+    ]
+    for mode, rows in runs.items():
+        for label, r in rows.items():
+            ratio = round(r["ttft_s"] / first, 3)
+            lines.append(f"| {mode} | {label} | {r['prompt_len']} | {r['cached']} | {r['ttft_s']} | {ratio} |")
+    return "\n".join(lines) + f"\n\n{os.cpu_count()} CPUs; torch {torch.__version__}.\n"
+
+
 def table(rows: list[dict]) -> str:
     head = [
         "model",
@@ -203,9 +255,21 @@ def main(argv=None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--table", type=Path, help="also write the Markdown table here")
-    parser.add_argument("--run", choices=["llama", "bst"], help=argparse.SUPPRESS)  # one engine, in a child process
-    parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--prefix-ttft", type=int, metavar="N", help="time to first token of a repeated N-token prompt"
+    )
+    parser.add_argument("--run", choices=["llama", "bst", "prefix-on", "prefix-off"], help=argparse.SUPPRESS)
+    parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)  # --run: one engine, in a child process
     args = parser.parse_args(argv)
+    if args.run in ("prefix-on", "prefix-off"):
+        print(json.dumps(prefix_ttft(args.folder, args.prefix_ttft, args.run == "prefix-on")))
+        return 0
+    if args.prefix_ttft:
+        text = prefix_report(args.prefix_ttft)
+        print(text)
+        if args.table:
+            args.table.write_text(text)
+        return 0
     if args.run:
         rows = run_one(args.run, args.folder, args.prompt_lens, args.concurrency, args.output_len)
         print(json.dumps(rows))
