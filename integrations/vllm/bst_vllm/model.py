@@ -29,15 +29,16 @@ from .layers import BSTLayerMath, rms_norm
 
 
 def state_shapes(config) -> tuple[tuple[int, ...], ...]:
-    """The state tuple every layer of the model declares: a BST layer's if the model has one, else a block layer's."""
-    return BSTLayerMath.state_shapes(config, "bst" in config.bst_layer_types)
+    """The state tuple every layer of the model declares: the parts of every layer kind the model has
+    (``layers.state_layout``)."""
+    return BSTLayerMath.state_shapes(config)
 
 
 class BSTServingLayer(BSTLayerMath, MambaBase):
     """A decoder layer with its per-request state in vLLM's Mamba-style state cache (``self.kv_cache``)."""
 
     def __init__(self, config, layer_idx: int, prefix: str):
-        super().__init__(config, config.bst_layer_types[layer_idx] == "bst")
+        super().__init__(config, config.bst_layer_types[layer_idx])
         self.layer_idx = layer_idx
         self.prefix = prefix
         self.shapes = state_shapes(config)
@@ -117,7 +118,7 @@ class BSTForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         config = vllm_config.model_config.hf_config
-        check_supported(config)
+        check_supported(config, vllm_config.model_config.max_model_len)
         if vllm_config.parallel_config.tensor_parallel_size != 1:
             raise ValueError("BST serving: tensor_parallel_size must be 1 (the plugin's layers are not sharded).")
         self.config = config
