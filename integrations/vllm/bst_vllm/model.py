@@ -8,8 +8,8 @@ the model declares itself attention-free (``IsAttentionFree``, ``HasInnerState``
 every decoder layer is a ``MambaBase`` layer whose "mamba state" is the tuple of these tensors; the attention is
 computed here in PyTorch. vLLM then hands each request one state slot (``state_indices_tensor_d`` /
 ``_p`` of the metadata), splits every batch into decodes (first) and prefill chunks, and schedules chunked prefill
-as for Mamba. All layers declare the same state tuple (a block layer leaves the SSM / context part unused), so
-that all layers share one page size.
+as for Mamba. All layers declare the same state tuple, the parts of every layer kind the model has (a layer
+leaves the other kinds' parts unused), so that all layers share one page size.
 
 Prefix caching is not supported: the model does not implement vLLM's Mamba prefix caching (``align`` mode).
 """
