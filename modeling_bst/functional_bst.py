@@ -399,3 +399,53 @@ def direct_causal_conv(u: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     weight = k.flip(-1).transpose(0, 1).reshape(channels * out_channels, 1, length)  # channel-major groups
     y = F.conv1d(F.pad(u, (length - 1, 0)), weight, groups=channels)  # (B, Ds * C, L)
     return y.view(u.shape[0], channels, out_channels, length).transpose(1, 2)
+
+
+# -- long convolutions: the FFT form ------------------------------------------------------------------------------------
+def fold_skip(k: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+    """``k`` `(C, Ds, L)` with ``skip`` `(C, Ds)` added to its lag-0 tap: ``conv(u, k) + skip * u`` in one convolution."""
+    return torch.cat([k[..., :1] + skip.unsqueeze(-1), k[..., 1:]], -1)
+
+
+def causal_spectrum(k: torch.Tensor) -> torch.Tensor:
+    """Spectrum of a causal kernel ``k`` `(C, Ds, L)` for [`spectrum_conv`]: its rFFT of size 2L, `(C, Ds, L+1)`."""
+    return torch.fft.rfft(k, n=2 * k.shape[-1])
+
+
+def spectrum_conv(u: torch.Tensor, k_f: torch.Tensor) -> torch.Tensor:
+    """Convolution of ``u`` `(B, Ds, L)` with a kernel given by its size-2L spectrum ``k_f`` `(C, Ds, L+1)` (no
+    wrap-around: the size is twice the length) -> `(B, C, Ds, L)`."""
+    length = u.shape[-1]
+    u_f = torch.fft.rfft(u, n=2 * length)  # (B, Ds, L+1)
+    return torch.fft.irfft(u_f.unsqueeze(1) * k_f.unsqueeze(0), n=2 * length)[..., :length]
+
+
+# -- the Hyena-style ("unstruct") filter --------------------------------------------------------------------------------
+def unstruct_filters(features, layers, out, freq, max_len: int, decay, out_channels: int, channels: int):
+    """The taps of an implicit long filter, ``h_t = exp(-alpha t) * FFN(features_t)``, for the lags of ``features``.
+
+    ``features`` `(L, emb)`: the positional features of lags ``0 .. L-1`` in the compute dtype; ``layers``: the FFN's
+    linear maps (callables), each followed by ``sin(freq * .)``; ``out``: the last linear map (callable, to
+    ``K * C * Ds`` values per lag; K = 2 for a two-sided filter); ``max_len``: the filter's length (the time grid is
+    ``t / (max_len - 1)``); ``decay`` ``(target, fast, slow)``: per output the envelope ``exp(-t delta)``, the deltas
+    log-spaced so that the slowest decays to ``target`` at ``1 / slow`` and the fastest at ``1 / fast``. Returns
+    `(K, C, Ds, L)` in the dtype of ``features``."""
+    dtype = features.dtype
+    h = features
+    for layer in layers:
+        h = torch.sin(freq.to(dtype) * layer(h).to(dtype))
+    h = out(h).to(dtype)  # (L, width)
+    length, width = h.shape
+    t = torch.arange(length, device=h.device, dtype=dtype)[:, None] / max(max_len - 1, 1)
+    target, fast, slow = decay
+    low, high = math.log(target) / slow, math.log(target) / fast
+    deltas = torch.linspace(low, high, width, device=h.device, dtype=dtype).abs()
+    return (h * torch.exp(-t * deltas)).t().reshape(-1, out_channels, channels, length)
+
+
+# -- the Block-Recurrent state -----------------------------------------------------------------------------------------
+def gated_state_update(state: torch.Tensor, update: torch.Tensor, gate_bias: torch.Tensor) -> torch.Tensor:
+    """The fixed-gate recurrence of a Block-Recurrent cell: ``g * state + (1 - g) * update`` with the learned,
+    input-independent gate ``g = sigmoid(gate_bias)``, in ``state``'s dtype."""
+    gate = torch.sigmoid(upcast(gate_bias)).to(state.dtype)
+    return gate * state + (1 - gate) * update.to(state.dtype)

@@ -49,7 +49,15 @@ from .attention_bst import BSTRMSNorm, flex_block_attention, grouped_flex, use_f
 from .cache_bst import ATTENTION_RING, BSTCache, BSTLayerCache, own_layers
 from .configuration_bst import BSTConfig
 from .context_bst import CONTEXT_BUILDERS, SSM_KERNELS, BSTContextStates
-from .functional_bst import additive_mask, l2_normalize, masked_fill_value, t5_relative_bucket, upcast, window_valid
+from .functional_bst import (
+    additive_mask,
+    gated_state_update,
+    l2_normalize,
+    masked_fill_value,
+    t5_relative_bucket,
+    upcast,
+    window_valid,
+)
 from .layout_bst import StepPlan, _Chunk, _Documents
 from .ssm_bst import S4DKernel, UnstructFilter
 from .utils_bst import constant_memo, gather_rows, host_can_branch, maybe_any, on_accelerator, step_memo, tracing
@@ -252,8 +260,7 @@ class BSTRecurrentState(nn.Module):
         r_cross = attention(self, q2.transpose(1, 2), token_k.transpose(1, 2), token_v.transpose(1, 2), mask, 0.0)
         r_cross = r_cross * token_valid.any(-1).to(r_cross.dtype)[:, None, None, None]
         z = self.o_proj(torch.cat([r_self.flatten(-2), r_cross.flatten(-2)], -1))
-        gate = torch.sigmoid(upcast(self.gate_bias)).to(state.dtype)
-        return gate * state + (1 - gate) * z.to(state.dtype)
+        return gated_state_update(state, z, self.gate_bias)
 
     def sequence(self, state, kb, vb, previous):
         """The recurrence over the blocks of a sequence (the package's only sequential loop).

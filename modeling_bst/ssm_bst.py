@@ -32,9 +32,11 @@ from torch import nn
 from transformers import initialization as init
 
 from .functional_bst import (
+    causal_spectrum,
     chunk_exponents_layout,
     chunk_groups,
     direct_causal_conv,
+    fold_skip,
     s4d_chunk_scan,
     s4d_chunk_tables,
     s4d_chunked_forward,
@@ -44,6 +46,8 @@ from .functional_bst import (
     s4d_kernel,
     s4d_step,
     s4d_step_constants,
+    spectrum_conv,
+    unstruct_filters,
 )
 from .utils_bst import host_can_branch, memoised, tracing
 
@@ -55,11 +59,6 @@ def _no_autocast(device_type: str):
 def compute_dtype(param: torch.Tensor) -> torch.dtype:
     """SSM maths runs in float32 (float64 when the model is float64), never in half precision."""
     return torch.float64 if param.dtype == torch.float64 else torch.float32
-
-
-def causal_spectrum(k: torch.Tensor) -> torch.Tensor:
-    """Spectrum of a causal kernel ``k`` `(C, Ds, L)` for [`fft_conv`]: its rFFT of size 2L, `(C, Ds, L+1)`."""
-    return torch.fft.rfft(k, n=2 * k.shape[-1])
 
 
 def bidirectional_spectrum(k_fwd: torch.Tensor, k_bwd: torch.Tensor) -> torch.Tensor:
@@ -78,9 +77,7 @@ def fft_conv(u: torch.Tensor, k_f: torch.Tensor) -> torch.Tensor:
     """
     if torch.compiler.is_compiling():
         return _fft_conv_op(u, k_f)
-    length = u.shape[-1]
-    u_f = torch.fft.rfft(u, n=2 * length)  # (B, Ds, L+1)
-    return torch.fft.irfft(u_f.unsqueeze(1) * k_f.unsqueeze(0), n=2 * length)[..., :length]
+    return spectrum_conv(u, k_f)
 
 
 def ssm_dtype() -> torch.dtype:
@@ -99,9 +96,7 @@ _OPS = "".join(c if c.isalnum() else "_" for c in __name__)
 
 @torch.library.custom_op(f"{_OPS}::fft_conv", mutates_args=())
 def _fft_conv_op(u: torch.Tensor, k_f: torch.Tensor) -> torch.Tensor:
-    length = u.shape[-1]
-    u_f = torch.fft.rfft(u, n=2 * length)
-    return torch.fft.irfft(u_f.unsqueeze(1) * k_f.unsqueeze(0), n=2 * length)[..., :length].contiguous()
+    return spectrum_conv(u, k_f).contiguous()
 
 
 @_fft_conv_op.register_fake
@@ -225,11 +220,6 @@ def spectrum_memo_usable(module: nn.Module) -> bool:
     if module.training or (torch.is_grad_enabled() and any(p.requires_grad for p in params)):
         return False
     return not params or host_can_branch(params[0])
-
-
-def fold_skip(k: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
-    """``k`` `(C, Ds, L)` with ``skip`` `(C, Ds)` added to its lag-0 tap: ``conv(u, k) + skip * u`` in one convolution."""
-    return torch.cat([k[..., :1] + skip.unsqueeze(-1), k[..., 1:]], -1)
 
 
 def upcast_ssm(x: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -606,23 +596,18 @@ class UnstructFilter(nn.Module):
             )
         with _no_autocast(self.pos_emb.device.type):
             dtype = compute_dtype(self.pos_emb)
-            h = self.pos_emb[0, :length].to(dtype)  # (L, emb)
             # The MLP's layers are called as modules (an adapter on them, e.g. LoRA's "all-linear", runs), in their
             # weights' dtype: float32, as the model's SSM modules are kept.
-            for layer in self.mlp:
-                h = torch.sin(self.sin.freq.to(dtype) * layer(h.to(layer.weight.dtype)).to(dtype))
-            h = self.out(h.to(self.out.weight.dtype)).to(dtype)  # (L, width)
-            width = h.shape[-1]
-            t = torch.arange(length, device=h.device, dtype=dtype)[:, None] / max(self.max_len - 1, 1)
-            deltas = torch.linspace(
-                math.log(self.decay_target) / self.decay_slow,
-                math.log(self.decay_target) / self.decay_fast,
-                width,
-                device=h.device,
-                dtype=dtype,
-            ).abs()
-            h = h * torch.exp(-t * deltas)  # (L, width)
-            h = h.t().reshape(-1, self.out_channels, self.channels, length)
+            h = unstruct_filters(
+                self.pos_emb[0, :length].to(dtype),
+                [lambda x, layer=layer: layer(x.to(layer.weight.dtype)) for layer in self.mlp],
+                lambda x: self.out(x.to(self.out.weight.dtype)),
+                self.sin.freq,
+                self.max_len,
+                (self.decay_target, self.decay_fast, self.decay_slow),
+                self.out_channels,
+                self.channels,
+            )
             return h if self.bidirectional else h[0]
 
     def taps(self, total: int):

@@ -48,6 +48,24 @@ BUILT = {
     "mf-ids-after-norm-ssm-output": dict(
         bst_layer_indices=[0, 1], context_mode="mf", mf_context_ids_after_norm=True, mf_initial_context="ssm_output",
     ),
+    # The other layer kinds and SSMs: unstruct filters (a filter shorter than the sequence: its history is full and
+    # drops inputs), one S4D per MF filter, Block-Recurrent and GSS layers (beside BST and block layers).
+    "sh-unstruct-short-filter": dict(
+        bst_layer_indices=[0, 2], context_mode="sh", ssm_kind="unstruct", max_position_embeddings=20,
+        unstruct_order=8, unstruct_emb_dim=5,
+    ),
+    "mh-unstruct": dict(bst_layer_indices=[1], context_mode="mh", ssm_kind="unstruct", unstruct_order=8),
+    "mf-unstruct-short-filter": dict(
+        bst_layer_indices=[0, 1], context_mode="mf", ssm_kind="unstruct", max_position_embeddings=20,
+        unstruct_order=8,
+    ),
+    "mf-independent-filters": dict(bst_layer_indices=[0, 2], context_mode="mf", mf_independent_filters=True),
+    "recurrent": dict(bst_layer_indices=[], recurrent_layer_indices=[1], num_recurrent_states=5),
+    "recurrent-bst-self": dict(
+        bst_layer_indices=[0], recurrent_layer_indices=[2], num_recurrent_states=4, attend_self=True,
+    ),
+    "gss-bst-recurrent": dict(bst_layer_indices=[1], gss_layer_indices=[0], recurrent_layer_indices=[2],
+                              num_recurrent_states=3, gss_expansion=2),
 }  # fmt: skip
 FIXTURE_NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").is_file())
 
@@ -55,10 +73,10 @@ FIXTURE_NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json")
 def checkpoint(name: str, tmp_path: Path) -> Path:
     if name in BUILT:
         torch.manual_seed(0)
-        model = BSTForCausalLM(BSTConfig(**COMMON, **BUILT[name]))
+        model = BSTForCausalLM(BSTConfig(**{**COMMON, **BUILT[name]}))
         with torch.no_grad():  # non-trivial values where the init leaves ones or zeros
             for param_name, param in model.named_parameters():
-                if param_name.endswith(("norm.weight", "scale", "initial_context", "context_ids")):
+                if param_name.endswith(("norm.weight", "scale", "initial_context", "context_ids", "gate_bias")):
                     param.add_(0.3 * torch.randn_like(param))
         model.save_pretrained(tmp_path / name)
         return tmp_path / name
@@ -75,10 +93,10 @@ class PluginStack:
         check_supported(self.config)
         weights = {k: v.double() for k, v in load_file(folder / "model.safetensors").items()}
         self.embed_weight, self.norm_weight = weights["model.embed_tokens.weight"], weights["model.norm.weight"]
-        shapes = layers.BSTLayerMath.state_shapes(self.config, "bst" in self.config.bst_layer_types)
+        shapes = layers.BSTLayerMath.state_shapes(self.config)
         self.layers, self.states = [], []
         for i, kind in enumerate(self.config.bst_layer_types):
-            layer = layers.BSTLayerMath(self.config, kind == "bst").double()
+            layer = layers.BSTLayerMath(self.config, kind).double()
             prefix = f"model.layers.{i}."
             layer.load_state_dict({k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)})
             self.layers.append(layer)

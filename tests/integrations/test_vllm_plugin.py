@@ -46,10 +46,17 @@ def test_fixture_prompts_are_the_scripts():
 def test_stored_tokens_are_generate_output(name):
     """``generate()`` on the stored checkpoint gives the stored greedy tokens for all 8 prompts."""
     model = BSTForCausalLM.from_pretrained(MAKE_FIXTURES.FIXTURES / name).eval()
-    assert model.config.layer_types == [
-        "bst_context" if i in MAKE_FIXTURES.MODELS[name]["bst_layer_indices"] else "bst_block"
-        for i in range(model.config.num_hidden_layers)
-    ]
+    fields = MAKE_FIXTURES.MODELS[name]
+    kinds = {
+        "bst_layer_indices": "bst_context",
+        "recurrent_layer_indices": "bst_recurrent",
+        "gss_layer_indices": "bst_gss",
+    }
+    expected_types = ["bst_block"] * model.config.num_hidden_layers
+    for field, layer_type in kinds.items():
+        for i in fields.get(field, ()):
+            expected_types[i] = layer_type
+    assert model.config.layer_types == expected_types
     with torch.no_grad():
         assert MAKE_FIXTURES.greedy(model, EXPECTED["prompts"]) == EXPECTED["models"][name]
 

@@ -3,8 +3,9 @@
 vLLM pins an older transformers than ``modeling_bst`` needs, so the plugin reads config.json itself: this class
 takes every key that ``modeling_bst.BSTConfig`` writes, with the same defaults for the ones the serving maths uses,
 and rebuilds the layer types (``bst_layer_types``) from the index fields (config.json stores ``bst_layer_indices``,
-``recurrent_layer_indices`` and ``gss_layer_indices``). [`check_supported`] refuses what the plugin cannot serve,
-naming the config field.
+``recurrent_layer_indices`` and ``gss_layer_indices``). [`check_supported`] refuses what the plugin cannot serve
+(a bidirectional encoder; an unstruct model without a finite filter served beyond its length), naming the config
+field.
 """
 
 import math
@@ -26,6 +27,16 @@ DEFAULTS = dict(
     ssm_state_size=16,
     num_context_states=32,
     mf_independent_filters=False,
+    num_recurrent_states=512,
+    gss_expansion=3,
+    unstruct_emb_dim=33,
+    unstruct_order=64,
+    unstruct_num_inner_mlps=2,
+    unstruct_sin_freq=14.0,
+    unstruct_decay_target=1e-2,
+    unstruct_decay_fast=0.3,
+    unstruct_decay_slow=1.5,
+    unstruct_finite_filter=True,
     bidirectional=False,
     ssm_hidden_size=None,
     ssm_input="normed",
@@ -83,26 +94,25 @@ class BSTServingConfig(PretrainedConfig):
         return output
 
 
-def check_supported(config) -> None:
-    """Raise ``ValueError`` naming the config field for a checkpoint the plugin cannot serve."""
-    bad = {t for t in config.bst_layer_types if t not in ("block", "bst")}
+def check_supported(config, max_model_len: int | None = None) -> None:
+    """Raise ``ValueError`` naming the config field for a checkpoint the plugin cannot serve (``max_model_len``: the
+    engine's longest sequence, where known)."""
+    bad = {t for t in config.bst_layer_types if t not in ("block", "bst", "recurrent", "gss")}
     if bad:
-        which = ", ".join(sorted(INDEX_FIELDS[t] for t in bad if t in INDEX_FIELDS)) or f"layer_types {sorted(bad)}"
-        raise ValueError(
-            f"BST serving: {which} is not empty; the vLLM plugin serves block (Slide) and BST layers only, not "
-            "Block-Recurrent (recurrent_layer_indices) or GSS (gss_layer_indices) layers."
-        )
+        raise ValueError(f"BST serving: unknown layer_types {sorted(bad)}.")
     if config.bidirectional:
         raise ValueError(
             "BST serving: bidirectional=True is an encoder (classification) model; only causal models serve."
         )
     if "bst" in config.bst_layer_types:
-        if config.ssm_kind != "s4":
-            raise ValueError(
-                f"BST serving: ssm_kind={config.ssm_kind!r} is not supported (the plugin serves ssm_kind='s4'; an "
-                "'unstruct' filter keeps a state that grows with the sequence)."
-            )
-        if config.mf_independent_filters:
-            raise ValueError("BST serving: mf_independent_filters=True is not supported (one SSM per MF filter).")
+        if config.ssm_kind not in ("s4", "unstruct"):
+            raise ValueError(f"BST serving: unknown ssm_kind={config.ssm_kind!r}.")
         if config.context_mode not in ("sh", "mh", "mf"):
             raise ValueError(f"BST serving: unknown context_mode={config.context_mode!r}.")
+        lmax = config.max_position_embeddings
+        if config.ssm_kind == "unstruct" and not config.unstruct_finite_filter and (max_model_len or 0) > lmax:
+            raise ValueError(
+                f"BST serving: unstruct_finite_filter=False and max_model_len={max_model_len} > "
+                f"max_position_embeddings={lmax}: such a model generates at most {lmax} tokens (its filter has no "
+                "taps beyond them); serve it with max_model_len <= max_position_embeddings."
+            )

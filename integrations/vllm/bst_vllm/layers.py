@@ -1,25 +1,32 @@
 """A Block-State Transformer layer for serving, in plain PyTorch (no vLLM import).
 
 The tensor maths (norms, T5 buckets, the window and context mask rules, the S4D discretisation, chunked form and
-recurrent step in real arithmetic) is ``modeling_bst/functional_bst.py``, the file the model itself uses: it imports
-only torch, so it runs under the older transformers vLLM pins, and this module loads it by its path in the
-repository ([`load_functional`]; the plugin is installed editable from the repository, ``scripts/setup.sh``). What is
-here is the serving layout: parameter names of ``modeling_bst`` (a saved checkpoint loads as it is), one request's
-chunk or a batch of decode steps over fixed-size per-request states. Per-position parity with ``modeling_bst``'s
-forward is tested in the main suite (``tests/integrations/test_vllm_layers.py``), greedy parity with ``generate()``
-in the plugin's own tests.
+recurrent step in real arithmetic, the FFT convolution and the unstruct filter's taps, the Block-Recurrent gate) is
+``modeling_bst/functional_bst.py``, the file the model itself uses: it imports only torch, so it runs under the
+older transformers vLLM pins, and this module loads it by its path in the repository ([`load_functional`]; the
+plugin is installed editable from the repository, ``scripts/setup.sh``). What is here is the serving layout:
+parameter names of ``modeling_bst`` (a saved checkpoint loads as it is), one request's chunk or a batch of decode
+steps over fixed-size per-request states. Per-position parity with ``modeling_bst``'s forward is tested in the main
+suite (``tests/integrations/test_vllm_layers.py``), greedy parity with ``generate()`` in the plugin's own tests.
 
 A layer processes one request's chunk of ``T`` consecutive tokens at positions ``p0 .. p0 + T - 1`` (a whole
 prompt, a piece of a chunked prefill, or one decoded token) and advances that request's state in place. Every part
-of the state has a fixed size, whatever the length of the sequence:
+of the state has a fixed size, whatever the length of the sequence ([`state_layout`]; every layer of a model
+declares the same tuple, the parts of all its layer kinds, and uses its own):
 
-* ``attn_k``, ``attn_v`` `(W, H, d_h)`: the keys/values of the last W tokens (token at position p in slot p % W):
+* ``attn_k``, ``attn_v`` `(R, H, d_h)`: the keys/values of the last R tokens (token at position p in slot p % R;
+  R = W, or 2W in a model with Block-Recurrent layers, whose state update reads the previous and current block):
   the block self-attention of a token reads exactly the W tokens before it (the W most recent with
   ``attend_self``);
-* BST layers: ``ssm`` `(D_s, N/2, 2)`: the S4D state (real and imaginary parts);
+* BST layers, ``ssm_kind="s4"``: ``ssm`` `(D_s, N/2, 2)` the S4D state (real and imaginary parts;
+  ``mf_independent_filters``: `(S * D_s, N/2, 2)`, one S4D per MF filter); ``ssm_kind="unstruct"``: ``history``
+  `(D_s, L)` the last L = ``max_position_embeddings`` SSM inputs (the filter has L taps), oldest first;
 * SH / MH: ``ctx_k``, ``ctx_v`` `(W, H, d_h)`: the context keys/values of the current block's tokens (slot p % W);
-* MF: ``last`` `(S, D_s)`: the SSM's S read-outs at the last block end, from which the current block's context
-  states come.
+* MF: ``mf_last`` `(S, D_s)`: the SSM's S read-outs at the last block end, from which the current block's context
+  states come;
+* Block-Recurrent layers: ``rec`` `(S_r, D)` the recurrent state before the current block and ``rec_k``, ``rec_v``
+  `(S_r, H, d_h)` the keys/values the block's tokens read from it;
+* GSS layers: ``gss`` `(D/4, N/2, 2)` the S4D state.
 
 A decode step is the chunk of one token; ``BSTLayerMath.decode`` runs the steps of many requests at once. The maths
 runs in the parameters' dtype (float32 when served; float64 in the parity test), the SSM in at least float32.
@@ -35,6 +42,7 @@ from torch import nn
 
 
 FUNCTIONAL = Path(__file__).resolve().parents[3] / "modeling_bst" / "functional_bst.py"
+LAYER_KINDS = ("block", "bst", "recurrent", "gss")
 
 
 def load_functional():
@@ -60,6 +68,35 @@ rms_norm = fb.rms_norm
 S4D_CHUNK_LEN = 64
 
 
+def state_layout(config) -> dict[str, tuple[int, ...]]:
+    """The per-request state tensors every layer of the model declares, by name, in order: the parts of each layer
+    kind the model has (see the module docstring)."""
+    kinds = set(config.bst_layer_types)
+    w, heads, hd = config.block_len, config.num_attention_heads, config.head_dim
+    layout = {}
+    if kinds - {"gss"}:
+        ring = 2 * w if "recurrent" in kinds else w
+        layout["attn_k"] = layout["attn_v"] = (ring, heads, hd)
+    if "bst" in kinds:
+        ds, n2 = config.ssm_channels, config.ssm_state_size // 2
+        if config.ssm_kind == "unstruct":
+            layout["history"] = (ds, config.max_position_embeddings)
+        elif config.context_mode == "mf" and config.mf_independent_filters:
+            layout["ssm"] = (config.num_context_states * ds, n2, 2)
+        else:
+            layout["ssm"] = (ds, n2, 2)
+        if config.context_mode == "mf":
+            layout["mf_last"] = (config.num_context_states, ds)
+        else:
+            layout["ctx_k"] = layout["ctx_v"] = (w, heads, hd)
+    if "recurrent" in kinds:
+        layout["rec"] = (config.num_recurrent_states, config.hidden_size)
+        layout["rec_k"] = layout["rec_v"] = (config.num_recurrent_states, heads, hd)
+    if "gss" in kinds:
+        layout["gss"] = (config.hidden_size // 4, config.ssm_state_size // 2, 2)
+    return layout
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Softmax attention with an additive ``mask`` and no further scaling (queries carry the learned scale).
 
@@ -71,6 +108,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return out * seen.to(out.dtype)
 
 
+def compute_dtype(param: torch.Tensor) -> torch.dtype:
+    """SSM maths in float32, float64 for a float64 model."""
+    return torch.float64 if param.dtype == torch.float64 else torch.float32
+
+
 class S4D:
     """The S4D maths of one layer's SSM parameters (``log_dt``, ``A_log_real``, ``A_imag``, ``B``, ``C``, ``D``),
     with what depends only on them computed once (serving never changes the parameters): the chunked form's tables
@@ -78,7 +120,7 @@ class S4D:
 
     def __init__(self, ssm: nn.Module):
         self.params = ssm.log_dt, ssm.A_log_real, ssm.A_imag, ssm.B, ssm.C, ssm.D
-        self.dtype = torch.float64 if ssm.log_dt.dtype == torch.float64 else torch.float32
+        self.dtype = compute_dtype(ssm.log_dt)
         self.discrete = fb.s4d_discretize(*self.params[:4], self.dtype)
         self.step_constants = fb.s4d_step_constants(*self.params, self.dtype)
         self._tables = {}
@@ -92,7 +134,7 @@ class S4D:
             self._tables[key] = fb.s4d_chunk_tables(self.params, exps, offsets, chunk, num_chunks)
         return self._tables[key]
 
-    def scan(self, z: torch.Tensor, state: torch.Tensor):
+    def scan(self, z: torch.Tensor, state: torch.Tensor, p0: int = 0):
         """Outputs ``y`` `(T, C, Ds)` for the inputs ``z`` `(T, Ds)` from ``state`` `(Ds, N2, 2)`, and the state
         after the last input."""
         z = z.to(self.dtype)[None]
@@ -107,19 +149,95 @@ class S4D:
         return fb.s4d_step(z.to(self.dtype), state.to(self.dtype), self.step_constants)
 
 
-class BSTLayerMath(nn.Module):
-    """One decoder layer of a BST model: a block ("Slide") layer, or a BST layer with an S4D SSM and SH / MH / MF
-    context states. Parameters are named as in ``modeling_bst`` (``self_attn``, ``o_proj``, ``mlp``, ``ssm``,
-    ``context``, ``cross_attn``, the norms)."""
+class PerFilterS4D:
+    """MF with ``mf_independent_filters``: one S4D per filter, as ``modeling_bst``'s ``PerFilterS4D`` holds them (one
+    S4D over S * Ds channels, ``ssm.kernel``, every filter reading the same input): outputs `(..., S, Ds)`."""
 
-    def __init__(self, config, is_bst: bool):
+    def __init__(self, kernel: nn.Module, filters: int):
+        self.inner, self.filters = S4D(kernel), filters
+
+    def _split(self, y):
+        return y[..., 0, :].unflatten(-1, (self.filters, -1))  # (..., 1, S * Ds) -> (..., S, Ds), filter-major
+
+    def scan(self, z, state, p0: int = 0):
+        y, state = self.inner.scan(z.repeat(1, self.filters), state)
+        return self._split(y), state
+
+    def step(self, z, state):
+        y, state = self.inner.step(z.repeat(1, self.filters), state)
+        return self._split(y), state
+
+
+class Unstruct:
+    """The Hyena-style filter of ``ssm_kind="unstruct"`` (``modeling_bst``'s ``UnstructFilter``): its L =
+    ``max_position_embeddings`` taps (bias folded into lag 0) computed once, ``y_t = sum_{j < L} h_j z_{t-j}``. The
+    state is the input history `(Ds, L)`, oldest first (zeros before the sequence): the filter has no taps beyond
+    lag L - 1, so the last L inputs are all a step needs."""
+
+    def __init__(self, ssm: nn.Module, config):
+        self.dtype = compute_dtype(ssm.pos_emb)
+        self.max_len = config.max_position_embeddings
+        decay = (config.unstruct_decay_target, config.unstruct_decay_fast, config.unstruct_decay_slow)
+        taps = fb.unstruct_filters(
+            ssm.pos_emb[0].to(self.dtype),
+            list(ssm.mlp),
+            ssm.out,
+            ssm.sin.freq,
+            self.max_len,
+            decay,
+            config.ssm_output_channels,
+            config.ssm_channels,
+        )[0]
+        self.taps = fb.fold_skip(taps, ssm.bias.to(self.dtype))  # (C, Ds, L), lag order
+        self.reversed = self.taps.flip(-1)  # lag L - 1 - j at j, as the history is laid out
+
+    def scan(self, z: torch.Tensor, history: torch.Tensor, p0: int = 0):
+        """Outputs `(T, C, Ds)` of ``z`` `(T, Ds)` after the history `(Ds, L)` of a request at ``p0``, by one FFT
+        convolution over the earlier inputs that reach the chunk and the chunk; and the new history."""
+        z = z.to(self.dtype).t()  # (Ds, T)
+        n_prev = min(p0, self.max_len - 1)  # earlier inputs within reach of the chunk's first token
+        u = torch.cat([history[:, self.max_len - n_prev :].to(self.dtype), z], -1)  # (Ds, n)
+        n = u.shape[-1]
+        k = F.pad(self.taps[..., : min(n, self.max_len)], (0, max(0, n - self.max_len)))
+        y = fb.spectrum_conv(u[None], fb.causal_spectrum(k))[0, ..., n_prev:]  # (C, Ds, T)
+        return y.permute(2, 0, 1), torch.cat([history.to(self.dtype), z[:, -self.max_len :]], -1)[:, -self.max_len :]
+
+    def step(self, z: torch.Tensor, history: torch.Tensor):
+        """One token of many requests: ``z`` `(B, Ds)`, ``history`` `(B, Ds, L)` -> `(B, C, Ds)` and the history
+        with ``z`` appended (the oldest input dropped)."""
+        history = torch.cat([history[..., 1:].to(self.dtype), z.to(self.dtype)[..., None]], -1)
+        return torch.einsum("bsl,csl->bcs", history, self.reversed), history
+
+
+class BSTLayerMath(nn.Module):
+    """One decoder layer of a BST model (``kind``): a block ("Slide") layer; a BST layer with an S4D (one state, or
+    one per MF filter) or unstruct SSM and SH / MH / MF context states; a Block-Recurrent layer; or a GSS layer.
+    Parameters are named as in ``modeling_bst`` (``self_attn``, ``o_proj``, ``mlp``, ``ssm``, ``context``,
+    ``cross_attn``, ``recurrent``, the GSS projections, the norms). ``kind`` True / False reads as "bst" / "block"."""
+
+    def __init__(self, config, kind):
         super().__init__()
+        kind = {True: "bst", False: "block"}.get(kind, kind) if isinstance(kind, bool) else kind
+        if kind not in LAYER_KINDS:
+            raise ValueError(f"BST serving: unknown layer kind {kind!r}.")
         self.config = config
-        self.is_bst = is_bst
+        self.kind = kind
+        self.is_bst = kind == "bst"
         d, heads, hd = config.hidden_size, config.num_attention_heads, config.head_dim
         self.heads, self.head_dim, self.block_len = heads, hd, config.block_len
         self.eps = config.rms_norm_eps
+        self.index = {name: i for i, name in enumerate(state_layout(config))}
         self.input_norm = _Norm(d)
+        self.mode = config.context_mode
+        self._constants = None
+        if kind == "gss":
+            ds, width = d // 4, config.gss_expansion * d
+            self.u_proj = nn.Linear(d, ds, bias=False)
+            self.v_proj = nn.Linear(d, width, bias=False)
+            self.ssm = _s4d_parameters(ds, 1, config.ssm_state_size)
+            self.y_proj = nn.Linear(ds, width, bias=False)
+            self.o_proj = nn.Linear(width, d, bias=False)
+            return
         self.post_attention_norm = _Norm(d)
         self.self_attn = _Module(
             q_proj=nn.Linear(d, heads * hd, bias=False),
@@ -128,25 +246,41 @@ class BSTLayerMath(nn.Module):
             relative_bias=nn.Embedding(config.relative_attention_num_buckets, heads),
         )
         self.self_attn.scale = nn.Parameter(torch.ones(heads))
-        self.o_proj = nn.Linear(heads * hd * (2 if is_bst else 1), d, bias=False)
+        self.o_proj = nn.Linear(heads * hd * (1 if kind == "block" else 2), d, bias=False)
         self.mlp = _Module(
             up_proj=nn.Linear(d, config.intermediate_size, bias=False),
             down_proj=nn.Linear(config.intermediate_size, d, bias=False),
         )
-        self.mode = config.context_mode
-        if is_bst:
-            ds, n2 = config.ssm_channels, config.ssm_state_size // 2
-            outs = config.ssm_output_channels
-            self.ssm = _Module()
+        if kind != "block":
+            self.cross_attn = _Module(q_proj=nn.Linear(d, heads * hd, bias=False))
+            self.cross_attn.scale = nn.Parameter(torch.ones(heads))
+        if kind == "recurrent":
+            s = config.num_recurrent_states
+            self.recurrent = _Module(
+                norm=_Norm(d),
+                q_proj=nn.Linear(d, heads * hd, bias=False),
+                k_proj=nn.Linear(d, heads * hd, bias=False),
+                v_proj=nn.Linear(d, heads * hd, bias=False),
+                q2_proj=nn.Linear(d, heads * hd, bias=False),
+                o_proj=nn.Linear(2 * heads * hd, d, bias=False),
+            )
             for name, shape in (
-                ("log_dt", (ds,)),
-                ("A_log_real", (ds, n2)),
-                ("A_imag", (ds, n2)),
-                ("B", (ds, n2, 2)),
-                ("C", (outs, ds, n2, 2)),
-                ("D", (outs, ds)),
+                ("initial_state", (s, d)),
+                ("state_pos", (s, d)),
+                ("self_scale", (heads,)),
+                ("cross_scale", (heads,)),
+                ("gate_bias", (d,)),
             ):
-                self.ssm.register_parameter(name, nn.Parameter(torch.zeros(shape)))
+                self.recurrent.register_parameter(name, nn.Parameter(torch.zeros(shape)))
+        if kind == "bst":
+            ds = config.ssm_channels
+            outs = config.ssm_output_channels
+            if config.ssm_kind == "unstruct":
+                self.ssm = _unstruct_parameters(config, ds, outs)
+            elif self.mode == "mf" and config.mf_independent_filters:
+                self.ssm = _Module(kernel=_s4d_parameters(outs * ds, 1, config.ssm_state_size))
+            else:
+                self.ssm = _s4d_parameters(ds, outs, config.ssm_state_size)
             self.context = _Module(down_proj=nn.Linear(d, ds, bias=False), norm=_Norm(d))
             s = config.num_context_states
             if self.mode == "sh":
@@ -164,29 +298,37 @@ class BSTLayerMath(nn.Module):
                 self.context.initial_context = nn.Parameter(torch.zeros(s, width))
                 self.context.k_proj = nn.Linear(d, heads * hd, bias=False)
                 self.context.v_proj = nn.Linear(d, heads * hd, bias=False)
-            self.cross_attn = _Module(q_proj=nn.Linear(d, heads * hd, bias=False))
-            self.cross_attn.scale = nn.Parameter(torch.ones(heads))
-        self._constants = None
 
     # -- state layout ---------------------------------------------------------------------------------------------
     @staticmethod
-    def state_shapes(config, is_bst: bool) -> tuple[tuple[int, ...], ...]:
-        """The per-request state tensors of a layer, in the order of [`forward_chunk`]'s ``state``."""
-        w, heads, hd = config.block_len, config.num_attention_heads, config.head_dim
-        shapes = [(w, heads, hd), (w, heads, hd)]
-        if is_bst:
-            shapes.append((config.ssm_channels, config.ssm_state_size // 2, 2))
-            if config.context_mode == "mf":
-                shapes.append((config.num_context_states, config.ssm_channels))
-            else:
-                shapes += [(w, heads, hd), (w, heads, hd)]
-        return tuple(shapes)
+    def state_shapes(config) -> tuple[tuple[int, ...], ...]:
+        """The per-request state tensors of every layer of the model, in the order of [`forward_chunk`]'s
+        ``state`` ([`state_layout`])."""
+        return tuple(state_layout(config).values())
 
-    def s4d(self) -> S4D:
-        """The SSM's maths; its constants computed once (serving never changes the parameters)."""
+    def part(self, state, name: str) -> torch.Tensor:
+        """The state tensor ``name`` of [`state_layout`] in ``state``."""
+        return state[self.index[name]]
+
+    def ssm_math(self):
+        """The SSM's maths, its constants computed once (serving never changes the parameters): [`S4D`],
+        [`PerFilterS4D`] or [`Unstruct`]."""
         if self._constants is None:
-            self._constants = S4D(self.ssm)
+            cfg = self.config
+            if self.kind == "gss":
+                self._constants = S4D(self.ssm)
+            elif cfg.ssm_kind == "unstruct":
+                self._constants = Unstruct(self.ssm, cfg)
+            elif self.mode == "mf" and cfg.mf_independent_filters:
+                self._constants = PerFilterS4D(self.ssm.kernel, cfg.num_context_states)
+            else:
+                self._constants = S4D(self.ssm)
         return self._constants
+
+    def ssm_state(self, state) -> torch.Tensor:
+        if self.kind == "gss":
+            return self.part(state, "gss")
+        return self.part(state, "history" if self.config.ssm_kind == "unstruct" else "ssm")
 
     # -- pieces ---------------------------------------------------------------------------------------------------
     def _heads(self, x):
@@ -245,12 +387,44 @@ class BSTLayerMath(nn.Module):
         k, v = self._heads(ctx.k_proj(c)), self._heads(ctx.v_proj(c))
         return (fb.l2_normalize(k) if cfg.qk_norm else k), v
 
+    def recurrent_keys_values(self, rec):
+        """Block-Recurrent: the keys, values `(..., S_r, H, d_h)` the tokens read from the state ``rec``
+        `(..., S_r, D)`."""
+        r = self.recurrent
+        sn = rms_norm(rec, r.norm.weight, self.eps) + r.state_pos
+        k = self._heads(r.k_proj(sn))
+        return (fb.l2_normalize(k) if self.config.qk_norm else k), self._heads(r.v_proj(sn))
+
+    def recurrent_update(self, rec, rec_kv, token_k, token_v, valid):
+        """Block-Recurrent: the state after a block, ``rec`` `(B, S_r, D)` with its keys/values ``rec_kv``, from the
+        previous and current block's token keys/values `(B, 2W, H, d_h)` (``valid`` `(B, 2W)`: the positions that
+        exist): the state attends to itself and to the tokens, one projection, the fixed gate."""
+        r = self.recurrent
+        sn = rms_norm(rec, r.norm.weight, self.eps) + r.state_pos
+        q, q2 = self._heads(r.q_proj(sn)), self._heads(r.q2_proj(sn))
+        if self.config.qk_norm:
+            q, q2 = fb.l2_normalize(q), fb.l2_normalize(q2)
+        q, q2 = q * r.self_scale[:, None], q2 * r.cross_scale[:, None]
+        zero = torch.zeros((), dtype=q.dtype, device=q.device)
+        k, v = rec_kv
+        r_self = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), zero)  # (B, H, S_r, d)
+        mask = fb.additive_mask(valid, q2.dtype)[:, None, None, :]
+        r_cross = attend(q2.transpose(1, 2), token_k.transpose(1, 2), token_v.transpose(1, 2), mask)
+        z = r.o_proj(torch.cat([r_self.transpose(1, 2).flatten(2), r_cross.transpose(1, 2).flatten(2)], -1))
+        return fb.gated_state_update(rec, z, r.gate_bias)
+
     def finish(self, x, a_self, a_second):
         """Concatenation of the attention outputs, output projection and residual, then MLP and residual."""
         a = a_self if a_second is None else torch.cat([a_self, a_second], -1)
         h = x + self.o_proj(a)
         m = self.post_attention_norm.weight
         return h + self.mlp.down_proj(F.relu(self.mlp.up_proj(rms_norm(h, m, self.eps))))
+
+    def gss(self, x, xn, y_of):
+        """GSS: ``x + ((SSM(gelu(x_n W_u)) W_y) * gelu(x_n W_v)) W_o``; ``y_of(u)`` runs the SSM."""
+        u, v = F.gelu(self.u_proj(xn)), F.gelu(self.v_proj(xn))
+        y = y_of(u)[..., 0, :]
+        return x + self.o_proj(self.y_proj(y.to(v.dtype)) * v)
 
     # -- one request's chunk --------------------------------------------------------------------------------------
     def forward_chunk(self, x: torch.Tensor, p0: int, state: tuple[torch.Tensor, ...], query_block: int = 256):
@@ -259,13 +433,26 @@ class BSTLayerMath(nn.Module):
         w = self.block_len
         t = x.shape[0]
         xn = rms_norm(x, self.input_norm.weight, self.eps)
+        if self.kind == "gss":
+            ssm_state = self.part(state, "gss")
+
+            def scan(u):
+                y, new_state = self.ssm_math().scan(u, ssm_state, p0)
+                ssm_state.copy_(new_state)
+                return y
+
+            return self.gss(x, xn, scan)
         q, k, v = self.project(xn)  # (T, H, d)
-        attn_k, attn_v = state[0], state[1]
+        attn_k, attn_v = self.part(state, "attn_k"), self.part(state, "attn_v")
+        ring = attn_k.shape[0]  # W, or 2W (Block-Recurrent)
+        # The cached tokens before p0 (those of the ring), then the chunk's.
+        n_ring = min(p0, ring)
+        prev_pos = torch.arange(p0 - n_ring, p0, device=x.device)
+        all_k = torch.cat([attn_k[prev_pos % ring], k])
+        all_v = torch.cat([attn_v[prev_pos % ring], v])
         # Block self-attention over [the W cached tokens before p0 ; the chunk].
         n_prev = min(p0, w)
-        prev_pos = torch.arange(p0 - n_prev, p0, device=x.device)
-        keys = torch.cat([attn_k[prev_pos % w], k])
-        values = torch.cat([attn_v[prev_pos % w], v])
+        keys, values = all_k[n_ring - n_prev :], all_v[n_ring - n_prev :]
         outs = []
         for s in range(0, t, query_block):
             e = min(t, s + query_block)
@@ -281,10 +468,15 @@ class BSTLayerMath(nn.Module):
             )
             outs.append(o.transpose(0, 1))
         a_self = torch.cat(outs).flatten(1)  # (T, H d)
-        keep = min(t, w)  # the ring keeps the last W tokens
-        slots = torch.arange(p0 + t - keep, p0 + t, device=x.device) % w
+        keep = min(t, ring)  # the ring keeps the last R tokens
+        slots = torch.arange(p0 + t - keep, p0 + t, device=x.device) % ring
         attn_k[slots], attn_v[slots] = k[t - keep :], v[t - keep :]
-        a_second = self.context_chunk(x, xn, p0, state) if self.is_bst else None
+        if self.kind == "bst":
+            a_second = self.context_chunk(x, xn, p0, state)
+        elif self.kind == "recurrent":
+            a_second = self.recurrent_chunk(xn, p0, state, all_k, all_v, p0 - n_ring)
+        else:
+            a_second = None
         return self.finish(x, a_self, a_second)
 
     def context_chunk(self, x, xn, p0, state):
@@ -293,13 +485,13 @@ class BSTLayerMath(nn.Module):
         t = x.shape[0]
         src = x if cfg.ssm_input == "raw" else xn
         z = self.context.down_proj(src)  # (T, Ds)
-        ssm_state = state[2]
-        y, new_state = self.s4d().scan(z, ssm_state)  # (T, C, Ds)
+        ssm_state = self.ssm_state(state)
+        y, new_state = self.ssm_math().scan(z, ssm_state, p0)  # (T, C, Ds)
         ssm_state.copy_(new_state)
         qc = self.cross_query(xn)  # (T, H, d)
         pos = torch.arange(p0, p0 + t, device=x.device)
         if self.mode == "mf":
-            last = state[3]
+            last = self.part(state, "mf_last")
             b0, b1 = p0 // w, (p0 + t - 1) // w
             ks, vs = [], []
             for b in range(b0, b1 + 1):
@@ -321,7 +513,7 @@ class BSTLayerMath(nn.Module):
                 last.copy_(y[int(ends[-1])])
             return out.flatten(1)
         ck, cv = self.lift_tokens(y)  # (T, H, d)
-        ctx_k, ctx_v = state[3], state[4]
+        ctx_k, ctx_v = self.part(state, "ctx_k"), self.part(state, "ctx_v")
         m = p0 % w  # tokens of the current block before the chunk
         keys = torch.cat([ctx_k[:m], ck]).transpose(0, 1)  # (H, m + T, d), positions p0 - m ..
         values = torch.cat([ctx_v[:m], cv]).transpose(0, 1)
@@ -343,31 +535,78 @@ class BSTLayerMath(nn.Module):
         ctx_k[idx % w], ctx_v[idx % w] = ck[idx - p0], cv[idx - p0]
         return out.flatten(1)
 
+    def recurrent_chunk(self, xn, p0, state, all_k, all_v, k0):
+        """A Block-Recurrent layer's cross-attention over one request's chunk, block by block: each block's tokens
+        read the state before the block, which absorbs the previous and current block's token keys/values at the
+        block's end. ``all_k``/``all_v``: the token keys/values from position ``k0`` to the chunk's end. `(T, H d_h)`."""
+        w = self.block_len
+        t = xn.shape[0]
+        rec, rec_k, rec_v = self.part(state, "rec"), self.part(state, "rec_k"), self.part(state, "rec_v")
+        if p0 == 0:  # a new request starts from the learned initial state
+            rec.copy_(self.recurrent.initial_state)
+            init_k, init_v = self.recurrent_keys_values(rec)
+            rec_k.copy_(init_k)
+            rec_v.copy_(init_v)
+        current, kv = rec[None], (rec_k[None], rec_v[None])
+        qc = self.cross_query(xn).transpose(0, 1)  # (H, T, d)
+        zero = torch.zeros((), dtype=qc.dtype, device=xn.device)
+        outs = []
+        for b in range(p0 // w, (p0 + t - 1) // w + 1):
+            a, e = max(p0, b * w), min(p0 + t, (b + 1) * w)
+            outs.append(attend(qc[:, a - p0 : e - p0], kv[0][0].transpose(0, 1), kv[1][0].transpose(0, 1), zero))
+            if e == (b + 1) * w:  # the block ends in the chunk: the state absorbs blocks b - 1 and b
+                lo = max(0, (b - 1) * w)
+                n_missing = lo - (b - 1) * w  # positions before the sequence (block 0's previous block)
+                tk = F.pad(all_k[lo - k0 : e - k0], (0, 0, 0, 0, n_missing, 0))[None]
+                tv = F.pad(all_v[lo - k0 : e - k0], (0, 0, 0, 0, n_missing, 0))[None]
+                valid = (torch.arange(2 * w, device=xn.device) >= n_missing)[None]
+                current = self.recurrent_update(current, kv, tk, tv, valid)
+                kv = self.recurrent_keys_values(current)
+        rec.copy_(current[0])
+        rec_k.copy_(kv[0][0])
+        rec_v.copy_(kv[1][0])
+        return torch.cat(outs, 1).transpose(0, 1).flatten(1)
+
     # -- one token of many requests -------------------------------------------------------------------------------
     def decode(self, x: torch.Tensor, positions: torch.Tensor, state: tuple[torch.Tensor, ...], slots: torch.Tensor):
         """One token per request: ``x`` `(B, D)` at ``positions`` `(B,)`; ``state``: the state tensors of all slots
         `(num_slots, ...)`, rows ``slots`` `(B,)` read and written. Returns `(B, D)`."""
-        w, cfg = self.block_len, self.config
+        cfg = self.config
         bsz = x.shape[0]
         xn = rms_norm(x, self.input_norm.weight, self.eps)
+        if self.kind == "gss":
+            ssm_state = self.part(state, "gss")
+
+            def step(u):
+                y, new_state = self.ssm_math().step(u, ssm_state[slots])
+                ssm_state[slots] = new_state.to(ssm_state.dtype)
+                return y
+
+            return self.gss(x, xn, step)
         q, k, v = self.project(xn)  # (B, H, d)
-        attn_k, attn_v = state[0], state[1]
-        ring_k, ring_v = attn_k[slots], attn_v[slots]  # (B, W, H, d)
-        write = positions % w
+        attn_k, attn_v = self.part(state, "attn_k"), self.part(state, "attn_v")
+        ring = attn_k.shape[1]
+        ring_k, ring_v = attn_k[slots], attn_v[slots]  # (B, R, H, d)
+        write = positions % ring
         rows = torch.arange(bsz, device=x.device)
         if cfg.attend_self:
             ring_k[rows, write], ring_v[rows, write] = k, v
-        # Slot j holds the newest token at a position = j (mod W) before (or, with attend_self, at) the query.
-        j = torch.arange(w, device=x.device)
+        # Slot j holds the newest token at a position = j (mod R) before (or, with attend_self, at) the query.
+        j = torch.arange(ring, device=x.device)
         newest = positions[:, None] - (0 if cfg.attend_self else 1)
-        kpos = newest - (newest - j[None]) % w  # (B, W)
+        kpos = newest - (newest - j[None]) % ring  # (B, R)
         rel = torch.where(kpos >= 0, kpos - positions[:, None], -(10**9))
-        bias = self.self_bias(rel).to(q.dtype).permute(1, 0, 2)[:, :, None]  # (B, H, 1, W)
+        bias = self.self_bias(rel).to(q.dtype).permute(1, 0, 2)[:, :, None]  # (B, H, 1, R)
         a_self = attend(q[:, :, None], ring_k.transpose(1, 2), ring_v.transpose(1, 2), bias).flatten(1)
         if not cfg.attend_self:
             ring_k[rows, write], ring_v[rows, write] = k, v
         attn_k[slots], attn_v[slots] = ring_k, ring_v
-        a_second = self.context_decode(x, xn, positions, state, slots) if self.is_bst else None
+        if self.kind == "bst":
+            a_second = self.context_decode(x, xn, positions, state, slots)
+        elif self.kind == "recurrent":
+            a_second = self.recurrent_decode(xn, positions, state, slots, ring_k, ring_v)
+        else:
+            a_second = None
         return self.finish(x, a_self, a_second)
 
     def context_decode(self, x, xn, positions, state, slots):
@@ -376,11 +615,13 @@ class BSTLayerMath(nn.Module):
         rows = torch.arange(bsz, device=x.device)
         src = x if cfg.ssm_input == "raw" else xn
         z = self.context.down_proj(src)
-        y, new_state = self.s4d().step(z, state[2][slots])  # (B, C, Ds)
-        state[2][slots] = new_state.to(state[2].dtype)
+        ssm_state = self.ssm_state(state)
+        y, new_state = self.ssm_math().step(z, ssm_state[slots])  # (B, C, Ds)
+        ssm_state[slots] = new_state.to(ssm_state.dtype)
         qc = self.cross_query(xn)[:, :, None]  # (B, H, 1, d)
         if self.mode == "mf":
-            last = state[3][slots]  # (B, S, Ds)
+            mf_last = self.part(state, "mf_last")
+            last = mf_last[slots]  # (B, S, Ds)
             kc, vc = self.mf_context(last)  # (B, S, H, d)
             k0, v0 = self.mf_context(None)
             first = (positions < w)[:, None, None, None]
@@ -388,17 +629,75 @@ class BSTLayerMath(nn.Module):
             zero = torch.zeros((), dtype=qc.dtype, device=x.device)
             out = attend(qc, kc.transpose(1, 2), vc.transpose(1, 2), zero).flatten(1)
             end = ((positions + 1) % w == 0)[:, None, None]
-            state[3][slots] = torch.where(end, y, last)
+            mf_last[slots] = torch.where(end, y.to(last.dtype), last)
             return out
         ck, cv = self.lift_tokens(y)  # (B, H, d)
-        ctx_k, ctx_v = state[3][slots], state[4][slots]  # (B, W, H, d)
+        ctx_k_all, ctx_v_all = self.part(state, "ctx_k"), self.part(state, "ctx_v")
+        ctx_k, ctx_v = ctx_k_all[slots], ctx_v_all[slots]  # (B, W, H, d)
         ctx_k[rows, positions % w], ctx_v[rows, positions % w] = ck, cv
         j = torch.arange(w, device=x.device)[None]
         offset = (positions % w)[:, None]
         mask = fb.additive_mask(fb.context_valid(j, offset, cfg.cross_mask), qc.dtype)
         out = attend(qc, ctx_k.transpose(1, 2), ctx_v.transpose(1, 2), mask[:, None, None]).flatten(1)
-        state[3][slots], state[4][slots] = ctx_k, ctx_v
+        ctx_k_all[slots], ctx_v_all[slots] = ctx_k, ctx_v
         return out
+
+    def recurrent_decode(self, xn, positions, state, slots, ring_k, ring_v):
+        """A Block-Recurrent layer's step: the token reads the state's keys/values (a new request: the learned
+        initial state's); at a block end the state absorbs the ring's 2W tokens (``ring_k``/``ring_v`` `(B, 2W, H,
+        d_h)` after the token's write)."""
+        w = self.block_len
+        rec_all, rk_all, rv_all = self.part(state, "rec"), self.part(state, "rec_k"), self.part(state, "rec_v")
+        rec, rec_k, rec_v = rec_all[slots], rk_all[slots], rv_all[slots]
+        fresh = positions == 0
+        init = self.recurrent.initial_state
+        if self._constants is None:  # the initial state's keys/values, computed once
+            self._constants = self.recurrent_keys_values(init)
+        init_k, init_v = self._constants
+        rec = torch.where(fresh[:, None, None], init, rec)
+        rec_k = torch.where(fresh[:, None, None, None], init_k, rec_k)
+        rec_v = torch.where(fresh[:, None, None, None], init_v, rec_v)
+        qc = self.cross_query(xn)[:, :, None]  # (B, H, 1, d)
+        zero = torch.zeros((), dtype=qc.dtype, device=xn.device)
+        out = attend(qc, rec_k.transpose(1, 2), rec_v.transpose(1, 2), zero).flatten(1)
+        end = (positions + 1) % w == 0
+        if bool(end.any()):
+            ring = ring_k.shape[1]
+            p = positions[end][:, None]
+            kpos = p - (p - torch.arange(ring, device=xn.device)[None]) % ring  # the ring's positions after the write
+            new = self.recurrent_update(rec[end], (rec_k[end], rec_v[end]), ring_k[end], ring_v[end], kpos >= 0)
+            new_k, new_v = self.recurrent_keys_values(new)
+            rec[end], rec_k[end], rec_v[end] = new, new_k, new_v
+        rec_all[slots], rk_all[slots], rv_all[slots] = rec, rec_k, rec_v
+        return out
+
+
+def _s4d_parameters(channels: int, out_channels: int, state_size: int) -> nn.Module:
+    """An S4D kernel's parameters (``modeling_bst``'s ``S4DKernel``)."""
+    module, n2 = _Module(), state_size // 2
+    for name, shape in (
+        ("log_dt", (channels,)),
+        ("A_log_real", (channels, n2)),
+        ("A_imag", (channels, n2)),
+        ("B", (channels, n2, 2)),
+        ("C", (out_channels, channels, n2, 2)),
+        ("D", (out_channels, channels)),
+    ):
+        module.register_parameter(name, nn.Parameter(torch.zeros(shape)))
+    return module
+
+
+def _unstruct_parameters(config, channels: int, out_channels: int) -> nn.Module:
+    """An unstruct filter's parameters (``modeling_bst``'s ``UnstructFilter``, causal)."""
+    order, emb = config.unstruct_order, config.unstruct_emb_dim
+    layers = [nn.Linear(emb, order)] + [nn.Linear(order, order) for _ in range(config.unstruct_num_inner_mlps)]
+    module = _Module(
+        sin=_Module(), mlp=nn.ModuleList(layers), out=nn.Linear(order, out_channels * channels, bias=False)
+    )
+    module.pos_emb = nn.Parameter(torch.zeros(1, config.max_position_embeddings, emb))
+    module.sin.freq = nn.Parameter(torch.zeros(order))
+    module.bias = nn.Parameter(torch.zeros(out_channels, channels))
+    return module
 
 
 class _Module(nn.Module):

@@ -8,8 +8,8 @@ the model declares itself attention-free (``IsAttentionFree``, ``HasInnerState``
 every decoder layer is a ``MambaBase`` layer whose "mamba state" is the tuple of these tensors; the attention is
 computed here in PyTorch. vLLM then hands each request one state slot (``state_indices_tensor_d`` /
 ``_p`` of the metadata), splits every batch into decodes (first) and prefill chunks, and schedules chunked prefill
-as for Mamba. All layers declare the same state tuple (a block layer leaves the SSM / context part unused), so
-that all layers share one page size.
+as for Mamba. All layers declare the same state tuple, the parts of every layer kind the model has (a layer
+leaves the other kinds' parts unused), so that all layers share one page size.
 
 Prefix caching runs in vLLM's Mamba ``align`` mode (``engine_config.py``): the state of a request is complete at any
 position (W-slot rings by position mod W, the S4D state, the current block's context states or MF read-outs), so
@@ -47,15 +47,16 @@ def copy_whole_state(state: torch.Tensor, block_ids: list[int], cur_block_idx: i
 
 
 def state_shapes(config) -> tuple[tuple[int, ...], ...]:
-    """The state tuple every layer of the model declares: a BST layer's if the model has one, else a block layer's."""
-    return BSTLayerMath.state_shapes(config, "bst" in config.bst_layer_types)
+    """The state tuple every layer of the model declares: the parts of every layer kind the model has
+    (``layers.state_layout``)."""
+    return BSTLayerMath.state_shapes(config)
 
 
 class BSTServingLayer(BSTLayerMath, MambaBase):
     """A decoder layer with its per-request state in vLLM's Mamba-style state cache (``self.kv_cache``)."""
 
     def __init__(self, config, layer_idx: int, prefix: str):
-        super().__init__(config, config.bst_layer_types[layer_idx] == "bst")
+        super().__init__(config, config.bst_layer_types[layer_idx])
         self.layer_idx = layer_idx
         self.prefix = prefix
         self.shapes = state_shapes(config)
@@ -135,7 +136,7 @@ class BSTForCausalLM(nn.Module, HasInnerState, IsAttentionFree, SupportsMambaPre
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         config = vllm_config.model_config.hf_config
-        check_supported(config)
+        check_supported(config, vllm_config.model_config.max_model_len)
         if vllm_config.parallel_config.tensor_parallel_size != 1:
             raise ValueError("BST serving: tensor_parallel_size must be 1 (the plugin's layers are not sharded).")
         self.config = config

@@ -47,6 +47,10 @@ MODELS = {
     "bst-sh-s4": dict(bst_layer_indices=[0, 2], context_mode="sh"),
     "bst-mf-s4": dict(bst_layer_indices=[1, 3], context_mode="mf"),
     "bst-mh-s4": dict(bst_layer_indices=[0, 3], context_mode="mh", cross_mask="strict", attend_self=True),
+    "bst-sh-unstruct": dict(bst_layer_indices=[0, 2], context_mode="sh", ssm_kind="unstruct", unstruct_order=16),
+    "bst-mf-independent": dict(bst_layer_indices=[1, 3], context_mode="mf", mf_independent_filters=True),
+    "brect-bst": dict(bst_layer_indices=[0], recurrent_layer_indices=[2], num_recurrent_states=8),
+    "gss-bst": dict(bst_layer_indices=[3], gss_layer_indices=[0, 2]),
 }
 
 

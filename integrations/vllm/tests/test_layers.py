@@ -26,10 +26,10 @@ class Stack:
         fields.pop("model_type", None)
         self.config = BSTServingConfig(**fields)
         self.weights = load_file(FIXTURES / name / "model.safetensors")
-        shapes = BSTLayerMath.state_shapes(self.config, "bst" in self.config.bst_layer_types)
+        shapes = BSTLayerMath.state_shapes(self.config)
         self.layers, self.states = [], []
         for i, kind in enumerate(self.config.bst_layer_types):
-            layer = BSTLayerMath(self.config, kind == "bst")
+            layer = BSTLayerMath(self.config, kind)
             prefix = f"model.layers.{i}."
             layer.load_state_dict({k[len(prefix) :]: v for k, v in self.weights.items() if k.startswith(prefix)})
             self.layers.append(layer)

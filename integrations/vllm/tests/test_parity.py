@@ -30,7 +30,7 @@ MODELS = list(EXPECTED["models"])
 # 5 state blocks (one per running request, and vLLM's null block): requests 5 to 8 must reuse the slots of
 # finished ones.
 ENGINE = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks_override=5)
-SERVED = ["bst-sh-s4", "bst-mf-s4"]
+SERVED = ["bst-sh-s4", "bst-mf-s4", "brect-bst"]
 
 
 def test_fixture_prompts_span_several_blocks():
@@ -139,14 +139,22 @@ def test_server_completions_equal_generate(server):
 def test_unsupported_configs_name_the_field():
     from bst_vllm.config import BSTServingConfig, check_supported
 
-    cases = {
-        "ssm_kind": dict(ssm_kind="unstruct", bst_layer_indices=[0]),
-        "recurrent_layer_indices": dict(bst_layer_indices=[], recurrent_layer_indices=[1]),
-        "gss_layer_indices": dict(bst_layer_indices=[], gss_layer_indices=[0]),
-        "bidirectional": dict(bidirectional=True, bst_layer_indices=[0]),
-        "mf_independent_filters": dict(context_mode="mf", mf_independent_filters=True, bst_layer_indices=[0]),
-    }
-    for field, overrides in cases.items():
-        with pytest.raises(ValueError, match=field):
-            check_supported(BSTServingConfig(num_hidden_layers=2, **overrides))
-    check_supported(BSTServingConfig(num_hidden_layers=2, bst_layer_indices=[1], context_mode="mh"))
+    with pytest.raises(ValueError, match="bidirectional"):
+        check_supported(BSTServingConfig(num_hidden_layers=2, bidirectional=True, bst_layer_indices=[0]))
+    # An unstruct filter without taps beyond its length: served up to max_position_embeddings only.
+    infinite = BSTServingConfig(
+        num_hidden_layers=2, bst_layer_indices=[0], ssm_kind="unstruct", unstruct_finite_filter=False,
+        max_position_embeddings=64,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="unstruct_finite_filter"):
+        check_supported(infinite, max_model_len=65)
+    check_supported(infinite, max_model_len=64)
+    # Every layer kind and SSM of the model serves.
+    for overrides in (
+        dict(bst_layer_indices=[1], context_mode="mh"),
+        dict(ssm_kind="unstruct", bst_layer_indices=[0]),
+        dict(bst_layer_indices=[], recurrent_layer_indices=[1]),
+        dict(bst_layer_indices=[], gss_layer_indices=[0]),
+        dict(context_mode="mf", mf_independent_filters=True, bst_layer_indices=[0]),
+    ):
+        check_supported(BSTServingConfig(num_hidden_layers=2, **overrides), max_model_len=4096)
