@@ -94,19 +94,24 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling=1
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
-def attention(module, q, k, v, mask, dropout, return_weights: bool = False):
+def attention(module, q, k, v, mask, dropout, return_weights: bool = False, absent=None):
     """The attention backend of ``module.config._attn_implementation`` (eager or SDPA), unscaled (queries carry the
-    learned scale). ``q`` `(N, H, Lq, d)`, ``k``/``v`` `(N, H, Lk, d)`, additive ``mask`` broadcastable ->
-    `(N, Lq, H, d)`, and with ``return_weights`` the weights `(N, H, Lq, Lk)` (eager attention only; None under SDPA).
+    learned scale). ``q`` `(N, H, Lq, d)`, ``k``/``v`` `(N, H, Lk, d)`, additive ``mask`` broadcastable, ``absent``
+    (bool, broadcastable, optional) keys masked besides -> `(N, Lq, H, d)`, and with ``return_weights`` the weights
+    `(N, H, Lq, Lk)` (eager attention only; None under SDPA).
 
-    Under ``flex_attention`` this is SDPA: the full-sequence forms call [`flex_attention`] themselves (see
-    [`use_flex`]); what comes here are one-query decode steps, the BRecT state update and the fallbacks.
+    A mask that needs a gradient on the CPU goes to [`learned_mask_attention`] (SDPA's fused CPU kernel returns no
+    gradient for it). Under ``flex_attention`` this is SDPA: the full-sequence forms call [`flex_attention`]
+    themselves (see [`use_flex`]); what comes here are one-query decode steps, the BRecT state update and the
+    fallbacks.
     """
     implementation = module.config._attn_implementation
     if implementation == "flex_attention":
         implementation = "sdpa"
     if not return_weights and mask is not None and learned_mask_path(module, mask):
-        return learned_mask_attention(q, k, v, mask, dropout)
+        return learned_mask_attention(q, k, v, mask, dropout, absent)
+    if absent is not None:
+        mask = mask.masked_fill(absent, masked_fill_value(mask.dtype))
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
     if torch.compiler.is_compiling():
         # Inductor may hand the CPU flash-attention kernel a key whose last dimension is strided (it only keeps the
@@ -174,7 +179,7 @@ def _contiguous_as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype, memory_format=torch.contiguous_format) if x.dtype != dtype else x.contiguous()
 
 
-def learned_mask_attention(q, k, v, mask, dropout: float, mask_scores=None) -> torch.Tensor:
+def learned_mask_attention(q, k, v, mask, dropout: float, absent=None) -> torch.Tensor:
     """SDPA for an additive mask that needs a gradient (the learned T5 bias while training) on the CPU, written out.
 
     torch's fused CPU kernel returns no gradient for a mask, so SDPA takes its math path here; this computes exactly
@@ -182,8 +187,8 @@ def learned_mask_attention(q, k, v, mask, dropout: float, mask_scores=None) -> t
     query and key scaling by 1, a copy of the transposed keys, and the checks for fully masked rows (the masks here
     are finite, see [`masked_fill_value`]). ~25% less time per call at the training shapes on CPU. (On CUDA,
     [`attention`] sends such a mask to SDPA, whose memory-efficient kernel returns its gradient.)
-    Same arguments as [`attention`], and ``mask_scores``, a function applied to the float32 scores before the softmax
-    (more masking; it may work in place); returns `(N, Lq, H, d)`.
+    Same arguments as [`attention`] (``absent``: keys masked in the float32 scores, so that one shared ``mask``
+    serves every row); returns `(N, Lq, H, d)`.
     """
     dtype = q.dtype
     with torch.autocast(q.device.type, enabled=False):
@@ -192,7 +197,9 @@ def learned_mask_attention(q, k, v, mask, dropout: float, mask_scores=None) -> t
         compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
         q, k, v = (_contiguous_as(x, compute) for x in (q, k, v))
         scores = torch.matmul(q, k.transpose(-1, -2)).add_(mask.to(q.dtype))  # in place: a fresh tensor
-        weights = torch.softmax(scores if mask_scores is None else mask_scores(scores), dim=-1)
+        if absent is not None:
+            scores.masked_fill_(absent, masked_fill_value(scores.dtype))
+        weights = torch.softmax(scores, dim=-1)
         if dropout > 0:
             weights = F.dropout(weights, p=dropout)
         return _contiguous_as(torch.matmul(weights, v).transpose(1, 2), dtype)
@@ -333,13 +340,10 @@ class BSTBlockSelfAttention(nn.Module):
     previous tokens (the W most recent with ``attend_self``), with a T5 relative bias (one table per layer),
     L2-normalised queries/keys and a learned per-head scale applied after the bias is added.
 
-    * ``forward``: full-sequence form. [`block_keys`] gives each block's keys/values (previous and own block; the
-      first block's previous block is the cached one or none; bidirectional: previous, own and next block) and which
-      are held; [`attend`] makes one mask of them (scaled T5 bias, window, key validity) and one call through the
-      attention interface for all blocks, queries in chunks of ``attention_query_chunk`` (causal: the blocks share
-      one bias and window, and block 0 runs again where its previous block is absent or partly held). Under
-      ``attn_implementation="flex_attention"`` the same attention is one FlexAttention call over the whole sequence
-      ([`flex_block_attention`]). With ``output_attentions`` the weights are laid out by key column.
+    * ``forward``: full-sequence form, one of three by what is asked: one FlexAttention call over the whole
+      sequence under ``attn_implementation="flex_attention"`` ([`flex_block_attention`]); the weights by key column
+      with ``output_attentions`` ([`dense`]); else queries in windows over the keys each reaches, one attention call
+      ([`windowed`]).
     * ``step``: recurrent form for one token over the attention ring of the cache.
     """
 
@@ -396,24 +400,6 @@ class BSTBlockSelfAttention(nn.Module):
         """Causal sliding window on ``key_pos - query_pos``: exactly W previous tokens (or W most recent with self)."""
         return window_valid(relative_position, self.block_len, self.config.attend_self)
 
-    def block_mask(self, num_queries: int, key_start: int, key_end: int, dtype, device):
-        """Additive mask `(1, H, Q, K)`: T5 bias and sliding window of queries at positions 0 .. Q-1 over keys at
-        positions ``key_start`` .. ``key_end`` - 1 (relative to the first query)."""
-        q_pos = torch.arange(num_queries, device=device)[:, None]
-        k_pos = torch.arange(key_start, key_end, device=device)[None]
-        rel = k_pos - q_pos  # (Q, K)
-        # Bias and mask depend only on the distance: build them for the distinct distances, then gather
-        # (4x cheaper in backward than an embedding lookup per (query, key) pair).
-        lowest = key_start - (num_queries - 1)
-        distances = torch.arange(lowest, key_end, device=device)  # (n,)
-        per_distance = self.bias(distances).to(dtype) * self.scale.to(dtype)  # (n, H)
-        if not self.config.bidirectional:
-            valid = self.window_valid(distances)[:, None]
-            per_distance = torch.where(valid, per_distance, masked_fill_value(dtype))
-        bias = per_distance.t()[:, rel - lowest]  # (H, Q, K)
-        # 4-D (1, H, Q, K): SDPA on CPU takes its fused path only for 4-D masks (3-D falls back to ~4x slower math).
-        return bias.unsqueeze(0)
-
     def previous_block(self, layer_cache: BSTLayerCache, positions):
         """The cached block before ``positions``: keys, values `(B, W, H, d)`, which are held (else masked)."""
         return layer_cache.window(positions, self.block_len)
@@ -438,217 +424,151 @@ class BSTBlockSelfAttention(nn.Module):
             the attention output `(B, T, H * d_h)` and the weights `(B, H, n, K)` by key column (n =
             ``num_positions``; K = n, or W + n after a cached previous block), None unless ``weights``.
         """
-        cfg = self.config
         bsz, seq_len, heads, hd = q.shape
-        w = self.block_len
-        nb = seq_len // w
-        drop = cfg.attention_dropout if self.training else 0.0
+        drop = self.config.attention_dropout if self.training else 0.0
         previous = None
-        if layer_cache is not None and positions is not None and not cfg.bidirectional:
+        if layer_cache is not None and positions is not None and not self.config.bidirectional:
             previous = self.previous_block(layer_cache, positions)
-        if not weights and use_flex(self, q, drop, k, v):
-            return flex_block_attention(self, q, k, v, lengths, previous).reshape(bsz, seq_len, heads * hd), None
-        if weights or cfg.bidirectional:
-            qb = q.view(bsz * nb, w, heads, hd).transpose(1, 2)
-            keys, values, key_valid = self.block_keys(k, v, previous, lengths)
-            out, probs = self.attend(qb, keys, values, key_valid, drop, weights)
-        else:
-            out, probs = self.windowed(q, k, v, previous, drop), None
+        probs = None
         if weights:
-            n = num_positions or seq_len
-            probs = self.weights_by_column(probs, bsz, n, previous is not None)  # (B, H, n, K)
-            # The output is made from the returned weights, so that they are the graph's own (gradients reach them).
-            values = v if previous is None else torch.cat([previous[1].to(v.dtype), v], 1)
-            out = torch.matmul(probs, values[:, : probs.shape[-1]].transpose(1, 2)).transpose(1, 2)
-            out = F.pad(out, (0, 0, 0, 0, 0, seq_len - n))
+            out, probs = self.dense(q, k, v, previous, lengths, num_positions or seq_len, drop)
+        elif use_flex(self, q, drop, k, v):
+            out = flex_block_attention(self, q, k, v, lengths, previous)
+        else:
+            out = self.windowed(q, k, v, previous, lengths, drop)
         return out.reshape(bsz, seq_len, heads * hd), probs
 
-    def window_constants(self, chunk: int, device):
-        """The parameter-free parts of [`window_bias`], built once per chunk size and device ([`constant_memo`]):
-        the T5 bucket of every distance a window spans, and which distances are outside the window."""
+    def dense(self, q, k, v, previous, lengths, n: int, dropout):
+        """The form that returns the weights: every query over every key (the cached previous block's W first), one
+        eager attention under one mask (the scaled T5 bias, the window or, bidirectional, the previous / own / next
+        block, and which keys are held). Returns the output `(B, T, H, d)` of the first n queries (zeros after) and
+        the weights `(B, H, n, K)` it is made of (gradients reach them; the keys after position n hold none)."""
+        bsz, seq_len = q.shape[:2]
+        w = self.block_len
+        first = 0 if previous is None else -w
+        if previous is not None:
+            k, v = torch.cat([previous[0].to(k.dtype), k], 1), torch.cat([previous[1].to(v.dtype), v], 1)
+        key_pos, q_pos = torch.arange(first, seq_len, device=q.device), torch.arange(seq_len, device=q.device)
+        rel = key_pos[None] - q_pos[:, None]  # (T, K)
+        if self.config.bidirectional:
+            ok = ((torch.div(key_pos, w, rounding_mode="floor")[None] - q_pos[:, None] // w).abs() <= 1)[None]
+            if lengths is not None:
+                ok = ok & (key_pos < lengths[:, None, None])
+        else:
+            ok = self.window_valid(rel)[None]
+            if previous is not None:
+                ok = ok & F.pad(previous[2], (0, seq_len), value=True)[:, None, :]
+        bias = (self.bias(rel).to(q.dtype) * self.scale.to(q.dtype)).permute(2, 0, 1)  # (H, T, K)
+        mask = bias[None].masked_fill(~ok[:, None], masked_fill_value(q.dtype))
+        _, probs = eager_attention_forward(
+            self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, 1.0, dropout
+        )
+        probs = (probs * ok.any(-1)[:, None, :, None].to(probs.dtype))[:, :, :n, : n - first]  # no key: zeros
+        out = torch.matmul(probs, v[:, : n - first].transpose(1, 2)).transpose(1, 2)
+        return F.pad(out, (0, 0, 0, 0, 0, seq_len - n)), probs
+
+    def window_constants(self, chunk: int, span: int, device):
+        """The parameter-free parts of [`window_bias`], built once per shape and device ([`constant_memo`]): the T5
+        bucket of every distance a window spans, and which distances are outside the causal window."""
         cfg, w = self.config, self.block_len
 
         def build():
-            lowest = -w - chunk + 1  # key - query over c queries and the W + c keys from W before the first
-            distances = torch.arange(lowest, chunk, device=device)
+            distances = torch.arange(-w - chunk + 1, span - w, device=device)  # key - query in a window
             buckets = t5_relative_bucket(
                 distances, cfg.bidirectional, cfg.relative_attention_num_buckets, cfg.relative_attention_max_distance
             )
-            return buckets, ~self.window_valid(distances)[:, None]
+            return buckets, None if cfg.bidirectional else ~self.window_valid(distances)[:, None]
 
-        return constant_memo(self, ("window", chunk, str(device)), build)
+        return constant_memo(self, ("window", chunk, span, str(device)), build)
 
-    def window_bias(self, chunk: int, dtype, device) -> torch.Tensor:
-        """Additive mask `(H, c, W + c)` of a window: the scaled T5 bias, and the sliding window, of c queries at
-        positions 0 .. c-1 over keys at -W .. c-1 ([`block_mask`]'s numbers, from cached index maps)."""
-        w = self.block_len
-        buckets, outside = self.window_constants(chunk, device)
+    def window_bias(self, chunk: int, span: int, dtype, device) -> torch.Tensor:
+        """Additive mask `(H, c, K)` of a window: the scaled T5 bias, and the causal window, of c queries at
+        positions 0 .. c-1 over the K = ``span`` keys from -W on."""
+        buckets, outside = self.window_constants(chunk, span, device)
         if plain_embedding(self.relative_bias):  # scale the (buckets, H) table once, then look it up
             per_distance = F.embedding(buckets, self.relative_bias.weight * self.scale).to(dtype)  # (n, H)
         else:
             per_distance = self.relative_bias(buckets).to(dtype) * self.scale.to(dtype)
-        per_distance = per_distance.masked_fill(outside, masked_fill_value(dtype)).t()  # (H, n), n = W + 2c - 1
-        # Query i's row is distances -W - i .. c - 1 - i, a Toeplitz layout, made by a skew: rolled so that its row i
-        # starts at i (mod n), tiled c times, cut to rows of n - 1. Roll, tile and slices have plain backwards (a
-        # shifted sum); a gather by a (c, W + c) index map has a sort-based scatter as its CUDA backward (a quarter
+        if outside is not None:
+            per_distance = per_distance.masked_fill(outside, masked_fill_value(dtype))
+        per_distance = per_distance.t()  # (H, n), n = K + c - 1
+        # Query i's row is distances -W - i .. K - W - 1 - i, a Toeplitz layout, made by a skew: rolled so that its
+        # row i starts at i (mod n), tiled c times, cut to rows of n - 1. Roll, tile and slices have plain backwards
+        # (a shifted sum); a gather by a (c, K) index map has a sort-based scatter as its CUDA backward (a quarter
         # of a Slide step on the H200), and an unfold's backward, compiled by inductor, was 80% of a compiled step.
         n = per_distance.shape[1]
         if chunk == 1:  # one query: its row is the whole table
             return per_distance.unsqueeze(1)
         tiled = torch.roll(per_distance, -(chunk - 1), dims=1).repeat(1, chunk)  # (H, c n)
-        return tiled[:, : chunk * (n - 1)].view(-1, chunk, n - 1)[:, :, : w + chunk]
+        return tiled[:, : chunk * (n - 1)].view(-1, chunk, n - 1)[:, :, :span]
 
-    def window_keys_absent(self, previous, bsz: int, seq_len: int, chunk: int, device):
-        """Which of each window's W + c keys are not held, `(B * T / c, 1, 1, W + c)` bool: the keys before the
-        sequence are absent (a fresh sequence) or the cached previous block's keys that are not held."""
+    def window_keys_absent(self, previous, lengths, bsz: int, seq_len: int, chunk: int, span: int, device):
+        """Which of each window's keys are not held, `(B * T / c, 1, 1, K)` bool: those before the sequence (none
+        held in a fresh sequence; the cached previous block's that are not held), and bidirectional the padding."""
         w = self.block_len
-        if previous is None:
+        if previous is not None:
+            absent = F.pad(~previous[2], (0, seq_len))
+        elif lengths is not None and self.config.bidirectional:
+            pos = torch.arange(-w, seq_len + span - w - chunk, device=device)
+            absent = (pos < 0) | (pos >= lengths[:, None])
+        else:
 
             def build():
-                absent = torch.arange(seq_len + w, device=device) < w  # positions before the sequence
-                return absent.unfold(0, w + chunk, chunk)  # (T / c, W + c)
+                pos = torch.arange(-w, seq_len + span - w - chunk, device=device)
+                return ((pos < 0) | (pos >= seq_len))[None]
 
-            absent = constant_memo(self, ("absent", seq_len, chunk, str(device)), build)
-            absent = absent.expand(bsz, -1, -1)
-        else:
-            absent = F.pad(~previous[2], (0, seq_len)).unfold(1, w + chunk, chunk)
-        return absent.reshape(-1, 1, 1, w + chunk)
+            absent = constant_memo(self, ("absent", seq_len, span, str(device)), build).expand(bsz, -1)
+        return absent.unfold(1, span, chunk).reshape(-1, 1, 1, span)
 
-    def windowed(self, q, k, v, previous, dropout):
-        """The causal full-sequence form as one attention call: the sequence's queries in windows of c
-        ([`query_chunk`]) over the W + c keys each window reaches (the previous block's held keys, or nothing,
-        before the first), one mask of the T5 bias, the window and which keys are held. `(B, T, H, d)` x 3 ->
-        `(B, T, H, d)`. A query without any key (the first one, ``attend_self=False``, no held previous key) gets
+    def windowed(self, q, k, v, previous, lengths, dropout):
+        """The full-sequence form as one attention call: the sequence's queries in windows of c ([`query_chunk`];
+        bidirectional W) over the keys each window reaches (causal: the W + c from W before its first query, the
+        previous block's held keys, or nothing, before the first; bidirectional: the previous, own and next block),
+        one mask of the T5 bias, the window and which keys are held. `(B, T, H, d)` x 3 -> `(B, T, H, d)`. A query
+        without any key (the first one, ``attend_self=False``, no held previous key; bidirectional padding) gets
         zeros, as in meliad's safe softmax."""
         bsz, seq_len, heads, hd = q.shape
-        w = self.block_len
-        chunk = query_chunk(self.config, q)
+        w, bidirectional = self.block_len, self.config.bidirectional
+        chunk = w if bidirectional else query_chunk(self.config, q)
+        span = 3 * w if bidirectional else w + chunk
         n = bsz * (seq_len // chunk)
         if previous is None:
-            kp, vp = F.pad(k, (0, 0, 0, 0, w, 0)), F.pad(v, (0, 0, 0, 0, w, 0))  # (B, W + T, H, d)
+            pad = (0, 0, 0, 0, w, span - w - chunk)
+            kp, vp = F.pad(k, pad), F.pad(v, pad)  # (B, W + T (+ W), H, d)
         else:
             kp, vp = torch.cat([previous[0].to(k.dtype), k], 1), torch.cat([previous[1].to(v.dtype), v], 1)
-        # window i holds the keys at padded positions i c .. i c + W + c - 1: those of queries i c .. i c + c - 1
-        keys = kp.unfold(1, w + chunk, chunk).permute(0, 1, 2, 4, 3).reshape(n, heads, w + chunk, hd)
-        values = vp.unfold(1, w + chunk, chunk).permute(0, 1, 2, 4, 3).reshape(n, heads, w + chunk, hd)
+        # window i holds the keys at padded positions i c .. i c + K - 1
+        keys = kp.unfold(1, span, chunk).permute(0, 1, 2, 4, 3).reshape(n, heads, span, hd)
+        values = vp.unfold(1, span, chunk).permute(0, 1, 2, 4, 3).reshape(n, heads, span, hd)
         queries = q.reshape(n, chunk, heads, hd).transpose(1, 2)  # (n, H, c, d)
-        absent = self.window_keys_absent(previous, bsz, seq_len, chunk, q.device)
-        bias = self.window_bias(chunk, q.dtype, q.device)  # (H, c, W + c)
-        if on_accelerator(q):
-            # one call, one mask per window (absent keys only in block 0's windows, but one launch for all)
-            mask = bias.masked_fill(absent, masked_fill_value(q.dtype))
-            out = attention(self, queries, keys, values, mask, dropout).view(bsz, seq_len, heads, hd)
-        elif learned_mask_path(self, bias):
-            # CPU training: every window under the one shared bias (no per-window mask to write and differentiate),
-            # the absent keys masked in the float32 scores
-            def mask_absent(scores):
-                return scores.masked_fill_(absent, masked_fill_value(scores.dtype))
+        absent = self.window_keys_absent(previous, lengths, bsz, seq_len, chunk, span, q.device)
+        bias = self.window_bias(chunk, span, q.dtype, q.device)[None]  # (1, H, c, K)
+        if bidirectional or on_accelerator(q) or learned_mask_path(self, bias):
+            # one call; the absent keys masked per window (in the scores where the mask needs a gradient on the CPU)
+            out = attention(self, queries, keys, values, bias, dropout, absent=absent)
+            if bidirectional:
+                out = out * (~absent).any(-1)[..., None].to(out.dtype)
+            return self.first_query(out.view(bsz, seq_len, heads, hd), previous)
+        # CPU inference: every window under the one shared bias through SDPA's fused kernel, then block 0's windows
+        # again with their absent keys masked (a per-window mask over W / c windows a row)
+        out = attention(self, queries, keys, values, bias, dropout).view(bsz, seq_len, heads, hd)
+        first, per_row = w // chunk, seq_len // chunk
 
-            out = learned_mask_attention(queries, keys, values, bias[None], dropout, mask_absent)
-            out = out.view(bsz, seq_len, heads, hd)
-        else:
-            # CPU inference: every window under the one shared bias through SDPA's fused kernel, then block 0's
-            # windows again with their absent keys masked (a per-window mask over W / c windows a row)
-            out = attention(self, queries, keys, values, bias[None], dropout).view(bsz, seq_len, heads, hd)
-            first, per_row = w // chunk, seq_len // chunk
-            rows = slice(0, first)
+        def block0(x):
+            return x.view(bsz, per_row, *x.shape[1:])[:, :first].reshape(bsz * first, *x.shape[1:])
 
-            def block0(x):
-                return x.view(bsz, per_row, *x.shape[1:])[:, rows].reshape(bsz * first, *x.shape[1:])
+        head = attention(self, block0(queries), block0(keys), block0(values), bias, dropout, absent=block0(absent))
+        return self.first_query(torch.cat([head.reshape(bsz, w, heads, hd), out[:, w:]], 1), previous)
 
-            mask = bias.masked_fill(block0(absent), masked_fill_value(q.dtype))
-            head = attention(self, block0(queries), block0(keys), block0(values), mask, dropout)
-            out = torch.cat([head.reshape(bsz, w, heads, hd), out[:, w:]], 1)
-        if not self.config.attend_self:
-            # The sequence's first query sees only the previous block: zeros where none of it is held.
-            if previous is None:
-                return F.pad(out[:, 1:], (0, 0, 0, 0, 1, 0))
-            keep = previous[2].any(-1).to(out.dtype)[:, None, None, None]
-            return torch.cat([out[:, :1] * keep, out[:, 1:]], 1)
-        return out
-
-    def block_keys(self, k, v, previous, lengths):
-        """The keys and values each block's queries see, `(B * nb, H, K, d)` x 2, and which of them are held,
-        `(B * nb, K)`: the previous and own block (K = 2W; block 0's previous block is the cached one ``previous``
-        ``(k, v, valid)`` or none), or bidirectional the previous, own and next block (K = 3W; padding not held)."""
-        bsz, seq_len, heads, hd = k.shape
-        w = self.block_len
-        nb = seq_len // w
-        kb, vb = k.view(bsz, nb, w, heads, hd), v.view(bsz, nb, w, heads, hd)
-        if self.config.bidirectional:
-            zeros = torch.zeros_like(kb[:, :1])
-            keys = torch.cat([torch.cat([zeros, kb[:, :-1]], 1), kb, torch.cat([kb[:, 1:], zeros], 1)], 2)
-            values = torch.cat([torch.cat([zeros, vb[:, :-1]], 1), vb, torch.cat([vb[:, 1:], zeros], 1)], 2)
-            key_pos = torch.arange(nb, device=k.device)[:, None] * w + torch.arange(-w, 2 * w, device=k.device)
-            lens = lengths if lengths is not None else torch.full((bsz,), seq_len, device=k.device)
-            key_valid = (key_pos[None] >= 0) & (key_pos[None] < lens[:, None, None])  # (B, nb, 3W)
-        else:
-            if previous is None:
-                prev_k = prev_v = torch.zeros_like(kb[:, 0])
-                prev_valid = torch.zeros(bsz, w, dtype=torch.bool, device=k.device)
-            else:
-                prev_k, prev_v, prev_valid = previous  # (B, W, H, d) x 2, (B, W)
-            keys = torch.cat([torch.cat([prev_k.to(k.dtype)[:, None], kb[:, :-1]], 1), kb], 2)
-            values = torch.cat([torch.cat([prev_v.to(v.dtype)[:, None], vb[:, :-1]], 1), vb], 2)
-            first = torch.cat([prev_valid, torch.ones_like(prev_valid)], 1)  # (B, 2W)
-            key_valid = torch.cat([first[:, None], first.new_ones(bsz, nb - 1, 2 * w)], 1)
-        kw = keys.shape[2]
-        keys = keys.view(bsz * nb, kw, heads, hd).transpose(1, 2)
-        values = values.view(bsz * nb, kw, heads, hd).transpose(1, 2)
-        return keys, values, key_valid.view(bsz * nb, kw)
-
-    def attend(self, q, k, v, key_valid, dropout, weights=False):
-        """One attention call over blocks ([`attention`]): queries `(N, H, W, d)` over the K keys each block sees
-        `(N, H, K, d)` ([`block_keys`]), with one additive mask: the scaled T5 bias and the window, the same for
-        every block ([`block_mask`]), plus the validity ``key_valid`` `(N, K)` of each key (None: all held).
-        Returns `(N, W, H, d)` and the weights `(N, H, W, K)` (None unless ``weights``).
-
-        A causal query sees only W of the 2W keys: with ``config.attention_query_chunk`` c < W the queries go in
-        W/c chunks over the W + c keys their windows reach (slices, no copies), which skips (W - c) / 2W of the
-        work; the keys left out are masked for them, so the result is the same, and one (c, W + c) bias serves
-        every chunk. A query without any held key (a document's first token with ``attend_self=False``; padding
-        of a bidirectional model) gets zeros, as in meliad's safe softmax.
-        """
-        cfg = self.config
-        w, kw = self.block_len, k.shape[2]
-        chunk = w if weights or cfg.bidirectional else min(cfg.resolved_attention_query_chunk, w)
-        key_end = kw - 2 * w + chunk  # keys at positions -W .. key_end - 1 relative to a chunk's first query
-        bias = self.block_mask(chunk, -w, key_end, q.dtype, q.device)  # (1, H, c, W + c) or (1, H, W, K)
-        reach = None
-        if key_valid is not None and not cfg.bidirectional:
-            rel = torch.arange(-w, key_end, device=q.device)[None] - torch.arange(chunk, device=q.device)[:, None]
-            reach = self.window_valid(rel)  # (c, W + c)
-        outs, probs = [], []
-        for start in range(0, w, chunk):
-            queries, keys = slice(start, start + chunk), slice(start, start + w + key_end)
-            mask = bias
-            if key_valid is not None:
-                valid = key_valid[:, keys]  # (N, W + c)
-                mask = bias + additive_mask(valid, bias.dtype)[:, None, None, :]
-            result = attention(self, q[:, :, queries], k[:, :, keys], v[:, :, keys], mask, dropout, weights)
-            out, p = result if weights else (result, None)
-            if key_valid is not None:
-                has_key = (valid[:, None, :] if reach is None else reach[None] & valid[:, None, :]).any(-1)
-                out = out * has_key[:, :, None, None].to(out.dtype)
-                p = p * has_key[:, None, :, None].to(p.dtype) if weights else None
-            outs.append(out)
-            probs.append(p)
-        return (outs[0], probs[0]) if len(outs) == 1 else (torch.cat(outs, 1), None)
-
-    @staticmethod
-    def weights_by_column(probs, bsz: int, num_positions: int, cached: bool):
-        """The weights of [`attend`], `(B * nb, H, W, K)` per block, laid out by key column `(B, H, n, K_n)`: the
-        first n queries over the first n positions, after the W cached positions when ``cached``."""
-        nbw, heads, w, kw = probs.shape
-        nb = nbw // bsz
-        probs = probs.view(bsz, nb, heads, w, kw)
-        # Block b's key j is at column b W + j of [previous block ; sequence ; next block].
-        column = torch.arange(nb, device=probs.device)[:, None] * w + torch.arange(kw, device=probs.device)
-        full = probs.new_zeros(bsz, nb, heads, w, (nb + 2) * w)
-        full = full.scatter(-1, column[None, :, None, None, :].expand_as(probs), probs)
-        full = full.transpose(1, 2).reshape(bsz, heads, nb * w, (nb + 2) * w)
-        first = 0 if cached else w
-        return full[:, :, :num_positions, first : w + num_positions]
+    def first_query(self, out, previous):
+        """Without ``attend_self`` the sequence's first query sees only the previous block: zeros where none of it
+        is held."""
+        if self.config.attend_self or self.config.bidirectional:
+            return out
+        if previous is None:
+            return F.pad(out[:, 1:], (0, 0, 0, 0, 1, 0))
+        keep = previous[2].any(-1).to(out.dtype)[:, None, None, None]
+        return torch.cat([out[:, :1] * keep, out[:, 1:]], 1)
 
     # -- recurrent form ------------------------------------------------------------------------------------------
     def step(self, q, k, v, layer_cache: BSTLayerCache, plan: StepPlan, weights=False):
