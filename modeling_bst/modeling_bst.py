@@ -50,7 +50,7 @@ from .cache_bst import ATTENTION_RING, BSTCache, BSTLayerCache, own_layers
 from .configuration_bst import BSTConfig
 from .context_bst import CONTEXT_BUILDERS, SSM_KERNELS, BSTContextStates
 from .functional_bst import additive_mask, l2_normalize, masked_fill_value, t5_relative_bucket, upcast, window_valid
-from .layout_bst import StepPlan, _Chunk, _Documents
+from .layout_bst import SequencePass, StepPlan, _Chunk, _Documents
 from .ssm_bst import S4DKernel, UnstructFilter
 from .utils_bst import constant_memo, gather_rows, host_can_branch, maybe_any, on_accelerator, step_memo, tracing
 
@@ -713,18 +713,14 @@ class BSTMLP(nn.Module):
         return self.down_proj(F.relu(self.up_proj(x), inplace=True))
 
 
-class BSTDecoderLayer(GradientCheckpointingLayer):
-    """A block layer (layer type "block": the paper's Slide layer) and the base of the BST and BRecT layers.
+class BSTLayer(GradientCheckpointingLayer):
+    """What every decoder layer shares: its place in the stack, the input norm, dropout, and the call contract.
 
-    1. RMS norm of the input;
-    2. block self-attention over the W previous tokens;
-    3. the second attention of the layer type ([`attend_states`]: none here; BST: SSM -> context states ->
-       cross-attention; BRecT: the recurrent state);
-    4. both outputs concatenated, one output projection, residual;
-    5. RMS norm, MLP, residual.
-
-    Two forms share every parameter: the full-sequence form (training, prefill, a block-aligned chunk continuing
-    ``layer_cache``) and the recurrent form (one token per row at ``positions``, advancing ``layer_cache`` in place).
+    ``layer(hidden_states, layer_cache, inputs, output_attentions)`` runs one of two forms that share every
+    parameter, picked by ``inputs``: the full-sequence form ([`sequence`]; ``inputs`` a [`SequencePass`] or None:
+    training, prefill, a block-aligned chunk continuing ``layer_cache``) or the recurrent form ([`step`]; ``inputs``
+    a [`StepPlan`]: one token per row, advancing ``layer_cache`` in place). Both return ``(hidden_states,
+    self_attention_weights, second_attention_weights)`` (None where a layer has none or they were not asked for).
     """
 
     def __init__(self, config: BSTConfig, layer_idx: int):
@@ -732,15 +728,64 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
         self.config = config
         self.layer_idx = layer_idx
         self.layer_type = config.layer_kind(layer_idx)
+        self.input_norm = BSTRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        layer_cache: BSTLayerCache | None = None,
+        inputs: SequencePass | StepPlan | None = None,
+        output_attentions: bool = False,
+    ):
+        """
+        Args:
+            hidden_states (`torch.Tensor` of shape `(B, T, D)`): rows aligned to start at their first real token; in
+                the full-sequence form T is a multiple of W and rows are right-padded; in the recurrent form T = 1.
+            layer_cache ([`BSTLayerCache`], *optional*): read (continuation / decoding) and written.
+            inputs ([`SequencePass`] or [`StepPlan`], *optional*): what the pass shares across layers; its type picks
+                the form.
+            output_attentions (`bool`): also return the attention weights (eager attention).
+
+        Returns:
+            ``hidden_states`` `(B, T, D)`; with ``output_attentions`` the tuple ``(hidden_states,
+            self_attention_weights, second_attention_weights)``.
+        """
+        if isinstance(inputs, StepPlan):
+            out = self.step(hidden_states, layer_cache, inputs, output_attentions)
+        else:
+            out = self.sequence(hidden_states, layer_cache, inputs or SequencePass(), output_attentions)
+        return out if output_attentions else out[0]
+
+    def sequence(self, hidden_states, layer_cache, inputs: SequencePass, weights: bool):
+        """The full-sequence form."""
+        raise NotImplementedError
+
+    def step(self, hidden_states, layer_cache, plan: StepPlan, weights: bool):
+        """The recurrent form."""
+        raise NotImplementedError
+
+
+class BSTDecoderLayer(BSTLayer):
+    """A block layer (layer type "block": the paper's Slide layer) and the base of the BST and BRecT layers.
+
+    1. RMS norm of the input;
+    2. block self-attention over the W previous tokens;
+    3. the second attention of the layer type ([`attend_states`] / [`step_states`]: none here; BST: SSM -> context
+       states -> cross-attention; BRecT: the recurrent state);
+    4. both outputs concatenated, one output projection, residual;
+    5. RMS norm, MLP, residual.
+    """
+
+    def __init__(self, config: BSTConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
         d, heads, hd = config.hidden_size, config.num_attention_heads, config.head_dim
-        self.input_norm = BSTRMSNorm(d, config.rms_norm_eps)
         self.self_attn = BSTBlockSelfAttention(config, self.ring_len(config))
         self.build_state_attention(config)
         width = heads * hd * (1 if self.cross_attn is None else 2)
         self.o_proj = nn.Linear(width, d, bias=False)
         self.post_attention_norm = BSTRMSNorm(d, config.rms_norm_eps)
         self.mlp = BSTMLP(config)
-        self.dropout = nn.Dropout(config.dropout)
 
     @staticmethod
     def ring_len(config: BSTConfig) -> int:
@@ -751,108 +796,69 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
         """The modules of step 3 (none in a block layer)."""
         self.cross_attn = None
 
-    def attend_states(self, hidden_states, xn, k, v, ring, plan, layer_cache, lengths, positions, **kwargs):
-        """Step 3: ``(output (B, T, H d_h), weights)``, or None for a layer without a second attention (``plan``:
-        the recurrent form's [`StepPlan`], None in the full-sequence form)."""
+    def attend_states(self, hidden_states, xn, k, v, layer_cache, inputs: SequencePass, weights: bool):
+        """Step 3 in the full-sequence form: ``(output (B, T, H d_h), weights)``, or None for a layer without a
+        second attention. ``xn`` the normed input, ``k``/``v`` the self-attention's keys/values."""
         return None
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        layer_cache: BSTLayerCache | None = None,
-        lengths: torch.Tensor | None = None,
-        positions: torch.Tensor | None = None,
-        fill_cache: bool = False,
-        num_positions: int | None = None,
-        output_attentions: bool = False,
-        doc_start: torch.Tensor | None = None,
-        plan: StepPlan | None = None,
-    ):
-        """
-        Args:
-            hidden_states (`torch.Tensor` of shape `(B, T, D)`): rows aligned to start at their first real token; in
-                the full-sequence form T is a multiple of W and rows are right-padded.
-            layer_cache ([`BSTLayerCache`], *optional*): read (continuation / decoding) and written (``fill_cache``).
-            lengths (`torch.LongTensor` of shape `(B,)`, *optional*): real tokens per row (None: all T are real).
-            positions (`torch.LongTensor` of shape `(B,)`, *optional*): tokens already in ``layer_cache`` per row
-                (a continued chunk in the full-sequence form), ``doc_start`` where each row's document started.
-            fill_cache (`bool`): write this layer's state after the input into ``layer_cache``.
-            num_positions (`int`, *optional*): how many leading positions the caller asked for (the rest pads the
-                input to whole blocks); the attention weights cover these.
-            output_attentions (`bool`): also return the attention weights (eager attention).
-            plan ([`StepPlan`], *optional*): the recurrent form, one token per row (``T = 1``).
+    def step_states(self, hidden_states, xn, ring, layer_cache, plan: StepPlan, weights: bool):
+        """Step 3 in the recurrent form (``ring``: the self-attention ring after this token's write)."""
+        return None
 
-        Returns:
-            ``hidden_states`` `(B, T, D)`; with ``output_attentions`` the tuple ``(hidden_states,
-            self_attention_weights, second_attention_weights)`` (the latter None for a block layer).
-        """
-        step = plan is not None
-        # 1. Pre-attention norm (meliad's dropout on it in the full-sequence form).
-        xn = self.input_norm(hidden_states)
-        if not step:
-            xn = self.dropout(xn)
-        # 2. Block self-attention.
+    def sequence(self, hidden_states, layer_cache, inputs: SequencePass, weights: bool):
+        # 1. Pre-attention norm (meliad's dropout on it). 2. Block self-attention.
+        xn = self.dropout(self.input_norm(hidden_states))
         q, k, v = self.self_attn.project(xn)  # (B, T, H, d_h)
-        ring = None
-        if step:
-            a_self, self_w, ring = self.self_attn.step(q, k, v, layer_cache, plan, output_attentions)
-        else:
-            a_self, self_w = self.self_attn(q, k, v, lengths, layer_cache, positions, num_positions, output_attentions)
-        # 3. The layer type's second attention (context states or recurrent state).
-        second = self.attend_states(
-            hidden_states,
-            xn,
-            k,
-            v,
-            ring,
-            plan,
-            layer_cache,
-            lengths,
-            positions,
-            doc_start=doc_start,
-            fill_cache=fill_cache,
-            num_positions=num_positions,
-            output_attentions=output_attentions,
+        a_self, self_w = self.self_attn(
+            q, k, v, inputs.lengths, layer_cache, inputs.positions, inputs.num_positions, weights
         )
-        if fill_cache:
-            self.self_attn.write_cache(layer_cache, k, v, lengths, positions)
-        # 4. Concatenation, one output projection, residual.
+        # 3. The layer type's second attention (context states or recurrent state).
+        second = self.attend_states(hidden_states, xn, k, v, layer_cache, inputs, weights)
+        if inputs.fill_cache:
+            self.self_attn.write_cache(layer_cache, k, v, inputs.lengths, inputs.positions)
+        return self.output(hidden_states, a_self, self_w, second, self.dropout)
+
+    def step(self, hidden_states, layer_cache, plan: StepPlan, weights: bool):
+        xn = self.input_norm(hidden_states)
+        q, k, v = self.self_attn.project(xn)
+        a_self, self_w, ring = self.self_attn.step(q, k, v, layer_cache, plan, weights)
+        second = self.step_states(hidden_states, xn, ring, layer_cache, plan, weights)
+        return self.output(hidden_states, a_self, self_w, second, None)
+
+    def output(self, hidden_states, a_self, self_w, second, dropout):
+        """Steps 4 and 5 (``dropout`` on the attention output: the full-sequence form's, unless meliad's)."""
         second_w = None
         if second is not None:
             a_second, second_w = second
             a_self = torch.cat([a_self, a_second], -1)  # (B, T, 2 H d_h)
         attn = self.o_proj(a_self)
-        h = hidden_states + (attn if step or self.config.meliad_dropout else self.dropout(attn))
-        # 5. MLP, residual.
+        h = hidden_states + (attn if dropout is None or self.config.meliad_dropout else dropout(attn))
         h = h + self.dropout(self.mlp(self.post_attention_norm(h)))
-        return (h, self_w, second_w) if output_attentions else h
+        return h, self_w, second_w
 
 
 class BSTContextLayer(BSTDecoderLayer):
     """A BST layer (layer type "bst", paper Sec. 3): step 3 runs the SSM over the whole sequence (``ssm``, the kernel
     of ``ssm_kind``), builds context states from its outputs (``context``, the SH / MH / MF builder of
-    ``context_mode``) and cross-attends to them block by block (``cross_attn``)."""
+    ``context_mode``) and cross-attends to them block by block (``cross_attn``). The SSM reads the normed input, or
+    with ``ssm_input="raw"`` the layer input itself."""
 
     def build_state_attention(self, config: BSTConfig):
         self.ssm = SSM_KERNELS[config.ssm_kind](config.ssm_channels, config.ssm_output_channels, config)
         self.context = CONTEXT_BUILDERS[config.context_mode](config)
         self.cross_attn = BSTCrossAttention(config)
 
-    def attend_states(self, hidden_states, xn, k, v, ring, plan, layer_cache, lengths, positions, **kwargs):
-        weights = kwargs["output_attentions"]
-        step = plan is not None
-        # The SSM reads the normed input, or with ssm_input="raw" the layer input itself.
-        if self.config.ssm_input == "raw":
-            x = hidden_states if step else self.dropout(hidden_states)
-        else:
-            x = xn
-        if step:
-            keys, values, mask, any_valid = self.context(self.ssm, x, layer_cache, plan=plan)
-            return self.cross_attn.step(xn, keys, values, mask, any_valid, weights)
+    def attend_states(self, hidden_states, xn, k, v, layer_cache, inputs: SequencePass, weights: bool):
+        x = self.dropout(hidden_states) if self.config.ssm_input == "raw" else xn
         keys, values, mask, zero_first = self.context(
-            self.ssm, x, layer_cache, positions, kwargs["doc_start"], lengths=lengths, fill_cache=kwargs["fill_cache"]
+            self.ssm, x, layer_cache, inputs.positions, inputs.doc_start, inputs.lengths, inputs.fill_cache
         )
-        return self.cross_attn(xn, keys, values, mask, zero_first, kwargs["num_positions"], weights)
+        return self.cross_attn(xn, keys, values, mask, zero_first, inputs.num_positions, weights)
+
+    def step_states(self, hidden_states, xn, ring, layer_cache, plan: StepPlan, weights: bool):
+        x = hidden_states if self.config.ssm_input == "raw" else xn
+        keys, values, mask, any_valid = self.context(self.ssm, x, layer_cache, plan=plan)
+        return self.cross_attn.step(xn, keys, values, mask, any_valid, weights)
 
 
 class BSTRecurrentLayer(BSTDecoderLayer):
@@ -868,82 +874,70 @@ class BSTRecurrentLayer(BSTDecoderLayer):
         self.recurrent = BSTRecurrentState(config)
         self.cross_attn = BSTCrossAttention(config)
 
-    def attend_states(self, hidden_states, xn, k, v, ring, plan, layer_cache, lengths, positions, **kwargs):
-        weights = kwargs["output_attentions"]
-        if plan is not None:
-            keys, values = self.recurrent.step_keys_values(layer_cache, plan)
-            out = self.cross_attn.step(xn, keys, values, weights=weights)
-            self.recurrent.step_update(ring, layer_cache, plan)
-            return out
+    def attend_states(self, hidden_states, xn, k, v, layer_cache, inputs: SequencePass, weights: bool):
+        positions = inputs.positions
         continued = layer_cache is not None and positions is not None
         previous = self.self_attn.previous_block(layer_cache, positions) if continued else None
         keys, values = self.recurrent(
-            k, v, previous, lengths, layer_cache, positions, kwargs["doc_start"], kwargs["fill_cache"]
+            k, v, previous, inputs.lengths, layer_cache, positions, inputs.doc_start, inputs.fill_cache
         )
-        return self.cross_attn(xn, keys, values, num_positions=kwargs["num_positions"], weights=weights)
+        return self.cross_attn(xn, keys, values, num_positions=inputs.num_positions, weights=weights)
+
+    def step_states(self, hidden_states, xn, ring, layer_cache, plan: StepPlan, weights: bool):
+        keys, values = self.recurrent.step_keys_values(layer_cache, plan)
+        out = self.cross_attn.step(xn, keys, values, weights=weights)
+        self.recurrent.step_update(ring, layer_cache, plan)
+        return out
 
 
-class BSTGSSLayer(GradientCheckpointingLayer):
+class BSTGSSLayer(BSTLayer):
     """Gated State Space layer (GSS; Mehta et al., 2022), the SSM layer of the paper's GSS-Hybrid baseline.
 
     ``u = gelu(x_n W_u)`` (D -> D_s), ``v = gelu(x_n W_v)`` (D -> F), ``y = SSM(u)``,
-    ``out = x + ((y W_y) * v) W_o`` with an S4D kernel over D_s channels. Same call contract as
-    [`BSTDecoderLayer`]: full-sequence form, and a recurrent step that reads/writes ``layer_cache.ssm``.
+    ``out = x + ((y W_y) * v) W_o`` with an S4D kernel over D_s channels; the recurrent step reads/writes
+    ``layer_cache.ssm``. No attention weights (None).
     """
 
     def __init__(self, config: BSTConfig, layer_idx: int):
-        super().__init__()
-        self.config = config
-        self.layer_idx = layer_idx
-        self.layer_type = "gss"
+        super().__init__(config, layer_idx)
         d, ds = config.hidden_size, config.hidden_size // 4
         width = config.gss_expansion * d
-        self.input_norm = BSTRMSNorm(d, config.rms_norm_eps)
         self.u_proj = nn.Linear(d, ds, bias=False)
         self.v_proj = nn.Linear(d, width, bias=False)
         self.ssm = S4DKernel(ds, 1, config.ssm_state_size, config)
         self.y_proj = nn.Linear(ds, width, bias=False)
         self.o_proj = nn.Linear(width, d, bias=False)
-        self.dropout = nn.Dropout(config.dropout)
 
-    def forward(
-        self,
-        hidden_states,
-        layer_cache=None,
-        lengths=None,
-        positions=None,
-        fill_cache=False,
-        num_positions=None,
-        output_attentions=False,
-        doc_start=None,
-        plan=None,
-    ):
-        """Same contract as [`BSTDecoderLayer.forward`]; a GSS layer has no attention weights (``None``)."""
+    def gates(self, hidden_states):
+        """``u`` `(B, T, D_s)` and ``v`` `(B, T, F)` of the normed input."""
         xn = self.input_norm(hidden_states)
-        u = F.gelu(self.u_proj(xn))  # (B, T, Ds)
-        v = F.gelu(self.v_proj(xn))  # (B, T, F)
-        if plan is not None:
-            # Recurrent form
-            constants = step_memo(plan.memo, (id(self), "ssm"), (), self.ssm.parameters(), self.ssm.step_constants)
-            y, state = self.ssm.step(u[:, 0], layer_cache.ssm_state, constants)  # y (B, 1, Ds)
-            layer_cache.set_ssm(state)
-        else:
-            # Full sequence form
-            state0 = None
-            if layer_cache is not None and positions is not None:
-                state0 = layer_cache.ssm_state
-            if lengths is not None and self.config.bidirectional:
-                u = u * (torch.arange(u.shape[1], device=u.device)[None] < lengths[:, None]).to(u.dtype)[..., None]
-            y = self.ssm(u, state0)[:, :, 0]  # (B, T, Ds)
-            if fill_cache:
-                bsz, seq_len, _ = u.shape
-                lens = lengths if lengths is not None else torch.full((bsz,), seq_len, device=u.device)
-                idx = torch.arange(seq_len, device=u.device)[None] - (seq_len - lens[:, None])
-                u_right = gather_rows(u, idx.clamp(min=0)) * (idx >= 0).to(u.dtype)[..., None]
-                layer_cache.set_ssm(self.ssm.final_state(u_right.detach(), state0).detach())
-        gated = self.y_proj(y.to(v.dtype)) * v
-        h = hidden_states + self.dropout(self.o_proj(gated))
-        return (h, None, None) if output_attentions else h
+        return F.gelu(self.u_proj(xn)), F.gelu(self.v_proj(xn))
+
+    def output(self, hidden_states, y, v):
+        h = hidden_states + self.dropout(self.o_proj(self.y_proj(y.to(v.dtype)) * v))
+        return h, None, None
+
+    def sequence(self, hidden_states, layer_cache, inputs: SequencePass, weights: bool):
+        u, v = self.gates(hidden_states)
+        lengths = inputs.lengths
+        state0 = layer_cache.ssm_state if layer_cache is not None and inputs.positions is not None else None
+        if lengths is not None and self.config.bidirectional:
+            u = u * (torch.arange(u.shape[1], device=u.device)[None] < lengths[:, None]).to(u.dtype)[..., None]
+        y = self.ssm(u, state0)[:, :, 0]  # (B, T, Ds)
+        if inputs.fill_cache:
+            bsz, seq_len, _ = u.shape
+            lens = lengths if lengths is not None else torch.full((bsz,), seq_len, device=u.device)
+            idx = torch.arange(seq_len, device=u.device)[None] - (seq_len - lens[:, None])
+            u_right = gather_rows(u, idx.clamp(min=0)) * (idx >= 0).to(u.dtype)[..., None]
+            layer_cache.set_ssm(self.ssm.final_state(u_right.detach(), state0).detach())
+        return self.output(hidden_states, y, v)
+
+    def step(self, hidden_states, layer_cache, plan: StepPlan, weights: bool):
+        u, v = self.gates(hidden_states)
+        constants = step_memo(plan.memo, (id(self), "ssm"), (), self.ssm.parameters(), self.ssm.step_constants)
+        y, state = self.ssm.step(u[:, 0], layer_cache.ssm_state, constants)  # y (B, 1, Ds)
+        layer_cache.set_ssm(state)
+        return self.output(hidden_states, y, v)
 
 
 # The module of each layer type (``config.layer_types``).
