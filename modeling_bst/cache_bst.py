@@ -1,9 +1,8 @@
 """Bounded recurrent-mode cache of the Block-State Transformer: one transformers cache layer per layer type.
 
 Each class registers under its layer type (``"bst_block"``, ``"bst_context"``, ``"bst_recurrent"``, ``"bst_gss"``) in
-transformers' dynamic and static layer maps, so ``DynamicCache(config=...)`` (what ``generate`` prepares) and
-``StaticCache(config=...)`` (``cache_implementation="static"``; a layer built with ``max_cache_len`` is compileable)
-are made of them. [`BSTCache`] is a ``Cache`` of them and a pytree node (``torch.export`` / ``torch.compile`` of decode
+transformers' dynamic and static layer maps, so ``DynamicCache(config=...)`` (``generate``'s) and ``StaticCache(
+config=...)`` (compileable: built with ``max_cache_len``) are made of them. [`BSTCache`] is a ``Cache`` of them and a pytree node (``torch.export`` / ``torch.compile`` of decode
 steps). Model layer i reads ``cache.layers[i]``. A layer holds only state of bounded size (``names``, saved so):
 
 * ``k``, ``v`` `(B, R, H, d_h)`, ``kpos`` `(B, R)`: keys/values of the last R tokens at slot ``position % R`` (R = W + 1;
@@ -16,9 +15,8 @@ steps). Model layer i reads ``cache.layers[i]``. A layer holds only state of bou
 
 Row state lives in the first layer (every layer's ``rows``): ``positions`` `(B,)` real tokens per row, ``doc_start``
 `(B,)` where each row's document started, ``seen`` (0-d, positions processed, padding included), and host mirrors
-of them ([`host_mirror`]). Rollback: a recording layer keeps what
-each step overwrote ([`BSTLayerCache.crop`]). Without gradients states are written in place ([`assign`]), so each
-keeps its address from the prefill on, as CUDA graphs need: a tensor read from a cache is a live view.
+of them ([`host_mirror`]). Rollback: a recording layer keeps what each step overwrote ([`BSTLayerCache.crop`]).
+Without gradients states are written in place ([`assign`]), keeping their addresses (CUDA graphs): reads are views.
 """
 
 import json
@@ -28,11 +26,19 @@ import torch
 import torch.utils._pytree as pytree
 from transformers.cache_utils import STATIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin
 
-from .utils_bst import assign, gather_rows, keep_address, ring_from_sequence, tracing, where_rows, write_rows
+from .utils_bst import (
+    UNKNOWN,
+    assign,
+    gather_rows,
+    host_mirror,
+    keep_address,
+    ring_from_sequence,
+    tracing,
+    where_rows,
+    write_rows,
+)
 
 
-# A host mirror that is not known (derived from the tensors on its next eager read).
-UNKNOWN = "unknown"
 # Positions a recording cache can take back (``crop``): assisted decoding verifies at most this many drafted tokens.
 MAX_ROLLBACK = 64
 # The two rings a layer may hold: (keys, values, positions).
@@ -40,41 +46,14 @@ ATTENTION_RING = ("k", "v", "kpos")
 CONTEXT_RING = ("ctx_k", "ctx_v", "ctx_pos")
 
 
-SIGNATURE_FIELDS = (
-    *("num_hidden_layers", "hidden_size", "num_attention_heads", "head_dim", "block_len", "context_mode", "ssm_kind"),
-    *("ssm_channels", "ssm_state_size", "num_context_states", "layer_types", "num_recurrent_states"),
-    *("mf_independent_filters", "max_position_embeddings"),
-)
+SIGNATURE_FIELDS = """num_hidden_layers hidden_size num_attention_heads head_dim block_len context_mode ssm_kind ssm_channels
+ssm_state_size num_context_states layer_types num_recurrent_states mf_independent_filters max_position_embeddings""".split()
 
 
 def cache_signature(config) -> tuple:
     """The structural fields a cache depends on: a cache only fits models with the same signature."""
     values = (getattr(config, name, None) for name in SIGNATURE_FIELDS)
     return tuple(tuple(v) if isinstance(v, list) else v for v in values)
-
-
-def host_mirror(source: str, empty, traced):
-    """A row-state property kept on the host (``_<name>``), so that the model picks its path without reading
-    tensors: once ``UNKNOWN`` it is derived by the decorated function on the next eager read; ``empty`` while the
-    tensor ``source`` is None, ``traced`` under tracing (raised if an exception)."""
-
-    def wrap(derive):
-        attr = "_" + derive.__name__
-
-        def get(self):
-            if getattr(self, attr) is UNKNOWN:
-                if getattr(self, source) is None:
-                    return empty
-                if tracing():
-                    if isinstance(traced, Exception):
-                        raise traced
-                    return traced
-                setattr(self, attr, derive(self))
-            return getattr(self, attr)
-
-        return property(get)
-
-    return wrap
 
 
 class BSTLayerCache(CacheLayerMixin):
@@ -116,10 +95,7 @@ class BSTLayerCache(CacheLayerMixin):
                 raise ValueError(f"The cache was made for a different model configuration (layer {layer_idx}).")
             return
         if config.layer_types[layer_idx] != self._layer_type:
-            raise ValueError(
-                f"The cache's layer {layer_idx} is a {self._layer_type!r} layer, but the model's layer_types"
-                f"[{layer_idx}] is {config.layer_types[layer_idx]!r}."
-            )
+            raise ValueError(f"The cache's layer {layer_idx} is {self._layer_type!r}, the model's is not.")
         self.signature, self.block_len, self.layer_idx = signature, config.block_len, layer_idx
         if self._layer_type == "bst_context":
             self.names = self.NAMES + (("ctx_k", "ctx_v", "mf_last") if config.context_mode == "mf" else CONTEXT_RING)
@@ -396,12 +372,8 @@ def own_layers(cache: Cache, config) -> Cache:
 
 
 class BSTCache(Cache):
-    """Recurrent-mode generation state of a BST model: a transformers [`Cache`] of one [`BSTLayerCache`] per layer.
-
-    Args:
-        config ([`BSTConfig`]): the model's configuration; a cache only fits the model it was made for.
-        batch_size (`int`, *optional*): accepted for compatibility; the first forward sets the rows.
-    """
+    """Recurrent-mode generation state of a BST model: a transformers [`Cache`] of one [`BSTLayerCache`] per layer,
+    for the model of ``config`` only (``batch_size`` is accepted for compatibility; the first forward sets the rows)."""
 
     def __init__(self, config=None, batch_size: int | None = None, layers: list | None = None):
         super().__init__(layers=layers if layers is not None else [LAYER_CACHE_TYPES[k]() for k in config.layer_types])

@@ -663,28 +663,22 @@ class BSTCrossAttention(nn.Module):
             out = grouped_flex(self, q, keys.flatten(1, 2), values.flatten(1, 2), w, s, within)
             return out.reshape(bsz, seq_len, heads * hd), None
         qb = q.view(bsz * nb, w, heads, hd).transpose(1, 2)
-        kb = keys.reshape(bsz * nb, s, heads, hd).transpose(1, 2)
-        vb = values.reshape(bsz * nb, s, heads, hd).transpose(1, 2)
-        chunk = query_chunk(cfg, q)
-        probs = None
-        if weights:
-            out, probs = attention(self, qb, kb, vb, mask, drop, return_weights=True)  # probs (B*nb, H, W, S)
+        kb, vb = (x.reshape(bsz * nb, s, heads, hd).transpose(1, 2) for x in (keys, values))
+        # Triangular mask: queries in chunks, each over the states up to its end (one call on an accelerator).
+        chunk = w if weights or mask is None else query_chunk(cfg, q)
+        outs = []
+        for i in range(0, w, chunk):
+            end = s if mask is None else i + chunk
+            part = None if mask is None else mask[i : i + chunk, :end]
+            outs.append(attention(self, qb[:, :, i : i + chunk], kb[:, :, :end], vb[:, :, :end], part, drop, weights))
+        out, probs = outs[0] if weights else (outs[0] if len(outs) == 1 else torch.cat(outs, 1), None)
+        if zero_first:  # the first query of every block sees nothing
+            out = torch.cat([torch.zeros_like(out[:, :1]), out[:, 1:]], 1)
+        if weights:  # (B nb, H, W, S) -> (B, H, T, S)
             if zero_first:
                 probs = torch.cat([torch.zeros_like(probs[:, :, :1]), probs[:, :, 1:]], 2)
             probs = probs.view(bsz, nb, heads, w, s).transpose(1, 2).reshape(bsz, heads, seq_len, s)
-            probs = probs[:, :, : seq_len if num_positions is None else num_positions]
-        elif mask is not None and chunk < w:
-            # Triangular mask: the queries of a chunk see only the states up to the chunk's end.
-            parts = [
-                attention(self, qb[:, :, i : i + chunk], kb[:, :, : i + chunk], vb[:, :, : i + chunk],
-                          mask[i : i + chunk, : i + chunk], drop)
-                for i in range(0, w, chunk)
-            ]  # fmt: skip
-            out = torch.cat(parts, 1)
-        else:
-            out = attention(self, qb, kb, vb, mask, drop)  # (B*nb, W, H, d)
-        if zero_first:
-            out = torch.cat([torch.zeros_like(out[:, :1]), out[:, 1:]], 1)
+            probs = probs[:, :, : num_positions or seq_len]
         return out.reshape(bsz, seq_len, heads * hd), probs
 
     def step(self, xn, keys, values, mask=None, any_valid=None, weights=False):
