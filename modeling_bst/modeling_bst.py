@@ -515,9 +515,10 @@ class BSTBlockSelfAttention(nn.Module):
 
             def build():
                 pos = torch.arange(-w, seq_len + span - w - chunk, device=device)
-                return ((pos < 0) | (pos >= seq_len))[None]
+                return ((pos < 0) | (pos >= seq_len)).unfold(0, span, chunk)  # (T / c, K)
 
-            absent = constant_memo(self, ("absent", seq_len, span, str(device)), build).expand(bsz, -1)
+            absent = constant_memo(self, ("absent", seq_len, chunk, span, str(device)), build)
+            return absent.expand(bsz, -1, -1).reshape(-1, 1, 1, span)
         return absent.unfold(1, span, chunk).reshape(-1, 1, 1, span)
 
     def windowed(self, q, k, v, previous, lengths, dropout):
@@ -542,7 +543,7 @@ class BSTBlockSelfAttention(nn.Module):
         values = vp.unfold(1, span, chunk).permute(0, 1, 2, 4, 3).reshape(n, heads, span, hd)
         queries = q.reshape(n, chunk, heads, hd).transpose(1, 2)  # (n, H, c, d)
         absent = self.window_keys_absent(previous, lengths, bsz, seq_len, chunk, span, q.device)
-        bias = self.window_bias(chunk, span, q.dtype, q.device)[None]  # (1, H, c, K)
+        bias = self.window_bias(chunk, span, q.dtype, q.device)  # (H, c, K)
         if bidirectional or on_accelerator(q) or learned_mask_path(self, bias):
             # one call; the absent keys masked per window (in the scores where the mask needs a gradient on the CPU)
             out = attention(self, queries, keys, values, bias, dropout, absent=absent)
@@ -551,7 +552,8 @@ class BSTBlockSelfAttention(nn.Module):
             return self.first_query(out.view(bsz, seq_len, heads, hd), previous)
         # CPU inference: every window under the one shared bias through SDPA's fused kernel, then block 0's windows
         # again with their absent keys masked (a per-window mask over W / c windows a row)
-        out = attention(self, queries, keys, values, bias, dropout).view(bsz, seq_len, heads, hd)
+        # (a 4-D mask: SDPA on CPU takes its fused path only for 4-D masks; 3-D falls back to ~4x slower math)
+        out = attention(self, queries, keys, values, bias[None], dropout).view(bsz, seq_len, heads, hd)
         first, per_row = w // chunk, seq_len // chunk
 
         def block0(x):
@@ -664,14 +666,17 @@ class BSTCrossAttention(nn.Module):
             return out.reshape(bsz, seq_len, heads * hd), None
         qb = q.view(bsz * nb, w, heads, hd).transpose(1, 2)
         kb, vb = (x.reshape(bsz * nb, s, heads, hd).transpose(1, 2) for x in (keys, values))
-        # Triangular mask: queries in chunks, each over the states up to its end (one call on an accelerator).
         chunk = w if weights or mask is None else query_chunk(cfg, q)
-        outs = []
-        for i in range(0, w, chunk):
-            end = s if mask is None else i + chunk
-            part = None if mask is None else mask[i : i + chunk, :end]
-            outs.append(attention(self, qb[:, :, i : i + chunk], kb[:, :, :end], vb[:, :, :end], part, drop, weights))
-        out, probs = outs[0] if weights else (outs[0] if len(outs) == 1 else torch.cat(outs, 1), None)
+        if chunk == w:
+            result = attention(self, qb, kb, vb, mask, drop, weights)
+        else:  # triangular mask: the queries of a chunk see only the states up to the chunk's end
+            parts = [
+                attention(self, qb[:, :, i : i + chunk], kb[:, :, : i + chunk], vb[:, :, : i + chunk],
+                          mask[i : i + chunk, : i + chunk], drop)
+                for i in range(0, w, chunk)
+            ]  # fmt: skip
+            result = torch.cat(parts, 1)
+        out, probs = result if weights else (result, None)
         if zero_first:  # the first query of every block sees nothing
             out = torch.cat([torch.zeros_like(out[:, :1]), out[:, 1:]], 1)
         if weights:  # (B nb, H, W, S) -> (B, H, T, S)
