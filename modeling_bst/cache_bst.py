@@ -1,9 +1,8 @@
 """Bounded recurrent-mode cache of the Block-State Transformer: one transformers cache layer per layer type.
 
 Each class registers under its layer type (``"bst_block"``, ``"bst_context"``, ``"bst_recurrent"``, ``"bst_gss"``) in
-transformers' dynamic and static layer maps, so ``DynamicCache(config=...)`` (what ``generate`` prepares) and
-``StaticCache(config=...)`` (``cache_implementation="static"``; a layer built with ``max_cache_len`` is compileable)
-are made of them. [`BSTCache`] is a ``Cache`` of them and a pytree node (``torch.export`` / ``torch.compile`` of decode
+transformers' dynamic and static layer maps, so ``DynamicCache(config=...)`` (``generate``'s) and ``StaticCache(
+config=...)`` (compileable: built with ``max_cache_len``) are made of them. [`BSTCache`] is a ``Cache`` of them and a pytree node (``torch.export`` / ``torch.compile`` of decode
 steps). Model layer i reads ``cache.layers[i]``. A layer holds only state of bounded size (``names``, saved so):
 
 * ``k``, ``v`` `(B, R, H, d_h)`, ``kpos`` `(B, R)`: keys/values of the last R tokens at slot ``position % R`` (R = W + 1;
@@ -16,10 +15,8 @@ steps). Model layer i reads ``cache.layers[i]``. A layer holds only state of bou
 
 Row state lives in the first layer (every layer's ``rows``): ``positions`` `(B,)` real tokens per row, ``doc_start``
 `(B,)` where each row's document started, ``seen`` (0-d, positions processed, padding included), and host mirrors
-(``seen_tokens``, ``common_position``, ``docs_on_grid``) that let the model pick its path without reading tensors
-(unknown under tracing and after unflattening; derived on the next eager read). Rollback: a recording layer keeps what
-each step overwrote ([`BSTLayerCache.crop`]). Without gradients states are written in place ([`assign`]), so each
-keeps its address from the prefill on, as CUDA graphs need: a tensor read from a cache is a live view.
+of them ([`host_mirror`]). Rollback: a recording layer keeps what each step overwrote ([`BSTLayerCache.crop`]).
+Without gradients states are written in place ([`assign`]), keeping their addresses (CUDA graphs): reads are views.
 """
 
 import json
@@ -29,11 +26,19 @@ import torch
 import torch.utils._pytree as pytree
 from transformers.cache_utils import STATIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin
 
-from .utils_bst import assign, gather_rows, keep_address, ring_from_sequence, tracing, where_rows, write_rows
+from .utils_bst import (
+    UNKNOWN,
+    assign,
+    gather_rows,
+    host_mirror,
+    keep_address,
+    ring_from_sequence,
+    tracing,
+    where_rows,
+    write_rows,
+)
 
 
-# A host mirror that is not known (derived from the tensors on its next eager read).
-UNKNOWN = "unknown"
 # Positions a recording cache can take back (``crop``): assisted decoding verifies at most this many drafted tokens.
 MAX_ROLLBACK = 64
 # The two rings a layer may hold: (keys, values, positions).
@@ -41,11 +46,8 @@ ATTENTION_RING = ("k", "v", "kpos")
 CONTEXT_RING = ("ctx_k", "ctx_v", "ctx_pos")
 
 
-SIGNATURE_FIELDS = (
-    *("num_hidden_layers", "hidden_size", "num_attention_heads", "head_dim", "block_len", "context_mode", "ssm_kind"),
-    *("ssm_channels", "ssm_state_size", "num_context_states", "layer_types", "num_recurrent_states"),
-    *("mf_independent_filters", "max_position_embeddings"),
-)
+SIGNATURE_FIELDS = """num_hidden_layers hidden_size num_attention_heads head_dim block_len context_mode ssm_kind ssm_channels
+ssm_state_size num_context_states layer_types num_recurrent_states mf_independent_filters max_position_embeddings""".split()
 
 
 def cache_signature(config) -> tuple:
@@ -90,16 +92,10 @@ class BSTLayerCache(CacheLayerMixin):
         self.rows = rows
         if self.signature is not None:
             if self.signature != signature:
-                raise ValueError(
-                    f"The cache (`cache`/`past_key_values`) was made for a different model configuration (layer "
-                    f"{layer_idx})."
-                )
+                raise ValueError(f"The cache was made for a different model configuration (layer {layer_idx}).")
             return
         if config.layer_types[layer_idx] != self._layer_type:
-            raise ValueError(
-                f"The cache's layer {layer_idx} is a {self._layer_type!r} layer, but the model's layer_types"
-                f"[{layer_idx}] is {config.layer_types[layer_idx]!r}."
-            )
+            raise ValueError(f"The cache's layer {layer_idx} is {self._layer_type!r}, the model's is not.")
         self.signature, self.block_len, self.layer_idx = signature, config.block_len, layer_idx
         if self._layer_type == "bst_context":
             self.names = self.NAMES + (("ctx_k", "ctx_v", "mf_last") if config.context_mode == "mf" else CONTEXT_RING)
@@ -127,11 +123,10 @@ class BSTLayerCache(CacheLayerMixin):
     def batch_size(self) -> int:
         return -1 if self.rows.positions is None else int(self.rows.positions.shape[0])
 
-    def offload(self):
-        pass  # bounded state: nothing worth moving off the device
-
-    def prefetch(self):
+    def offload(self):  # bounded state: nothing worth moving off the device
         pass
+
+    prefetch = offload
 
     def reset(self) -> None:
         """Forget everything held (the structure stays)."""
@@ -242,34 +237,18 @@ class BSTLayerCache(CacheLayerMixin):
     def is_empty(self) -> bool:
         return self.positions is None
 
-    @property
+    @host_mirror("seen", 0, RuntimeError("seen_tokens is not known while tracing: read the tensor `seen`."))
     def seen_tokens(self) -> int:
-        if self._seen_tokens is UNKNOWN:
-            if self.seen is None:
-                return 0
-            if tracing():
-                raise RuntimeError("seen_tokens is not known while tracing: read the tensor `seen`.")
-            self._seen_tokens = int(self.seen)
-        return self._seen_tokens
+        return int(self.seen)
 
-    @property
+    @host_mirror("positions", None, None)  # under tracing a continued chunk takes the stepwise form
     def common_position(self) -> int | None:
-        if self._common_position is UNKNOWN:
-            if self.positions is None or tracing():
-                return None  # conservative under tracing: a continued chunk takes the stepwise form
-            same = bool((self.positions == self.positions[0]).all())
-            self._common_position = int(self.positions[0]) if same else None
-        return self._common_position
+        same = bool((self.positions == self.positions[0]).all())
+        return int(self.positions[0]) if same else None
 
-    @property
+    @host_mirror("doc_start", True, False)
     def docs_on_grid(self) -> bool:
-        if self._docs_on_grid is UNKNOWN:
-            if self.doc_start is None:
-                return True
-            if tracing():
-                return False
-            self._docs_on_grid = bool((self.doc_start.remainder(self.block_len) == 0).all())
-        return self._docs_on_grid
+        return bool((self.doc_start.remainder(self.block_len) == 0).all())
 
     def set_rows(self, positions, doc_start, seen, known: bool):
         self.positions, self.doc_start, self.seen = positions, doc_start, seen
@@ -327,17 +306,9 @@ class BSTLayerCache(CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Take back the last ``-tokens_to_remove`` positions (transformers' convention: a negative count)."""
-        if tokens_to_remove > 0:
-            raise ValueError(
-                f"BSTCache.crop takes minus the number of positions to remove, got {tokens_to_remove}: use crop(-n) "
-                "to take back the last n positions."
-            )
         n = -tokens_to_remove
-        if n > len(self._undo):
-            raise ValueError(
-                f"BSTCache can take back only the {len(self._undo)} latest positions processed while recording "
-                f"(activate_past_recording(); at most {MAX_ROLLBACK}), asked for {n}."
-            )
+        if not 0 <= n <= len(self._undo):
+            raise ValueError(f"crop(-n) can take back 0 <= n <= {len(self._undo)} recorded positions, got n = {n}.")
         for _ in range(n):
             self.restore(self._undo.pop())
         if n and self.rows is self:
@@ -347,29 +318,25 @@ class BSTLayerCache(CacheLayerMixin):
 class BlockLayerCache(BSTLayerCache):
     """A Slide (block attention) layer: the ring of the last W + 1 tokens."""
 
-    _layer_type = "bst_block"
-    NAMES = ATTENTION_RING
+    _layer_type, NAMES = "bst_block", ATTENTION_RING
 
 
 class BSTContextLayerCache(BSTLayerCache):
     """A BST layer: the attention ring, the SSM state and the context states (SH/MH ring or MF block context)."""
 
-    _layer_type = "bst_context"
-    NAMES = (*ATTENTION_RING, "ssm_state")
+    _layer_type, NAMES = "bst_context", (*ATTENTION_RING, "ssm_state")
 
 
 class RecurrentLayerCache(BSTLayerCache):
     """A Block-Recurrent Transformer layer: the attention ring (2W) and the recurrent state with its keys/values."""
 
-    _layer_type = "bst_recurrent"
-    NAMES = (*ATTENTION_RING, "rec_state", "rec_k", "rec_v")
+    _layer_type, NAMES = "bst_recurrent", (*ATTENTION_RING, "rec_state", "rec_k", "rec_v")
 
 
 class GSSLayerCache(BSTLayerCache):
     """A GSS layer (GSS-Hybrid): the SSM state."""
 
-    _layer_type = "bst_gss"
-    NAMES = ("ssm_state",)
+    _layer_type, NAMES = "bst_gss", ("ssm_state",)
 
 
 LAYER_CACHE_TYPES = {
@@ -383,10 +350,7 @@ def own_layers(cache: Cache, config) -> Cache:
     ``cache``. transformers' layer maps hold the last loaded copy of this code: a fresh layer of another copy
     (another ``trust_remote_code`` folder, the installed package) is replaced by this copy's own."""
     if not isinstance(cache, Cache):
-        raise TypeError(
-            f"The cache (`cache`/`past_key_values`) must be a transformers Cache of BST layers (a BSTCache, or "
-            f"DynamicCache(config=model.config)), got {type(cache).__name__}."
-        )
+        raise TypeError(f"The cache must be a BSTCache or DynamicCache(config=...), got {type(cache).__name__}.")
     if not cache.layers and getattr(cache, "layer_class_to_replicate", None) is not None:
         cache.layers = [LAYER_CACHE_TYPES[kind]() for kind in config.layer_types]
         cache.layer_class_to_replicate = None
@@ -398,10 +362,8 @@ def own_layers(cache: Cache, config) -> Cache:
     if len(cache.layers) != config.num_hidden_layers or not all(isinstance(x, BSTLayerCache) for x in cache.layers):
         kinds = [f"{type(layer).__module__}.{type(layer).__name__}" for layer in cache.layers]
         raise TypeError(
-            f"The cache (`cache`/`past_key_values`) must hold one BST cache layer per model layer (num_hidden_layers="
-            f"{config.num_hidden_layers}, layer_types={list(config.layer_types)}) of this model's code ({__name__}); "
-            f"got {type(cache).__name__} with layers {kinds}. A cache that another model or copy of the code has used "
-            "does not pass to this one: pass a BSTCache(model.config) or DynamicCache(config=model.config)."
+            f"The cache must hold one BST cache layer per model layer ({list(config.layer_types)}, of {__name__}); "
+            f"got {type(cache).__name__} with layers {kinds}. Pass BSTCache(model.config) or DynamicCache(config=...)."
         )
     signature = cache_signature(config)
     for i, layer in enumerate(cache.layers):
@@ -410,12 +372,8 @@ def own_layers(cache: Cache, config) -> Cache:
 
 
 class BSTCache(Cache):
-    """Recurrent-mode generation state of a BST model: a transformers [`Cache`] of one [`BSTLayerCache`] per layer.
-
-    Args:
-        config ([`BSTConfig`]): the model's configuration; a cache only fits the model it was made for.
-        batch_size (`int`, *optional*): accepted for compatibility; the first forward sets the rows.
-    """
+    """Recurrent-mode generation state of a BST model: a transformers [`Cache`] of one [`BSTLayerCache`] per layer,
+    for the model of ``config`` only (``batch_size`` is accepted for compatibility; the first forward sets the rows)."""
 
     def __init__(self, config=None, batch_size: int | None = None, layers: list | None = None):
         super().__init__(layers=layers if layers is not None else [LAYER_CACHE_TYPES[k]() for k in config.layer_types])
@@ -464,35 +422,26 @@ class BSTCache(Cache):
         return cls(layers=layers)
 
 
-def _flatten(cache: BSTCache):
-    leaves, context = cache._pytree_flatten()
-    return [tensor for _, tensor in leaves], context
-
-
-def _flatten_with_keys(cache: BSTCache):
-    leaves, context = cache._pytree_flatten()
-    return [(pytree.MappingKey(name), tensor) for name, tensor in leaves], context
-
-
-def _from_dumpable(dumped: str):
-    def tuples(x):
-        return tuple(tuples(v) for v in x) if isinstance(x, list) else x
-
-    return tuples(json.loads(dumped))
-
-
 def register_pytree():
     """Register [`BSTCache`] as a pytree node (once per class object: a Hub copy of this module is its own class)."""
     if BSTCache in pytree.SUPPORTED_NODES:
         return
+
+    def flatten(cache, keys=False):
+        leaves, context = cache._pytree_flatten()
+        return [(pytree.MappingKey(name), t) if keys else t for name, t in leaves], context
+
+    def tuples(x):
+        return tuple(tuples(v) for v in x) if isinstance(x, list) else x
+
     pytree.register_pytree_node(
         BSTCache,
-        _flatten,
+        flatten,
         BSTCache._pytree_unflatten,
         serialized_type_name=f"{BSTCache.__module__}.{BSTCache.__qualname__}",
         to_dumpable_context=json.dumps,
-        from_dumpable_context=_from_dumpable,
-        flatten_with_keys_fn=_flatten_with_keys,
+        from_dumpable_context=lambda dumped: tuples(json.loads(dumped)),
+        flatten_with_keys_fn=lambda cache: flatten(cache, keys=True),
     )
 
 

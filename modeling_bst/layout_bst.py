@@ -4,6 +4,8 @@ a full-sequence part and one-token steps ([`_Chunk`]), with what one step shares
 ``BSTModel.forward`` in ``modeling_bst.py`` runs every layer through a [`_Chunk`].
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -72,6 +74,21 @@ def _join(a, b, pad_keys: bool = False):
     if pad_keys:
         a = F.pad(a, (0, b.shape[-1] - a.shape[-1]))
     return torch.cat([a, b], -2 if a.dim() == 4 else 1)
+
+
+@dataclass
+class SequencePass:
+    """What the full-sequence form of one forward shares across the layers: real tokens per row ``lengths`` `(B,)`
+    (None: all T are real), for a chunk continuing the cache the tokens each row holds before it ``positions`` and
+    where its document started ``doc_start`` (None: a fresh sequence), whether the layers write their state after
+    the input into the cache (``fill_cache``), and how many leading positions the caller asked for
+    (``num_positions``; the rest pads the input to whole blocks; the attention weights cover these)."""
+
+    lengths: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    doc_start: torch.Tensor | None = None
+    fill_cache: bool = False
+    num_positions: int | None = None
 
 
 class StepPlan:
@@ -202,12 +219,11 @@ class _Chunk:
         head, tail = state
         attn = cross = None
         if self.head:
-            kwargs = dict(layer_cache=layer_cache, num_positions=self.head, output_attentions=weights)
             if self.fresh:
-                kwargs.update(lengths=self.layout.layer_lengths, fill_cache=layer_cache is not None)
+                inputs = SequencePass(self.layout.layer_lengths, None, None, layer_cache is not None, self.head)
             else:
-                kwargs.update(positions=self.positions, doc_start=self.rows.doc_start, fill_cache=True)
-            out = layer(head, **kwargs)
+                inputs = SequencePass(None, self.positions, self.rows.doc_start, True, self.head)
+            out = layer(head, layer_cache, inputs, weights)
             head, attn, cross = out if weights else (out, None, None)
         if self.head < self.seq_len:
             tail, tail_attn, tail_cross = self.steps(layer, layer_cache, tail, weights)
@@ -235,7 +251,7 @@ class _Chunk:
         for t, plan in enumerate(self.step_plans(n)):
             if self.record:
                 undo.append(layer_cache.capture(plan.positions))
-            out = layer(hidden[:, t : t + 1], layer_cache=layer_cache, plan=plan, output_attentions=weights)
+            out = layer(hidden[:, t : t + 1], layer_cache, plan, weights)
             h, attn, cross = out if weights else (out, None, None)
             outs.append(h)
             if attn is not None:

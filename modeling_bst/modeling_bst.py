@@ -58,7 +58,7 @@ from .functional_bst import (
     upcast,
     window_valid,
 )
-from .layout_bst import StepPlan, _Chunk, _Documents
+from .layout_bst import SequencePass, StepPlan, _Chunk, _Documents
 from .ssm_bst import S4DKernel, UnstructFilter
 from .utils_bst import constant_memo, gather_rows, host_can_branch, maybe_any, on_accelerator, step_memo, tracing
 
@@ -102,19 +102,24 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling=1
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
-def attention(module, q, k, v, mask, dropout, return_weights: bool = False):
+def attention(module, q, k, v, mask, dropout, return_weights: bool = False, absent=None):
     """The attention backend of ``module.config._attn_implementation`` (eager or SDPA), unscaled (queries carry the
-    learned scale). ``q`` `(N, H, Lq, d)`, ``k``/``v`` `(N, H, Lk, d)`, additive ``mask`` broadcastable ->
-    `(N, Lq, H, d)`, and with ``return_weights`` the weights `(N, H, Lq, Lk)` (eager attention only; None under SDPA).
+    learned scale). ``q`` `(N, H, Lq, d)`, ``k``/``v`` `(N, H, Lk, d)`, additive ``mask`` broadcastable, ``absent``
+    (bool, broadcastable, optional) keys masked besides -> `(N, Lq, H, d)`, and with ``return_weights`` the weights
+    `(N, H, Lq, Lk)` (eager attention only; None under SDPA).
 
-    Under ``flex_attention`` this is SDPA: the full-sequence forms call [`flex_attention`] themselves (see
-    [`use_flex`]); what comes here are one-query decode steps, the BRecT state update and the fallbacks.
+    A mask that needs a gradient on the CPU goes to [`learned_mask_attention`] (SDPA's fused CPU kernel returns no
+    gradient for it). Under ``flex_attention`` this is SDPA: the full-sequence forms call [`flex_attention`]
+    themselves (see [`use_flex`]); what comes here are one-query decode steps, the BRecT state update and the
+    fallbacks.
     """
     implementation = module.config._attn_implementation
     if implementation == "flex_attention":
         implementation = "sdpa"
     if not return_weights and mask is not None and learned_mask_path(module, mask):
-        return learned_mask_attention(q, k, v, mask, dropout)
+        return learned_mask_attention(q, k, v, mask, dropout, absent)
+    if absent is not None:
+        mask = mask.masked_fill(absent, masked_fill_value(mask.dtype))
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
     if torch.compiler.is_compiling():
         # Inductor may hand the CPU flash-attention kernel a key whose last dimension is strided (it only keeps the
@@ -182,7 +187,7 @@ def _contiguous_as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype, memory_format=torch.contiguous_format) if x.dtype != dtype else x.contiguous()
 
 
-def learned_mask_attention(q, k, v, mask, dropout: float, mask_scores=None) -> torch.Tensor:
+def learned_mask_attention(q, k, v, mask, dropout: float, absent=None) -> torch.Tensor:
     """SDPA for an additive mask that needs a gradient (the learned T5 bias while training) on the CPU, written out.
 
     torch's fused CPU kernel returns no gradient for a mask, so SDPA takes its math path here; this computes exactly
@@ -190,8 +195,8 @@ def learned_mask_attention(q, k, v, mask, dropout: float, mask_scores=None) -> t
     query and key scaling by 1, a copy of the transposed keys, and the checks for fully masked rows (the masks here
     are finite, see [`masked_fill_value`]). ~25% less time per call at the training shapes on CPU. (On CUDA,
     [`attention`] sends such a mask to SDPA, whose memory-efficient kernel returns its gradient.)
-    Same arguments as [`attention`], and ``mask_scores``, a function applied to the float32 scores before the softmax
-    (more masking; it may work in place); returns `(N, Lq, H, d)`.
+    Same arguments as [`attention`] (``absent``: keys masked in the float32 scores, so that one shared ``mask``
+    serves every row); returns `(N, Lq, H, d)`.
     """
     dtype = q.dtype
     with torch.autocast(q.device.type, enabled=False):
@@ -200,7 +205,9 @@ def learned_mask_attention(q, k, v, mask, dropout: float, mask_scores=None) -> t
         compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
         q, k, v = (_contiguous_as(x, compute) for x in (q, k, v))
         scores = torch.matmul(q, k.transpose(-1, -2)).add_(mask.to(q.dtype))  # in place: a fresh tensor
-        weights = torch.softmax(scores if mask_scores is None else mask_scores(scores), dim=-1)
+        if absent is not None:
+            scores.masked_fill_(absent, masked_fill_value(scores.dtype))
+        weights = torch.softmax(scores, dim=-1)
         if dropout > 0:
             weights = F.dropout(weights, p=dropout)
         return _contiguous_as(torch.matmul(weights, v).transpose(1, 2), dtype)
@@ -340,13 +347,10 @@ class BSTBlockSelfAttention(nn.Module):
     previous tokens (the W most recent with ``attend_self``), with a T5 relative bias (one table per layer),
     L2-normalised queries/keys and a learned per-head scale applied after the bias is added.
 
-    * ``forward``: full-sequence form. [`block_keys`] gives each block's keys/values (previous and own block; the
-      first block's previous block is the cached one or none; bidirectional: previous, own and next block) and which
-      are held; [`attend`] makes one mask of them (scaled T5 bias, window, key validity) and one call through the
-      attention interface for all blocks, queries in chunks of ``attention_query_chunk`` (causal: the blocks share
-      one bias and window, and block 0 runs again where its previous block is absent or partly held). Under
-      ``attn_implementation="flex_attention"`` the same attention is one FlexAttention call over the whole sequence
-      ([`flex_block_attention`]). With ``output_attentions`` the weights are laid out by key column.
+    * ``forward``: full-sequence form, one of three by what is asked: one FlexAttention call over the whole
+      sequence under ``attn_implementation="flex_attention"`` ([`flex_block_attention`]); the weights by key column
+      with ``output_attentions`` ([`dense`]); else queries in windows over the keys each reaches, one attention call
+      ([`windowed`]).
     * ``step``: recurrent form for one token over the attention ring of the cache.
     """
 
@@ -403,24 +407,6 @@ class BSTBlockSelfAttention(nn.Module):
         """Causal sliding window on ``key_pos - query_pos``: exactly W previous tokens (or W most recent with self)."""
         return window_valid(relative_position, self.block_len, self.config.attend_self)
 
-    def block_mask(self, num_queries: int, key_start: int, key_end: int, dtype, device):
-        """Additive mask `(1, H, Q, K)`: T5 bias and sliding window of queries at positions 0 .. Q-1 over keys at
-        positions ``key_start`` .. ``key_end`` - 1 (relative to the first query)."""
-        q_pos = torch.arange(num_queries, device=device)[:, None]
-        k_pos = torch.arange(key_start, key_end, device=device)[None]
-        rel = k_pos - q_pos  # (Q, K)
-        # Bias and mask depend only on the distance: build them for the distinct distances, then gather
-        # (4x cheaper in backward than an embedding lookup per (query, key) pair).
-        lowest = key_start - (num_queries - 1)
-        distances = torch.arange(lowest, key_end, device=device)  # (n,)
-        per_distance = self.bias(distances).to(dtype) * self.scale.to(dtype)  # (n, H)
-        if not self.config.bidirectional:
-            valid = self.window_valid(distances)[:, None]
-            per_distance = torch.where(valid, per_distance, masked_fill_value(dtype))
-        bias = per_distance.t()[:, rel - lowest]  # (H, Q, K)
-        # 4-D (1, H, Q, K): SDPA on CPU takes its fused path only for 4-D masks (3-D falls back to ~4x slower math).
-        return bias.unsqueeze(0)
-
     def previous_block(self, layer_cache: BSTLayerCache, positions):
         """The cached block before ``positions``: keys, values `(B, W, H, d)`, which are held (else masked)."""
         return layer_cache.window(positions, self.block_len)
@@ -445,217 +431,153 @@ class BSTBlockSelfAttention(nn.Module):
             the attention output `(B, T, H * d_h)` and the weights `(B, H, n, K)` by key column (n =
             ``num_positions``; K = n, or W + n after a cached previous block), None unless ``weights``.
         """
-        cfg = self.config
         bsz, seq_len, heads, hd = q.shape
-        w = self.block_len
-        nb = seq_len // w
-        drop = cfg.attention_dropout if self.training else 0.0
+        drop = self.config.attention_dropout if self.training else 0.0
         previous = None
-        if layer_cache is not None and positions is not None and not cfg.bidirectional:
+        if layer_cache is not None and positions is not None and not self.config.bidirectional:
             previous = self.previous_block(layer_cache, positions)
-        if not weights and use_flex(self, q, drop, k, v):
-            return flex_block_attention(self, q, k, v, lengths, previous).reshape(bsz, seq_len, heads * hd), None
-        if weights or cfg.bidirectional:
-            qb = q.view(bsz * nb, w, heads, hd).transpose(1, 2)
-            keys, values, key_valid = self.block_keys(k, v, previous, lengths)
-            out, probs = self.attend(qb, keys, values, key_valid, drop, weights)
-        else:
-            out, probs = self.windowed(q, k, v, previous, drop), None
+        probs = None
         if weights:
-            n = num_positions or seq_len
-            probs = self.weights_by_column(probs, bsz, n, previous is not None)  # (B, H, n, K)
-            # The output is made from the returned weights, so that they are the graph's own (gradients reach them).
-            values = v if previous is None else torch.cat([previous[1].to(v.dtype), v], 1)
-            out = torch.matmul(probs, values[:, : probs.shape[-1]].transpose(1, 2)).transpose(1, 2)
-            out = F.pad(out, (0, 0, 0, 0, 0, seq_len - n))
+            out, probs = self.dense(q, k, v, previous, lengths, num_positions or seq_len, drop)
+        elif use_flex(self, q, drop, k, v):
+            out = flex_block_attention(self, q, k, v, lengths, previous)
+        else:
+            out = self.windowed(q, k, v, previous, lengths, drop)
         return out.reshape(bsz, seq_len, heads * hd), probs
 
-    def window_constants(self, chunk: int, device):
-        """The parameter-free parts of [`window_bias`], built once per chunk size and device ([`constant_memo`]):
-        the T5 bucket of every distance a window spans, and which distances are outside the window."""
+    def dense(self, q, k, v, previous, lengths, n: int, dropout):
+        """The form that returns the weights: every query over every key (the cached previous block's W first), one
+        eager attention under one mask (the scaled T5 bias, the window or, bidirectional, the previous / own / next
+        block, and which keys are held). Returns the output `(B, T, H, d)` of the first n queries (zeros after) and
+        the weights `(B, H, n, K)` it is made of (gradients reach them; the keys after position n hold none)."""
+        bsz, seq_len = q.shape[:2]
+        w = self.block_len
+        first = 0 if previous is None else -w
+        if previous is not None:
+            k, v = torch.cat([previous[0].to(k.dtype), k], 1), torch.cat([previous[1].to(v.dtype), v], 1)
+        key_pos, q_pos = torch.arange(first, seq_len, device=q.device), torch.arange(seq_len, device=q.device)
+        rel = key_pos[None] - q_pos[:, None]  # (T, K)
+        if self.config.bidirectional:
+            ok = ((torch.div(key_pos, w, rounding_mode="floor")[None] - q_pos[:, None] // w).abs() <= 1)[None]
+            if lengths is not None:
+                ok = ok & (key_pos < lengths[:, None, None])
+        else:
+            ok = self.window_valid(rel)[None]
+            if previous is not None:
+                ok = ok & F.pad(previous[2], (0, seq_len), value=True)[:, None, :]
+        bias = (self.bias(rel).to(q.dtype) * self.scale.to(q.dtype)).permute(2, 0, 1)  # (H, T, K)
+        mask = bias[None].masked_fill(~ok[:, None], masked_fill_value(q.dtype))
+        _, probs = eager_attention_forward(
+            self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, 1.0, dropout
+        )
+        probs = (probs * ok.any(-1)[:, None, :, None].to(probs.dtype))[:, :, :n, : n - first]  # no key: zeros
+        out = torch.matmul(probs, v[:, : n - first].transpose(1, 2)).transpose(1, 2)
+        return F.pad(out, (0, 0, 0, 0, 0, seq_len - n)), probs
+
+    def window_constants(self, chunk: int, span: int, device):
+        """The parameter-free parts of [`window_bias`], built once per shape and device ([`constant_memo`]): the T5
+        bucket of every distance a window spans, and which distances are outside the causal window."""
         cfg, w = self.config, self.block_len
 
         def build():
-            lowest = -w - chunk + 1  # key - query over c queries and the W + c keys from W before the first
-            distances = torch.arange(lowest, chunk, device=device)
+            distances = torch.arange(-w - chunk + 1, span - w, device=device)  # key - query in a window
             buckets = t5_relative_bucket(
                 distances, cfg.bidirectional, cfg.relative_attention_num_buckets, cfg.relative_attention_max_distance
             )
-            return buckets, ~self.window_valid(distances)[:, None]
+            return buckets, None if cfg.bidirectional else ~self.window_valid(distances)[:, None]
 
-        return constant_memo(self, ("window", chunk, str(device)), build)
+        return constant_memo(self, ("window", chunk, span, str(device)), build)
 
-    def window_bias(self, chunk: int, dtype, device) -> torch.Tensor:
-        """Additive mask `(H, c, W + c)` of a window: the scaled T5 bias, and the sliding window, of c queries at
-        positions 0 .. c-1 over keys at -W .. c-1 ([`block_mask`]'s numbers, from cached index maps)."""
-        w = self.block_len
-        buckets, outside = self.window_constants(chunk, device)
+    def window_bias(self, chunk: int, span: int, dtype, device) -> torch.Tensor:
+        """Additive mask `(H, c, K)` of a window: the scaled T5 bias, and the causal window, of c queries at
+        positions 0 .. c-1 over the K = ``span`` keys from -W on."""
+        buckets, outside = self.window_constants(chunk, span, device)
         if plain_embedding(self.relative_bias):  # scale the (buckets, H) table once, then look it up
             per_distance = F.embedding(buckets, self.relative_bias.weight * self.scale).to(dtype)  # (n, H)
         else:
             per_distance = self.relative_bias(buckets).to(dtype) * self.scale.to(dtype)
-        per_distance = per_distance.masked_fill(outside, masked_fill_value(dtype)).t()  # (H, n), n = W + 2c - 1
-        # Query i's row is distances -W - i .. c - 1 - i, a Toeplitz layout, made by a skew: rolled so that its row i
-        # starts at i (mod n), tiled c times, cut to rows of n - 1. Roll, tile and slices have plain backwards (a
-        # shifted sum); a gather by a (c, W + c) index map has a sort-based scatter as its CUDA backward (a quarter
+        if outside is not None:
+            per_distance = per_distance.masked_fill(outside, masked_fill_value(dtype))
+        per_distance = per_distance.t()  # (H, n), n = K + c - 1
+        # Query i's row is distances -W - i .. K - W - 1 - i, a Toeplitz layout, made by a skew: rolled so that its
+        # row i starts at i (mod n), tiled c times, cut to rows of n - 1. Roll, tile and slices have plain backwards
+        # (a shifted sum); a gather by a (c, K) index map has a sort-based scatter as its CUDA backward (a quarter
         # of a Slide step on the H200), and an unfold's backward, compiled by inductor, was 80% of a compiled step.
         n = per_distance.shape[1]
         if chunk == 1:  # one query: its row is the whole table
             return per_distance.unsqueeze(1)
         tiled = torch.roll(per_distance, -(chunk - 1), dims=1).repeat(1, chunk)  # (H, c n)
-        return tiled[:, : chunk * (n - 1)].view(-1, chunk, n - 1)[:, :, : w + chunk]
+        return tiled[:, : chunk * (n - 1)].view(-1, chunk, n - 1)[:, :, :span]
 
-    def window_keys_absent(self, previous, bsz: int, seq_len: int, chunk: int, device):
-        """Which of each window's W + c keys are not held, `(B * T / c, 1, 1, W + c)` bool: the keys before the
-        sequence are absent (a fresh sequence) or the cached previous block's keys that are not held."""
+    def window_keys_absent(self, previous, lengths, bsz: int, seq_len: int, chunk: int, span: int, device):
+        """Which of each window's keys are not held, `(B * T / c, 1, 1, K)` bool: those before the sequence (none
+        held in a fresh sequence; the cached previous block's that are not held), and bidirectional the padding."""
         w = self.block_len
-        if previous is None:
+        if previous is not None:
+            absent = F.pad(~previous[2], (0, seq_len))
+        elif lengths is not None and self.config.bidirectional:
+            pos = torch.arange(-w, seq_len + span - w - chunk, device=device)
+            absent = (pos < 0) | (pos >= lengths[:, None])
+        else:
 
             def build():
-                absent = torch.arange(seq_len + w, device=device) < w  # positions before the sequence
-                return absent.unfold(0, w + chunk, chunk)  # (T / c, W + c)
+                pos = torch.arange(-w, seq_len + span - w - chunk, device=device)
+                return ((pos < 0) | (pos >= seq_len)).unfold(0, span, chunk)  # (T / c, K)
 
-            absent = constant_memo(self, ("absent", seq_len, chunk, str(device)), build)
-            absent = absent.expand(bsz, -1, -1)
-        else:
-            absent = F.pad(~previous[2], (0, seq_len)).unfold(1, w + chunk, chunk)
-        return absent.reshape(-1, 1, 1, w + chunk)
+            absent = constant_memo(self, ("absent", seq_len, chunk, span, str(device)), build)
+            return absent.expand(bsz, -1, -1).reshape(-1, 1, 1, span)
+        return absent.unfold(1, span, chunk).reshape(-1, 1, 1, span)
 
-    def windowed(self, q, k, v, previous, dropout):
-        """The causal full-sequence form as one attention call: the sequence's queries in windows of c
-        ([`query_chunk`]) over the W + c keys each window reaches (the previous block's held keys, or nothing,
-        before the first), one mask of the T5 bias, the window and which keys are held. `(B, T, H, d)` x 3 ->
-        `(B, T, H, d)`. A query without any key (the first one, ``attend_self=False``, no held previous key) gets
+    def windowed(self, q, k, v, previous, lengths, dropout):
+        """The full-sequence form as one attention call: the sequence's queries in windows of c ([`query_chunk`];
+        bidirectional W) over the keys each window reaches (causal: the W + c from W before its first query, the
+        previous block's held keys, or nothing, before the first; bidirectional: the previous, own and next block),
+        one mask of the T5 bias, the window and which keys are held. `(B, T, H, d)` x 3 -> `(B, T, H, d)`. A query
+        without any key (the first one, ``attend_self=False``, no held previous key; bidirectional padding) gets
         zeros, as in meliad's safe softmax."""
         bsz, seq_len, heads, hd = q.shape
-        w = self.block_len
-        chunk = query_chunk(self.config, q)
+        w, bidirectional = self.block_len, self.config.bidirectional
+        chunk = w if bidirectional else query_chunk(self.config, q)
+        span = 3 * w if bidirectional else w + chunk
         n = bsz * (seq_len // chunk)
         if previous is None:
-            kp, vp = F.pad(k, (0, 0, 0, 0, w, 0)), F.pad(v, (0, 0, 0, 0, w, 0))  # (B, W + T, H, d)
+            pad = (0, 0, 0, 0, w, span - w - chunk)
+            kp, vp = F.pad(k, pad), F.pad(v, pad)  # (B, W + T (+ W), H, d)
         else:
             kp, vp = torch.cat([previous[0].to(k.dtype), k], 1), torch.cat([previous[1].to(v.dtype), v], 1)
-        # window i holds the keys at padded positions i c .. i c + W + c - 1: those of queries i c .. i c + c - 1
-        keys = kp.unfold(1, w + chunk, chunk).permute(0, 1, 2, 4, 3).reshape(n, heads, w + chunk, hd)
-        values = vp.unfold(1, w + chunk, chunk).permute(0, 1, 2, 4, 3).reshape(n, heads, w + chunk, hd)
+        # window i holds the keys at padded positions i c .. i c + K - 1
+        keys = kp.unfold(1, span, chunk).permute(0, 1, 2, 4, 3).reshape(n, heads, span, hd)
+        values = vp.unfold(1, span, chunk).permute(0, 1, 2, 4, 3).reshape(n, heads, span, hd)
         queries = q.reshape(n, chunk, heads, hd).transpose(1, 2)  # (n, H, c, d)
-        absent = self.window_keys_absent(previous, bsz, seq_len, chunk, q.device)
-        bias = self.window_bias(chunk, q.dtype, q.device)  # (H, c, W + c)
-        if on_accelerator(q):
-            # one call, one mask per window (absent keys only in block 0's windows, but one launch for all)
-            mask = bias.masked_fill(absent, masked_fill_value(q.dtype))
-            out = attention(self, queries, keys, values, mask, dropout).view(bsz, seq_len, heads, hd)
-        elif learned_mask_path(self, bias):
-            # CPU training: every window under the one shared bias (no per-window mask to write and differentiate),
-            # the absent keys masked in the float32 scores
-            def mask_absent(scores):
-                return scores.masked_fill_(absent, masked_fill_value(scores.dtype))
+        absent = self.window_keys_absent(previous, lengths, bsz, seq_len, chunk, span, q.device)
+        bias = self.window_bias(chunk, span, q.dtype, q.device)  # (H, c, K)
+        if bidirectional or on_accelerator(q) or learned_mask_path(self, bias):
+            # one call; the absent keys masked per window (in the scores where the mask needs a gradient on the CPU)
+            out = attention(self, queries, keys, values, bias, dropout, absent=absent)
+            if bidirectional:
+                out = out * (~absent).any(-1)[..., None].to(out.dtype)
+            return self.first_query(out.view(bsz, seq_len, heads, hd), previous)
+        # CPU inference: every window under the one shared bias through SDPA's fused kernel, then block 0's windows
+        # again with their absent keys masked (a per-window mask over W / c windows a row)
+        # (a 4-D mask: SDPA on CPU takes its fused path only for 4-D masks; 3-D falls back to ~4x slower math)
+        out = attention(self, queries, keys, values, bias[None], dropout).view(bsz, seq_len, heads, hd)
+        first, per_row = w // chunk, seq_len // chunk
 
-            out = learned_mask_attention(queries, keys, values, bias[None], dropout, mask_absent)
-            out = out.view(bsz, seq_len, heads, hd)
-        else:
-            # CPU inference: every window under the one shared bias through SDPA's fused kernel, then block 0's
-            # windows again with their absent keys masked (a per-window mask over W / c windows a row)
-            out = attention(self, queries, keys, values, bias[None], dropout).view(bsz, seq_len, heads, hd)
-            first, per_row = w // chunk, seq_len // chunk
-            rows = slice(0, first)
+        def block0(x):
+            return x.view(bsz, per_row, *x.shape[1:])[:, :first].reshape(bsz * first, *x.shape[1:])
 
-            def block0(x):
-                return x.view(bsz, per_row, *x.shape[1:])[:, rows].reshape(bsz * first, *x.shape[1:])
+        head = attention(self, block0(queries), block0(keys), block0(values), bias, dropout, absent=block0(absent))
+        return self.first_query(torch.cat([head.reshape(bsz, w, heads, hd), out[:, w:]], 1), previous)
 
-            mask = bias.masked_fill(block0(absent), masked_fill_value(q.dtype))
-            head = attention(self, block0(queries), block0(keys), block0(values), mask, dropout)
-            out = torch.cat([head.reshape(bsz, w, heads, hd), out[:, w:]], 1)
-        if not self.config.attend_self:
-            # The sequence's first query sees only the previous block: zeros where none of it is held.
-            if previous is None:
-                return F.pad(out[:, 1:], (0, 0, 0, 0, 1, 0))
-            keep = previous[2].any(-1).to(out.dtype)[:, None, None, None]
-            return torch.cat([out[:, :1] * keep, out[:, 1:]], 1)
-        return out
-
-    def block_keys(self, k, v, previous, lengths):
-        """The keys and values each block's queries see, `(B * nb, H, K, d)` x 2, and which of them are held,
-        `(B * nb, K)`: the previous and own block (K = 2W; block 0's previous block is the cached one ``previous``
-        ``(k, v, valid)`` or none), or bidirectional the previous, own and next block (K = 3W; padding not held)."""
-        bsz, seq_len, heads, hd = k.shape
-        w = self.block_len
-        nb = seq_len // w
-        kb, vb = k.view(bsz, nb, w, heads, hd), v.view(bsz, nb, w, heads, hd)
-        if self.config.bidirectional:
-            zeros = torch.zeros_like(kb[:, :1])
-            keys = torch.cat([torch.cat([zeros, kb[:, :-1]], 1), kb, torch.cat([kb[:, 1:], zeros], 1)], 2)
-            values = torch.cat([torch.cat([zeros, vb[:, :-1]], 1), vb, torch.cat([vb[:, 1:], zeros], 1)], 2)
-            key_pos = torch.arange(nb, device=k.device)[:, None] * w + torch.arange(-w, 2 * w, device=k.device)
-            lens = lengths if lengths is not None else torch.full((bsz,), seq_len, device=k.device)
-            key_valid = (key_pos[None] >= 0) & (key_pos[None] < lens[:, None, None])  # (B, nb, 3W)
-        else:
-            if previous is None:
-                prev_k = prev_v = torch.zeros_like(kb[:, 0])
-                prev_valid = torch.zeros(bsz, w, dtype=torch.bool, device=k.device)
-            else:
-                prev_k, prev_v, prev_valid = previous  # (B, W, H, d) x 2, (B, W)
-            keys = torch.cat([torch.cat([prev_k.to(k.dtype)[:, None], kb[:, :-1]], 1), kb], 2)
-            values = torch.cat([torch.cat([prev_v.to(v.dtype)[:, None], vb[:, :-1]], 1), vb], 2)
-            first = torch.cat([prev_valid, torch.ones_like(prev_valid)], 1)  # (B, 2W)
-            key_valid = torch.cat([first[:, None], first.new_ones(bsz, nb - 1, 2 * w)], 1)
-        kw = keys.shape[2]
-        keys = keys.view(bsz * nb, kw, heads, hd).transpose(1, 2)
-        values = values.view(bsz * nb, kw, heads, hd).transpose(1, 2)
-        return keys, values, key_valid.view(bsz * nb, kw)
-
-    def attend(self, q, k, v, key_valid, dropout, weights=False):
-        """One attention call over blocks ([`attention`]): queries `(N, H, W, d)` over the K keys each block sees
-        `(N, H, K, d)` ([`block_keys`]), with one additive mask: the scaled T5 bias and the window, the same for
-        every block ([`block_mask`]), plus the validity ``key_valid`` `(N, K)` of each key (None: all held).
-        Returns `(N, W, H, d)` and the weights `(N, H, W, K)` (None unless ``weights``).
-
-        A causal query sees only W of the 2W keys: with ``config.attention_query_chunk`` c < W the queries go in
-        W/c chunks over the W + c keys their windows reach (slices, no copies), which skips (W - c) / 2W of the
-        work; the keys left out are masked for them, so the result is the same, and one (c, W + c) bias serves
-        every chunk. A query without any held key (a document's first token with ``attend_self=False``; padding
-        of a bidirectional model) gets zeros, as in meliad's safe softmax.
-        """
-        cfg = self.config
-        w, kw = self.block_len, k.shape[2]
-        chunk = w if weights or cfg.bidirectional else min(cfg.resolved_attention_query_chunk, w)
-        key_end = kw - 2 * w + chunk  # keys at positions -W .. key_end - 1 relative to a chunk's first query
-        bias = self.block_mask(chunk, -w, key_end, q.dtype, q.device)  # (1, H, c, W + c) or (1, H, W, K)
-        reach = None
-        if key_valid is not None and not cfg.bidirectional:
-            rel = torch.arange(-w, key_end, device=q.device)[None] - torch.arange(chunk, device=q.device)[:, None]
-            reach = self.window_valid(rel)  # (c, W + c)
-        outs, probs = [], []
-        for start in range(0, w, chunk):
-            queries, keys = slice(start, start + chunk), slice(start, start + w + key_end)
-            mask = bias
-            if key_valid is not None:
-                valid = key_valid[:, keys]  # (N, W + c)
-                mask = bias + additive_mask(valid, bias.dtype)[:, None, None, :]
-            result = attention(self, q[:, :, queries], k[:, :, keys], v[:, :, keys], mask, dropout, weights)
-            out, p = result if weights else (result, None)
-            if key_valid is not None:
-                has_key = (valid[:, None, :] if reach is None else reach[None] & valid[:, None, :]).any(-1)
-                out = out * has_key[:, :, None, None].to(out.dtype)
-                p = p * has_key[:, None, :, None].to(p.dtype) if weights else None
-            outs.append(out)
-            probs.append(p)
-        return (outs[0], probs[0]) if len(outs) == 1 else (torch.cat(outs, 1), None)
-
-    @staticmethod
-    def weights_by_column(probs, bsz: int, num_positions: int, cached: bool):
-        """The weights of [`attend`], `(B * nb, H, W, K)` per block, laid out by key column `(B, H, n, K_n)`: the
-        first n queries over the first n positions, after the W cached positions when ``cached``."""
-        nbw, heads, w, kw = probs.shape
-        nb = nbw // bsz
-        probs = probs.view(bsz, nb, heads, w, kw)
-        # Block b's key j is at column b W + j of [previous block ; sequence ; next block].
-        column = torch.arange(nb, device=probs.device)[:, None] * w + torch.arange(kw, device=probs.device)
-        full = probs.new_zeros(bsz, nb, heads, w, (nb + 2) * w)
-        full = full.scatter(-1, column[None, :, None, None, :].expand_as(probs), probs)
-        full = full.transpose(1, 2).reshape(bsz, heads, nb * w, (nb + 2) * w)
-        first = 0 if cached else w
-        return full[:, :, :num_positions, first : w + num_positions]
+    def first_query(self, out, previous):
+        """Without ``attend_self`` the sequence's first query sees only the previous block: zeros where none of it
+        is held."""
+        if self.config.attend_self or self.config.bidirectional:
+            return out
+        if previous is None:
+            return F.pad(out[:, 1:], (0, 0, 0, 0, 1, 0))
+        keep = previous[2].any(-1).to(out.dtype)[:, None, None, None]
+        return torch.cat([out[:, :1] * keep, out[:, 1:]], 1)
 
     # -- recurrent form ------------------------------------------------------------------------------------------
     def step(self, q, k, v, layer_cache: BSTLayerCache, plan: StepPlan, weights=False):
@@ -750,28 +672,25 @@ class BSTCrossAttention(nn.Module):
             out = grouped_flex(self, q, keys.flatten(1, 2), values.flatten(1, 2), w, s, within)
             return out.reshape(bsz, seq_len, heads * hd), None
         qb = q.view(bsz * nb, w, heads, hd).transpose(1, 2)
-        kb = keys.reshape(bsz * nb, s, heads, hd).transpose(1, 2)
-        vb = values.reshape(bsz * nb, s, heads, hd).transpose(1, 2)
-        chunk = query_chunk(cfg, q)
-        probs = None
-        if weights:
-            out, probs = attention(self, qb, kb, vb, mask, drop, return_weights=True)  # probs (B*nb, H, W, S)
-            if zero_first:
-                probs = torch.cat([torch.zeros_like(probs[:, :, :1]), probs[:, :, 1:]], 2)
-            probs = probs.view(bsz, nb, heads, w, s).transpose(1, 2).reshape(bsz, heads, seq_len, s)
-            probs = probs[:, :, : seq_len if num_positions is None else num_positions]
-        elif mask is not None and chunk < w:
-            # Triangular mask: the queries of a chunk see only the states up to the chunk's end.
+        kb, vb = (x.reshape(bsz * nb, s, heads, hd).transpose(1, 2) for x in (keys, values))
+        chunk = w if weights or mask is None else query_chunk(cfg, q)
+        if chunk == w:
+            result = attention(self, qb, kb, vb, mask, drop, weights)
+        else:  # triangular mask: the queries of a chunk see only the states up to the chunk's end
             parts = [
                 attention(self, qb[:, :, i : i + chunk], kb[:, :, : i + chunk], vb[:, :, : i + chunk],
                           mask[i : i + chunk, : i + chunk], drop)
                 for i in range(0, w, chunk)
             ]  # fmt: skip
-            out = torch.cat(parts, 1)
-        else:
-            out = attention(self, qb, kb, vb, mask, drop)  # (B*nb, W, H, d)
-        if zero_first:
+            result = torch.cat(parts, 1)
+        out, probs = result if weights else (result, None)
+        if zero_first:  # the first query of every block sees nothing
             out = torch.cat([torch.zeros_like(out[:, :1]), out[:, 1:]], 1)
+        if weights:  # (B nb, H, W, S) -> (B, H, T, S)
+            if zero_first:
+                probs = torch.cat([torch.zeros_like(probs[:, :, :1]), probs[:, :, 1:]], 2)
+            probs = probs.view(bsz, nb, heads, w, s).transpose(1, 2).reshape(bsz, heads, seq_len, s)
+            probs = probs[:, :, : num_positions or seq_len]
         return out.reshape(bsz, seq_len, heads * hd), probs
 
     def step(self, xn, keys, values, mask=None, any_valid=None, weights=False):
@@ -800,18 +719,14 @@ class BSTMLP(nn.Module):
         return self.down_proj(F.relu(self.up_proj(x), inplace=True))
 
 
-class BSTDecoderLayer(GradientCheckpointingLayer):
-    """A block layer (layer type "block": the paper's Slide layer) and the base of the BST and BRecT layers.
+class BSTLayer(GradientCheckpointingLayer):
+    """What every decoder layer shares: its place in the stack, the input norm, dropout, and the call contract.
 
-    1. RMS norm of the input;
-    2. block self-attention over the W previous tokens;
-    3. the second attention of the layer type ([`attend_states`]: none here; BST: SSM -> context states ->
-       cross-attention; BRecT: the recurrent state);
-    4. both outputs concatenated, one output projection, residual;
-    5. RMS norm, MLP, residual.
-
-    Two forms share every parameter: the full-sequence form (training, prefill, a block-aligned chunk continuing
-    ``layer_cache``) and the recurrent form (one token per row at ``positions``, advancing ``layer_cache`` in place).
+    ``layer(hidden_states, layer_cache, inputs, output_attentions)`` runs one of two forms that share every
+    parameter, picked by ``inputs``: the full-sequence form ([`sequence`]; ``inputs`` a [`SequencePass`] or None:
+    training, prefill, a block-aligned chunk continuing ``layer_cache``) or the recurrent form ([`step`]; ``inputs``
+    a [`StepPlan`]: one token per row, advancing ``layer_cache`` in place). Both return ``(hidden_states,
+    self_attention_weights, second_attention_weights)`` (None where a layer has none or they were not asked for).
     """
 
     def __init__(self, config: BSTConfig, layer_idx: int):
@@ -819,15 +734,64 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
         self.config = config
         self.layer_idx = layer_idx
         self.layer_type = config.layer_kind(layer_idx)
+        self.input_norm = BSTRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        layer_cache: BSTLayerCache | None = None,
+        inputs: SequencePass | StepPlan | None = None,
+        output_attentions: bool = False,
+    ):
+        """
+        Args:
+            hidden_states (`torch.Tensor` of shape `(B, T, D)`): rows aligned to start at their first real token; in
+                the full-sequence form T is a multiple of W and rows are right-padded; in the recurrent form T = 1.
+            layer_cache ([`BSTLayerCache`], *optional*): read (continuation / decoding) and written.
+            inputs ([`SequencePass`] or [`StepPlan`], *optional*): what the pass shares across layers; its type picks
+                the form.
+            output_attentions (`bool`): also return the attention weights (eager attention).
+
+        Returns:
+            ``hidden_states`` `(B, T, D)`; with ``output_attentions`` the tuple ``(hidden_states,
+            self_attention_weights, second_attention_weights)``.
+        """
+        if isinstance(inputs, StepPlan):
+            out = self.step(hidden_states, layer_cache, inputs, output_attentions)
+        else:
+            out = self.sequence(hidden_states, layer_cache, inputs or SequencePass(), output_attentions)
+        return out if output_attentions else out[0]
+
+    def sequence(self, hidden_states, layer_cache, inputs: SequencePass, weights: bool):
+        """The full-sequence form."""
+        raise NotImplementedError
+
+    def step(self, hidden_states, layer_cache, plan: StepPlan, weights: bool):
+        """The recurrent form."""
+        raise NotImplementedError
+
+
+class BSTDecoderLayer(BSTLayer):
+    """A block layer (layer type "block": the paper's Slide layer) and the base of the BST and BRecT layers.
+
+    1. RMS norm of the input;
+    2. block self-attention over the W previous tokens;
+    3. the second attention of the layer type ([`attend_states`] / [`step_states`]: none here; BST: SSM -> context
+       states -> cross-attention; BRecT: the recurrent state);
+    4. both outputs concatenated, one output projection, residual;
+    5. RMS norm, MLP, residual.
+    """
+
+    def __init__(self, config: BSTConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
         d, heads, hd = config.hidden_size, config.num_attention_heads, config.head_dim
-        self.input_norm = BSTRMSNorm(d, config.rms_norm_eps)
         self.self_attn = BSTBlockSelfAttention(config, self.ring_len(config))
         self.build_state_attention(config)
         width = heads * hd * (1 if self.cross_attn is None else 2)
         self.o_proj = nn.Linear(width, d, bias=False)
         self.post_attention_norm = BSTRMSNorm(d, config.rms_norm_eps)
         self.mlp = BSTMLP(config)
-        self.dropout = nn.Dropout(config.dropout)
 
     @staticmethod
     def ring_len(config: BSTConfig) -> int:
@@ -838,108 +802,69 @@ class BSTDecoderLayer(GradientCheckpointingLayer):
         """The modules of step 3 (none in a block layer)."""
         self.cross_attn = None
 
-    def attend_states(self, hidden_states, xn, k, v, ring, plan, layer_cache, lengths, positions, **kwargs):
-        """Step 3: ``(output (B, T, H d_h), weights)``, or None for a layer without a second attention (``plan``:
-        the recurrent form's [`StepPlan`], None in the full-sequence form)."""
+    def attend_states(self, hidden_states, xn, k, v, layer_cache, inputs: SequencePass, weights: bool):
+        """Step 3 in the full-sequence form: ``(output (B, T, H d_h), weights)``, or None for a layer without a
+        second attention. ``xn`` the normed input, ``k``/``v`` the self-attention's keys/values."""
         return None
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        layer_cache: BSTLayerCache | None = None,
-        lengths: torch.Tensor | None = None,
-        positions: torch.Tensor | None = None,
-        fill_cache: bool = False,
-        num_positions: int | None = None,
-        output_attentions: bool = False,
-        doc_start: torch.Tensor | None = None,
-        plan: StepPlan | None = None,
-    ):
-        """
-        Args:
-            hidden_states (`torch.Tensor` of shape `(B, T, D)`): rows aligned to start at their first real token; in
-                the full-sequence form T is a multiple of W and rows are right-padded.
-            layer_cache ([`BSTLayerCache`], *optional*): read (continuation / decoding) and written (``fill_cache``).
-            lengths (`torch.LongTensor` of shape `(B,)`, *optional*): real tokens per row (None: all T are real).
-            positions (`torch.LongTensor` of shape `(B,)`, *optional*): tokens already in ``layer_cache`` per row
-                (a continued chunk in the full-sequence form), ``doc_start`` where each row's document started.
-            fill_cache (`bool`): write this layer's state after the input into ``layer_cache``.
-            num_positions (`int`, *optional*): how many leading positions the caller asked for (the rest pads the
-                input to whole blocks); the attention weights cover these.
-            output_attentions (`bool`): also return the attention weights (eager attention).
-            plan ([`StepPlan`], *optional*): the recurrent form, one token per row (``T = 1``).
+    def step_states(self, hidden_states, xn, ring, layer_cache, plan: StepPlan, weights: bool):
+        """Step 3 in the recurrent form (``ring``: the self-attention ring after this token's write)."""
+        return None
 
-        Returns:
-            ``hidden_states`` `(B, T, D)`; with ``output_attentions`` the tuple ``(hidden_states,
-            self_attention_weights, second_attention_weights)`` (the latter None for a block layer).
-        """
-        step = plan is not None
-        # 1. Pre-attention norm (meliad's dropout on it in the full-sequence form).
-        xn = self.input_norm(hidden_states)
-        if not step:
-            xn = self.dropout(xn)
-        # 2. Block self-attention.
+    def sequence(self, hidden_states, layer_cache, inputs: SequencePass, weights: bool):
+        # 1. Pre-attention norm (meliad's dropout on it). 2. Block self-attention.
+        xn = self.dropout(self.input_norm(hidden_states))
         q, k, v = self.self_attn.project(xn)  # (B, T, H, d_h)
-        ring = None
-        if step:
-            a_self, self_w, ring = self.self_attn.step(q, k, v, layer_cache, plan, output_attentions)
-        else:
-            a_self, self_w = self.self_attn(q, k, v, lengths, layer_cache, positions, num_positions, output_attentions)
-        # 3. The layer type's second attention (context states or recurrent state).
-        second = self.attend_states(
-            hidden_states,
-            xn,
-            k,
-            v,
-            ring,
-            plan,
-            layer_cache,
-            lengths,
-            positions,
-            doc_start=doc_start,
-            fill_cache=fill_cache,
-            num_positions=num_positions,
-            output_attentions=output_attentions,
+        a_self, self_w = self.self_attn(
+            q, k, v, inputs.lengths, layer_cache, inputs.positions, inputs.num_positions, weights
         )
-        if fill_cache:
-            self.self_attn.write_cache(layer_cache, k, v, lengths, positions)
-        # 4. Concatenation, one output projection, residual.
+        # 3. The layer type's second attention (context states or recurrent state).
+        second = self.attend_states(hidden_states, xn, k, v, layer_cache, inputs, weights)
+        if inputs.fill_cache:
+            self.self_attn.write_cache(layer_cache, k, v, inputs.lengths, inputs.positions)
+        return self.output(hidden_states, a_self, self_w, second, self.dropout)
+
+    def step(self, hidden_states, layer_cache, plan: StepPlan, weights: bool):
+        xn = self.input_norm(hidden_states)
+        q, k, v = self.self_attn.project(xn)
+        a_self, self_w, ring = self.self_attn.step(q, k, v, layer_cache, plan, weights)
+        second = self.step_states(hidden_states, xn, ring, layer_cache, plan, weights)
+        return self.output(hidden_states, a_self, self_w, second, None)
+
+    def output(self, hidden_states, a_self, self_w, second, dropout):
+        """Steps 4 and 5 (``dropout`` on the attention output: the full-sequence form's, unless meliad's)."""
         second_w = None
         if second is not None:
             a_second, second_w = second
             a_self = torch.cat([a_self, a_second], -1)  # (B, T, 2 H d_h)
         attn = self.o_proj(a_self)
-        h = hidden_states + (attn if step or self.config.meliad_dropout else self.dropout(attn))
-        # 5. MLP, residual.
+        h = hidden_states + (attn if dropout is None or self.config.meliad_dropout else dropout(attn))
         h = h + self.dropout(self.mlp(self.post_attention_norm(h)))
-        return (h, self_w, second_w) if output_attentions else h
+        return h, self_w, second_w
 
 
 class BSTContextLayer(BSTDecoderLayer):
     """A BST layer (layer type "bst", paper Sec. 3): step 3 runs the SSM over the whole sequence (``ssm``, the kernel
     of ``ssm_kind``), builds context states from its outputs (``context``, the SH / MH / MF builder of
-    ``context_mode``) and cross-attends to them block by block (``cross_attn``)."""
+    ``context_mode``) and cross-attends to them block by block (``cross_attn``). The SSM reads the normed input, or
+    with ``ssm_input="raw"`` the layer input itself."""
 
     def build_state_attention(self, config: BSTConfig):
         self.ssm = SSM_KERNELS[config.ssm_kind](config.ssm_channels, config.ssm_output_channels, config)
         self.context = CONTEXT_BUILDERS[config.context_mode](config)
         self.cross_attn = BSTCrossAttention(config)
 
-    def attend_states(self, hidden_states, xn, k, v, ring, plan, layer_cache, lengths, positions, **kwargs):
-        weights = kwargs["output_attentions"]
-        step = plan is not None
-        # The SSM reads the normed input, or with ssm_input="raw" the layer input itself.
-        if self.config.ssm_input == "raw":
-            x = hidden_states if step else self.dropout(hidden_states)
-        else:
-            x = xn
-        if step:
-            keys, values, mask, any_valid = self.context(self.ssm, x, layer_cache, plan=plan)
-            return self.cross_attn.step(xn, keys, values, mask, any_valid, weights)
+    def attend_states(self, hidden_states, xn, k, v, layer_cache, inputs: SequencePass, weights: bool):
+        x = self.dropout(hidden_states) if self.config.ssm_input == "raw" else xn
         keys, values, mask, zero_first = self.context(
-            self.ssm, x, layer_cache, positions, kwargs["doc_start"], lengths=lengths, fill_cache=kwargs["fill_cache"]
+            self.ssm, x, layer_cache, inputs.positions, inputs.doc_start, inputs.lengths, inputs.fill_cache
         )
-        return self.cross_attn(xn, keys, values, mask, zero_first, kwargs["num_positions"], weights)
+        return self.cross_attn(xn, keys, values, mask, zero_first, inputs.num_positions, weights)
+
+    def step_states(self, hidden_states, xn, ring, layer_cache, plan: StepPlan, weights: bool):
+        x = hidden_states if self.config.ssm_input == "raw" else xn
+        keys, values, mask, any_valid = self.context(self.ssm, x, layer_cache, plan=plan)
+        return self.cross_attn.step(xn, keys, values, mask, any_valid, weights)
 
 
 class BSTRecurrentLayer(BSTDecoderLayer):
@@ -955,82 +880,70 @@ class BSTRecurrentLayer(BSTDecoderLayer):
         self.recurrent = BSTRecurrentState(config)
         self.cross_attn = BSTCrossAttention(config)
 
-    def attend_states(self, hidden_states, xn, k, v, ring, plan, layer_cache, lengths, positions, **kwargs):
-        weights = kwargs["output_attentions"]
-        if plan is not None:
-            keys, values = self.recurrent.step_keys_values(layer_cache, plan)
-            out = self.cross_attn.step(xn, keys, values, weights=weights)
-            self.recurrent.step_update(ring, layer_cache, plan)
-            return out
+    def attend_states(self, hidden_states, xn, k, v, layer_cache, inputs: SequencePass, weights: bool):
+        positions = inputs.positions
         continued = layer_cache is not None and positions is not None
         previous = self.self_attn.previous_block(layer_cache, positions) if continued else None
         keys, values = self.recurrent(
-            k, v, previous, lengths, layer_cache, positions, kwargs["doc_start"], kwargs["fill_cache"]
+            k, v, previous, inputs.lengths, layer_cache, positions, inputs.doc_start, inputs.fill_cache
         )
-        return self.cross_attn(xn, keys, values, num_positions=kwargs["num_positions"], weights=weights)
+        return self.cross_attn(xn, keys, values, num_positions=inputs.num_positions, weights=weights)
+
+    def step_states(self, hidden_states, xn, ring, layer_cache, plan: StepPlan, weights: bool):
+        keys, values = self.recurrent.step_keys_values(layer_cache, plan)
+        out = self.cross_attn.step(xn, keys, values, weights=weights)
+        self.recurrent.step_update(ring, layer_cache, plan)
+        return out
 
 
-class BSTGSSLayer(GradientCheckpointingLayer):
+class BSTGSSLayer(BSTLayer):
     """Gated State Space layer (GSS; Mehta et al., 2022), the SSM layer of the paper's GSS-Hybrid baseline.
 
     ``u = gelu(x_n W_u)`` (D -> D_s), ``v = gelu(x_n W_v)`` (D -> F), ``y = SSM(u)``,
-    ``out = x + ((y W_y) * v) W_o`` with an S4D kernel over D_s channels. Same call contract as
-    [`BSTDecoderLayer`]: full-sequence form, and a recurrent step that reads/writes ``layer_cache.ssm``.
+    ``out = x + ((y W_y) * v) W_o`` with an S4D kernel over D_s channels; the recurrent step reads/writes
+    ``layer_cache.ssm``. No attention weights (None).
     """
 
     def __init__(self, config: BSTConfig, layer_idx: int):
-        super().__init__()
-        self.config = config
-        self.layer_idx = layer_idx
-        self.layer_type = "gss"
+        super().__init__(config, layer_idx)
         d, ds = config.hidden_size, config.hidden_size // 4
         width = config.gss_expansion * d
-        self.input_norm = BSTRMSNorm(d, config.rms_norm_eps)
         self.u_proj = nn.Linear(d, ds, bias=False)
         self.v_proj = nn.Linear(d, width, bias=False)
         self.ssm = S4DKernel(ds, 1, config.ssm_state_size, config)
         self.y_proj = nn.Linear(ds, width, bias=False)
         self.o_proj = nn.Linear(width, d, bias=False)
-        self.dropout = nn.Dropout(config.dropout)
 
-    def forward(
-        self,
-        hidden_states,
-        layer_cache=None,
-        lengths=None,
-        positions=None,
-        fill_cache=False,
-        num_positions=None,
-        output_attentions=False,
-        doc_start=None,
-        plan=None,
-    ):
-        """Same contract as [`BSTDecoderLayer.forward`]; a GSS layer has no attention weights (``None``)."""
+    def gates(self, hidden_states):
+        """``u`` `(B, T, D_s)` and ``v`` `(B, T, F)` of the normed input."""
         xn = self.input_norm(hidden_states)
-        u = F.gelu(self.u_proj(xn))  # (B, T, Ds)
-        v = F.gelu(self.v_proj(xn))  # (B, T, F)
-        if plan is not None:
-            # Recurrent form
-            constants = step_memo(plan.memo, (id(self), "ssm"), (), self.ssm.parameters(), self.ssm.step_constants)
-            y, state = self.ssm.step(u[:, 0], layer_cache.ssm_state, constants)  # y (B, 1, Ds)
-            layer_cache.set_ssm(state)
-        else:
-            # Full sequence form
-            state0 = None
-            if layer_cache is not None and positions is not None:
-                state0 = layer_cache.ssm_state
-            if lengths is not None and self.config.bidirectional:
-                u = u * (torch.arange(u.shape[1], device=u.device)[None] < lengths[:, None]).to(u.dtype)[..., None]
-            y = self.ssm(u, state0)[:, :, 0]  # (B, T, Ds)
-            if fill_cache:
-                bsz, seq_len, _ = u.shape
-                lens = lengths if lengths is not None else torch.full((bsz,), seq_len, device=u.device)
-                idx = torch.arange(seq_len, device=u.device)[None] - (seq_len - lens[:, None])
-                u_right = gather_rows(u, idx.clamp(min=0)) * (idx >= 0).to(u.dtype)[..., None]
-                layer_cache.set_ssm(self.ssm.final_state(u_right.detach(), state0).detach())
-        gated = self.y_proj(y.to(v.dtype)) * v
-        h = hidden_states + self.dropout(self.o_proj(gated))
-        return (h, None, None) if output_attentions else h
+        return F.gelu(self.u_proj(xn)), F.gelu(self.v_proj(xn))
+
+    def output(self, hidden_states, y, v):
+        h = hidden_states + self.dropout(self.o_proj(self.y_proj(y.to(v.dtype)) * v))
+        return h, None, None
+
+    def sequence(self, hidden_states, layer_cache, inputs: SequencePass, weights: bool):
+        u, v = self.gates(hidden_states)
+        lengths = inputs.lengths
+        state0 = layer_cache.ssm_state if layer_cache is not None and inputs.positions is not None else None
+        if lengths is not None and self.config.bidirectional:
+            u = u * (torch.arange(u.shape[1], device=u.device)[None] < lengths[:, None]).to(u.dtype)[..., None]
+        y = self.ssm(u, state0)[:, :, 0]  # (B, T, Ds)
+        if inputs.fill_cache:
+            bsz, seq_len, _ = u.shape
+            lens = lengths if lengths is not None else torch.full((bsz,), seq_len, device=u.device)
+            idx = torch.arange(seq_len, device=u.device)[None] - (seq_len - lens[:, None])
+            u_right = gather_rows(u, idx.clamp(min=0)) * (idx >= 0).to(u.dtype)[..., None]
+            layer_cache.set_ssm(self.ssm.final_state(u_right.detach(), state0).detach())
+        return self.output(hidden_states, y, v)
+
+    def step(self, hidden_states, layer_cache, plan: StepPlan, weights: bool):
+        u, v = self.gates(hidden_states)
+        constants = step_memo(plan.memo, (id(self), "ssm"), (), self.ssm.parameters(), self.ssm.step_constants)
+        y, state = self.ssm.step(u[:, 0], layer_cache.ssm_state, constants)  # y (B, 1, Ds)
+        layer_cache.set_ssm(state)
+        return self.output(hidden_states, y, v)
 
 
 # The module of each layer type (``config.layer_types``).

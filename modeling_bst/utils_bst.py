@@ -31,6 +31,34 @@ class accelerator_code_path:
         _ACCELERATOR_PATH[0] = self.previous
 
 
+# A host mirror ([`host_mirror`]) that is not known (derived from the tensors on its next eager read).
+UNKNOWN = "unknown"
+
+
+def host_mirror(source: str, empty, traced):
+    """A row-state property kept on the host (``_<name>``), so that the model picks its path without reading
+    tensors: once ``UNKNOWN`` it is derived by the decorated function on the next eager read; ``empty`` while the
+    tensor ``source`` is None, ``traced`` under tracing (raised if an exception)."""
+
+    def wrap(derive):
+        attr = "_" + derive.__name__
+
+        def get(self):
+            if getattr(self, attr) is UNKNOWN:
+                if getattr(self, source) is None:
+                    return empty
+                if tracing():
+                    if isinstance(traced, Exception):
+                        raise traced
+                    return traced
+                setattr(self, attr, derive(self))
+            return getattr(self, attr)
+
+        return property(get)
+
+    return wrap
+
+
 def on_accelerator(t: torch.Tensor) -> bool:
     """Whether ``t`` takes the accelerator code path: it is on an accelerator, or inside [`accelerator_code_path`]."""
     return t.device.type != "cpu" or _ACCELERATOR_PATH[0]
