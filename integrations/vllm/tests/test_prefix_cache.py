@@ -108,7 +108,10 @@ def test_prefix_hits_give_the_tokens_of_no_cache(name):
     assert hits_after - hits_before == sum(warm[1]), "vLLM's prefix-cache hit counter"
     assert shared == (greedy_without_cache(name, derived), [hit for _, hit in DERIVED]), f"{name}: shared prefixes"
     assert mixed[0] == greedy_without_cache(name, mixed_prompts), f"{name}: mixed batch"
-    assert mixed[1][0] == 0 and mixed[1][-2] == 0, "new prompts hit nothing"
+    assert mixed[1][-2] == 0, "a prompt sharing nothing hits nothing"
+    # Q[:33] shares 33 tokens with Q (run before): it hits the longest of Q's stored states within them (at 16 or
+    # 32: chunk ends there depend on how the steps were scheduled beside other requests), or nothing.
+    assert mixed[1][0] in (0, W, 2 * W), "a prompt sharing 33 tokens hits at most a stored state within them"
     assert mixed[1][5] == first_boundary_hit(len(P)) and mixed[1][1] == 144, "repeated prompts hit their states"
 
 
