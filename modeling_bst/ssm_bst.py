@@ -49,7 +49,7 @@ from .functional_bst import (
     spectrum_conv,
     unstruct_filters,
 )
-from .utils_bst import host_can_branch, memoised, tracing
+from .utils_bst import Switch, host_can_branch, memoised, tracing
 
 
 def _no_autocast(device_type: str):
@@ -165,22 +165,13 @@ def fft_bidirectional_conv(u: torch.Tensor, k_fwd: torch.Tensor, k_bwd: torch.Te
 _REAL_ARITHMETIC = [False]
 
 
-class real_arithmetic:
+class real_arithmetic(Switch):
     """Context manager: the SSM kernels take their real-arithmetic form ([`use_real_arithmetic`]) inside it.
 
     ``torch.onnx.export`` selects that form by itself; this is for running it eagerly (tests, a PyTorch reference of
     an exported model, a prefill whose cache feeds an exported decode step)."""
 
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled
-
-    def __enter__(self):
-        self.previous = _REAL_ARITHMETIC[0]
-        _REAL_ARITHMETIC[0] = self.enabled
-        return self
-
-    def __exit__(self, *exc):
-        _REAL_ARITHMETIC[0] = self.previous
+    flag = _REAL_ARITHMETIC
 
 
 def use_real_arithmetic() -> bool:

@@ -10,25 +10,33 @@ def tracing() -> bool:
     return torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing()
 
 
-# Set by [`accelerator_code_path`]: CPU tensors take the code path of an accelerator.
-_ACCELERATOR_PATH = [False]
+class Switch:
+    """Context manager setting a module-wide flag (the one-element list ``flag`` of a subclass) for its block."""
 
-
-class accelerator_code_path:
-    """Context manager: inside it the model takes, on CPU tensors, the code path it takes on an accelerator (no host
-    reads of tensor values, the attention forms chosen for GPU kernels). The results are the same; this is for
-    counting and testing that path where no GPU is (``benchmarks/train_ops.py``, the tests)."""
+    flag: list
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
 
     def __enter__(self):
-        self.previous = _ACCELERATOR_PATH[0]
-        _ACCELERATOR_PATH[0] = self.enabled
+        self.previous = self.flag[0]
+        self.flag[0] = self.enabled
         return self
 
     def __exit__(self, *exc):
-        _ACCELERATOR_PATH[0] = self.previous
+        self.flag[0] = self.previous
+
+
+# Set by [`accelerator_code_path`]: CPU tensors take the code path of an accelerator.
+_ACCELERATOR_PATH = [False]
+
+
+class accelerator_code_path(Switch):
+    """Context manager: inside it the model takes, on CPU tensors, the code path it takes on an accelerator (no host
+    reads of tensor values, the attention forms chosen for GPU kernels). The results are the same; this is for
+    counting and testing that path where no GPU is (``benchmarks/train_ops.py``, the tests)."""
+
+    flag = _ACCELERATOR_PATH
 
 
 # A host mirror ([`host_mirror`]) that is not known (derived from the tensors on its next eager read).
