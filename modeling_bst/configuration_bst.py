@@ -35,8 +35,6 @@ class BSTConfigError(errors.StrictDataclassError, ValueError):
 
 
 def _checked(requirement, condition, default):
-    """A field whose value, unless None, must satisfy ``condition``: else "must be <requirement>"."""
-
     def check(value):
         if value is not None and not condition(value):
             raise ValueError(f"must be {requirement}, got {value!r}.")
@@ -110,7 +108,6 @@ def _errors_name_the_field(cls):
             raise _error(f"{name} {cause}") from e.__cause__
 
     def validate(self):
-        """Run the class validators (``validate_*``)."""
         try:
             strict_validate(self)
         except errors.StrictDataclassClassValidationError as e:
@@ -126,17 +123,12 @@ def _errors_name_the_field(cls):
 class BSTConfig(PreTrainedConfig):
     r"""Configuration for [`BSTModel`], [`BSTForCausalLM`] and [`BSTForSequenceClassification`].
 
-    ``layer_types`` is the one record of the layer types. The index fields ``bst_layer_indices`` (default
-    ``[0, 7, 9]`` when neither it nor ``layer_types`` is given), ``recurrent_layer_indices`` and ``gss_layer_indices``
-    (default ``[]``) are keyword arguments and config.json keys, converted to ``layer_types`` at construction (given
-    with it, they must agree with it) and read from it afterwards. After construction, assigning
-    ``num_hidden_layers``, ``layer_types`` or an index field is [`~BSTConfig.update_layers`] of that field.
-    config.json stores the index fields, not ``layer_types``: transformers' generic ``PreTrainedConfig`` (which
-    ``AutoTokenizer`` falls back to without ``trust_remote_code``) refuses layer types other than its own.
-
-    An invalid value raises a [`BSTConfigError`] naming the field: its type and range whenever it is set, the checks
-    relating fields in ``validate()`` (``__init__``, ``from_dict``, ``save_pretrained``). Each field is described
-    beside it; ``docs/paper-mapping.md`` has the choices behind the defaults.
+    ``layer_types`` is the one record of the layer types. The index fields (``bst_layer_indices``, default ``[0, 7,
+    9]`` when neither it nor ``layer_types`` is given; ``recurrent_layer_indices``, ``gss_layer_indices``) are read
+    from it; as arguments and config.json keys they build it (given with it, they must agree). Assigning a layer field
+    is [`~BSTConfig.update_layers`]. config.json stores the index fields: transformers' generic ``PreTrainedConfig``
+    refuses layer types other than its own. Invalid values raise a [`BSTConfigError`] naming the field; fields are
+    described beside them, ``docs/paper-mapping.md`` has the choices behind the defaults.
     """
 
     model_type = "bst"
@@ -248,24 +240,20 @@ class BSTConfig(PreTrainedConfig):
         super().__setattr__("num_hidden_layers", n)
         super().__setattr__("layer_types", layer_types)
 
-    def update(self, config_dict):
-        """transformers' ``update``, with the layer fields set as one change (``update_layers``)."""
+    def update(self, config_dict):  # the layer fields as one change
         layers = {key: value for key, value in config_dict.items() if key in LAYER_FIELDS}
         super().update({key: value for key, value in config_dict.items() if key not in layers})
         if layers:
             self.update_layers(**layers)
 
-    def to_dict(self):
-        """transformers' dict with the three index fields in place of ``layer_types``."""
+    def to_dict(self):  # the index fields in place of layer_types
         output = super().to_dict()
         types = output.pop("layer_types", None) or ()
         output.update({field: _indices_of(types, kind) for kind, field in LAYER_INDEX_FIELDS.items()})
         return output
 
     @classmethod
-    def from_dict(cls, config_dict, **kwargs):
-        """transformers' ``from_dict`` with the layer fields among the keyword overrides set as one change, then
-        ``validate()``."""
+    def from_dict(cls, config_dict, **kwargs):  # the layer fields among the overrides as one change; validated
         layers = {key: kwargs.pop(key) for key in LAYER_FIELDS if key in kwargs}
         result = super().from_dict(config_dict, **kwargs)
         config = result[0] if isinstance(result, tuple) else result
@@ -307,8 +295,7 @@ class BSTConfig(PreTrainedConfig):
     def resolved_final_dropout(self) -> float:
         return self.dropout if self.final_dropout is None else self.final_dropout
 
-    def validate_layer_type(self):
-        """In place of transformers' check, which knows only its attention kinds."""
+    def validate_layer_type(self):  # transformers' check knows only its attention kinds
         _layer_types(self.num_hidden_layers, self.layer_types or (), {})
 
     def validate_bst(self):
