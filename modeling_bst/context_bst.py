@@ -56,11 +56,22 @@ class BSTContextStates(nn.Module):
         # meliad_dropout: dropout on the normed context states before the K/V projections (as meliad's cross KVQ).
         self.dropout = nn.Dropout(config.dropout) if config.meliad_dropout else nn.Identity()
 
-    def forward(self, ssm, xn, layer_cache, positions=None, doc_start=None, lengths=None, fill_cache=False, plan=None):
-        """[`step`] (given a ``plan``) or [`sequence`]."""
+    def forward(
+        self,
+        ssm,
+        xn,
+        layer_cache,
+        positions=None,
+        doc_start=None,
+        lengths=None,
+        fill_cache=False,
+        plan=None,
+        tables=None,
+    ):
+        """[`step`] (given a ``plan``) or [`sequence`] (``tables``: the forward's S4D [`ChunkTables`], or None)."""
         if plan is not None:
             return self.step(ssm, xn, layer_cache, plan)
-        return self.sequence(ssm, xn, lengths, layer_cache, positions, doc_start, fill_cache)
+        return self.sequence(ssm, xn, lengths, layer_cache, positions, doc_start, fill_cache, tables)
 
     def _heads(self, x):
         return x.unflatten(-1, (self.config.num_attention_heads, self.config.head_dim))
@@ -179,7 +190,7 @@ class TokenContextStates(BSTContextStates):
             and not tracing()
         )
 
-    def segmented_context(self, ssm, z: torch.Tensor, state: torch.Tensor | None, dtype: torch.dtype):
+    def segmented_context(self, ssm, z: torch.Tensor, state: torch.Tensor | None, dtype: torch.dtype, tables=None):
         """Context keys and values `(B, T, H, d_h)` from the SSM input ``z`` `(B, T, Ds)`, a few chunks at a time
         (SSM outputs cast to the activation ``dtype``).
 
@@ -193,7 +204,9 @@ class TokenContextStates(BSTContextStates):
         chunk = ssm.chunk_len
         nc = -(-length // chunk)
         zc = F.pad(upcast_ssm(z, ssm.log_dt), (0, 0, 0, nc * chunk - length))  # causal: zeros at the end are inert
-        constants = ssm.chunked_constants(chunk, zc.dtype, nc)  # one discretisation for the states and segments
+        constants = ssm.chunked_constants(
+            chunk, zc.dtype, nc, tables
+        )  # one discretisation for the states and segments
         x0 = ssm.chunk_start_states(zc, chunk, state, constants)  # (Ds, B, nc, 2 N2)
         per = max(1, self.segment_len // chunk)  # chunks per segment
         keys, values = [], []
@@ -206,16 +219,16 @@ class TokenContextStates(BSTContextStates):
             values.append(v)
         return torch.cat(keys, 1)[:, :length], torch.cat(values, 1)[:, :length]
 
-    def sequence(self, ssm, xn, lengths, layer_cache, positions, doc_start, fill_cache):
+    def sequence(self, ssm, xn, lengths, layer_cache, positions, doc_start, fill_cache, tables=None):
         cfg = self.config
         bsz, seq_len, _ = xn.shape
         w = self.block_len
         nb = seq_len // w
         z, state0, continued = self._sequence_input(xn, lengths, layer_cache, positions)
         if self.use_segments(ssm):
-            ck, cv = self.segmented_context(ssm, z, state0, xn.dtype)  # (B, T, H, d)
+            ck, cv = self.segmented_context(ssm, z, state0, xn.dtype, tables)  # (B, T, H, d)
         else:
-            ck, cv = self.lift_and_project(ssm(z, state0).to(xn.dtype))  # (B, T, C, Ds) -> (B, T, 1, H, d)
+            ck, cv = self.lift_and_project(ssm(z, state0, tables).to(xn.dtype))  # (B, T, C, Ds) -> (B, T, 1, H, d)
         ctx_k, ctx_v = ck.view(bsz, nb, w, *ck.shape[-2:]), cv.view(bsz, nb, w, *cv.shape[-2:])
         if cfg.bidirectional:
             mask, zero_first = None, False
@@ -336,17 +349,17 @@ class MFContextStates(BSTContextStates):
         k, v = (self._heads(proj(c)).unflatten(0, batch_shape) for proj in (self.k_proj, self.v_proj))
         return (l2_normalize(k) if self.config.qk_norm else k), v  # (..., S, H, d_h)
 
-    def sequence(self, ssm, xn, lengths, layer_cache, positions, doc_start, fill_cache):
+    def sequence(self, ssm, xn, lengths, layer_cache, positions, doc_start, fill_cache, tables=None):
         cfg = self.config
         bsz, seq_len, _ = xn.shape
         w = self.block_len
         nb = seq_len // w
         z, state0, continued = self._sequence_input(xn, lengths, layer_cache, positions)
         if cfg.bidirectional:
-            y_end = ssm(z, state0)[:, w - 1 :: w]
+            y_end = ssm(z, state0, tables)[:, w - 1 :: w]
         else:
             # Causal S4: states at block ends, read out by the S filters (no FFT per filter).
-            y_end = ssm.block_end_outputs(z, w, state0)  # (B, nb, S, Ds)
+            y_end = ssm.block_end_outputs(z, w, state0, tables)  # (B, nb, S, Ds)
         first_k, first_v = self.mf_context(None, (bsz,), xn.dtype)
         if continued:
             cont_k, cont_v = self.mf_context(layer_cache.mf_last, (bsz,), xn.dtype)

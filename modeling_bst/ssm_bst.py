@@ -311,8 +311,9 @@ class S4DKernel(nn.Module):
             return bidirectional_spectrum(k, self.kernel(length, dt_a, d_b, backward=True))
         return causal_spectrum(k)
 
-    def forward(self, z: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
-        """Full-sequence form. ``z`` `(B, L, Ds)` -> ``y`` `(B, L, C, Ds)` (float32).
+    def forward(self, z: torch.Tensor, state: torch.Tensor | None = None, tables=None) -> torch.Tensor:
+        """Full-sequence form. ``z`` `(B, L, Ds)` -> ``y`` `(B, L, C, Ds)` (float32); ``tables``: the forward's
+        [`ChunkTables`] (or None).
 
         ``state`` (`(B, Ds, N2)` complex or real `(B, Ds, N2, 2)`), if given, is the state before the first token (a
         continued sequence). Causal kernels run chunk by chunk ([`chunked_forward`], see [`use_chunks`]): in
@@ -326,7 +327,7 @@ class S4DKernel(nn.Module):
             z = z.to(compute_dtype(self.log_dt))
             length = z.shape[1]
             if not direct and self.use_chunks(length, z.element_size()):
-                return self.chunked_forward(z, min(self.chunk_len, length), state)
+                return self.chunked_forward(z, min(self.chunk_len, length), state, tables)
             u = z.transpose(1, 2)  # (B, Ds, L)
             if direct:
                 dt_a, d_b = self.discretize()
@@ -360,16 +361,13 @@ class S4DKernel(nn.Module):
     def chunk_tables(self, chunk: int, num_chunks: int, conv: bool = True):
         """[`s4d_chunk_tables`] of this kernel for ``num_chunks`` chunks of ``chunk`` tokens, from one discretisation
         in the compute dtype."""
-        groups, _ = chunk_groups(num_chunks)
-        exps, offsets = chunk_exponents(chunk, groups, conv, compute_dtype(self.log_dt), self.log_dt.device)
-        with _no_autocast(self.log_dt.device.type):
-            return s4d_chunk_tables(self.params(), exps, offsets, chunk, num_chunks, conv)
+        return grouped_chunk_tables([self], chunk, num_chunks, conv)[0]
 
-    def chunked_forward(self, z: torch.Tensor, chunk: int, state: torch.Tensor | None = None) -> torch.Tensor:
+    def chunked_forward(self, z: torch.Tensor, chunk: int, state: torch.Tensor | None = None, tables=None):
         """[`forward`] chunk by chunk in real arithmetic (causal kernels, [`s4d_chunked_forward`]): the same outputs,
         linear cost in L. ``z`` `(B, L, Ds)` in the compute dtype -> `(B, L, C, Ds)`."""
-        tables = self.chunked_constants(chunk, z.dtype, -(-z.shape[1] // chunk))
-        return s4d_chunked_forward(z, chunk, tables, state)
+        constants = self.chunked_constants(chunk, z.dtype, -(-z.shape[1] // chunk), tables)
+        return s4d_chunked_forward(z, chunk, constants, state)
 
     def chunk_start_states(
         self, z: torch.Tensor, chunk: int, state: torch.Tensor | None = None, constants=None
@@ -386,11 +384,11 @@ class S4DKernel(nn.Module):
             local = torch.bmm(u, rw[..., rw.shape[-1] - 2 * self.n_modes :])  # (Ds, B*nc, 2 N2)
             return s4d_chunk_scan(local.view(ds, bsz, nc, -1), state, scan, nc).view(ds, bsz, nc, -1)
 
-    def chunked_constants(self, chunk: int, dtype: torch.dtype, num_chunks: int = 1):
-        """[`chunk_tables`] for ``num_chunks`` chunks, memoised between evaluation forwards ([`memoised_spectrum`])."""
-        with _no_autocast(self.log_dt.device.type):
-            key = ("chunked", chunk, num_chunks, dtype)
-            return memoised_spectrum(self, key, lambda: self.chunk_tables(chunk, num_chunks))
+    def chunked_constants(self, chunk: int, dtype: torch.dtype, num_chunks: int = 1, tables=None):
+        """[`chunk_tables`] for ``num_chunks`` chunks, memoised between evaluation forwards ([`memoised_spectrum`]),
+        else from the forward's [`ChunkTables`] if given."""
+        key = ("chunked", chunk, num_chunks, dtype)
+        return memoised_spectrum(self, key, lambda: chunk_tables_of(self, chunk, num_chunks, True, tables))
 
     def channel_major_chunks(self, z: torch.Tensor, x0: torch.Tensor, chunk: int, constants=None) -> torch.Tensor:
         """[`chunked_forward`]'s outputs for whole chunks, laid out read-out and channel first.
@@ -426,7 +424,7 @@ class S4DKernel(nn.Module):
             real = use_real_arithmetic() or (state is not None and not state.is_complex())
             return x if real else torch.view_as_complex(x)
 
-    def block_end_outputs(self, z: torch.Tensor, block_len: int, state: torch.Tensor | None = None):
+    def block_end_outputs(self, z: torch.Tensor, block_len: int, state: torch.Tensor | None = None, tables=None):
         """SSM outputs of all C channels at the last token of every block, without an FFT per channel.
 
         The C read-outs ``2 Re(C x) + D z`` of the block-end states, in real arithmetic: every block's local end
@@ -443,7 +441,7 @@ class S4DKernel(nn.Module):
             if nb == 0:
                 return z.new_zeros(bsz, 0, self.out_channels, ds)
             # Blocks as chunks; the states after them are those entering chunks 1 .. nb of nb + 1.
-            w_local, readout, *scan = self.chunk_tables(block_len, nb + 1, conv=False)
+            w_local, readout, *scan = chunk_tables_of(self, block_len, nb + 1, False, tables)
             u = z[:, : nb * block_len].reshape(bsz * nb, block_len, ds).permute(2, 0, 1)  # (Ds, B*nb, W)
             local = torch.bmm(u, w_local)  # (Ds, B*nb, 2 N2)
             x = s4d_chunk_scan(local.view(ds, bsz, nb, -1), state, scan, nb + 1, first=1)  # (Ds, B*nb, 2 N2)
@@ -488,6 +486,62 @@ class S4DKernel(nn.Module):
             state = a_bar * state + b_bar * z_t.unsqueeze(-1)
             y = torch.einsum("chn,bhn->bch", c2, state).real
             return y + skip * z_t.unsqueeze(1), state
+
+
+def grouped_chunk_tables(kernels: list, chunk: int, num_chunks: int, conv: bool = True) -> list:
+    """[`S4DKernel.chunk_tables`] of S4D kernels of one shape (modes, read-outs, dtype, device) from one call: their
+    parameters concatenated along the channels (every table is per channel), the tables split back per kernel."""
+    first = kernels[0]
+    dims = (0, 0, 0, 0, 1, 1)  # log_dt, A_log_real, A_imag, B: channels first; C, D: after the read-outs
+    params = [torch.cat(p, d) if len(kernels) > 1 else p[0] for p, d in zip(zip(*(k.params() for k in kernels)), dims)]
+    groups, _ = chunk_groups(num_chunks)
+    exps, offsets = chunk_exponents(chunk, groups, conv, compute_dtype(first.log_dt), first.log_dt.device)
+    with _no_autocast(first.log_dt.device.type):
+        rw, g, *scan = s4d_chunk_tables(params, exps, offsets, chunk, num_chunks, conv)
+    if len(kernels) == 1:
+        return [(rw, g, *scan)]
+    sizes = [k.channels for k in kernels]
+    parts = [rw.split(sizes), g.split(sizes)] + [t.split([n * first.n_modes for n in sizes]) for t in scan]
+    return list(zip(*parts))
+
+
+class ChunkTables:
+    """The chunked-form tables ([`S4DKernel.chunk_tables`]) of a model's causal S4D kernels for one forward: the
+    first request for a kernel computes them for every listed kernel of its shape at once ([`grouped_chunk_tables`]:
+    one set of parameter-side ops and their autograd instead of one per layer). Kernels with hooks (offloading,
+    adapters) or not listed compute their own."""
+
+    def __init__(self, kernels):
+        self.kernels = [
+            k
+            for k in kernels
+            if type(k) is S4DKernel
+            and k.chunk_len
+            and not k.bidirectional
+            and not (k._forward_hooks or k._forward_pre_hooks or hasattr(k, "_hf_hook"))
+        ]
+        self.built = {}
+
+    @staticmethod
+    def shape(kernel) -> tuple:
+        return kernel.n_modes, kernel.out_channels, kernel.log_dt.dtype, kernel.log_dt.device
+
+    def get(self, kernel, chunk: int, num_chunks: int, conv: bool = True):
+        if kernel not in self.kernels:
+            return kernel.chunk_tables(chunk, num_chunks, conv)
+        shape = self.shape(kernel)
+        key = (chunk, num_chunks, conv, *shape)
+        group = [k for k in self.kernels if self.shape(k) == shape]
+        if key not in self.built:
+            self.built[key] = grouped_chunk_tables(group, chunk, num_chunks, conv)
+        return self.built[key][group.index(kernel)]
+
+
+def chunk_tables_of(kernel, chunk: int, num_chunks: int, conv: bool, tables: ChunkTables | None):
+    """``kernel``'s chunk tables, from the forward's shared ``tables`` if given."""
+    return (
+        kernel.chunk_tables(chunk, num_chunks, conv) if tables is None else tables.get(kernel, chunk, num_chunks, conv)
+    )
 
 
 def append_history(history: torch.Tensor, z_t: torch.Tensor) -> torch.Tensor:
@@ -623,8 +677,9 @@ class UnstructFilter(nn.Module):
         forward, backward = self.taps(u.shape[-1])
         return direct_causal_conv(u, forward) if backward is None else direct_bidirectional_conv(u, forward, backward)
 
-    def forward(self, z: torch.Tensor, history: torch.Tensor | None = None) -> torch.Tensor:
-        """``z`` `(B, L, Ds)` -> ``y`` `(B, L, C, Ds)`. ``history`` `(B, Ds, Lh)`: earlier inputs (continuation)."""
+    def forward(self, z: torch.Tensor, history: torch.Tensor | None = None, tables=None) -> torch.Tensor:
+        """``z`` `(B, L, Ds)` -> ``y`` `(B, L, C, Ds)`. ``history`` `(B, Ds, Lh)`: earlier inputs (continuation);
+        ``tables`` (S4D's [`ChunkTables`]) unused."""
         with _no_autocast(z.device.type):
             dtype = compute_dtype(self.pos_emb)
             u = z.to(dtype).transpose(1, 2)  # (B, Ds, L)
@@ -745,7 +800,7 @@ class UnstructFilter(nn.Module):
             return buffer[..., k] + self.output_at_newest(history, seen=k + 1, reversed_taps=constants), history
         return self.output_at_newest(history, seen=seen, reversed_taps=constants), history
 
-    def block_end_outputs(self, z: torch.Tensor, block_len: int, state: torch.Tensor | None = None):
+    def block_end_outputs(self, z: torch.Tensor, block_len: int, state: torch.Tensor | None = None, tables=None):
         """Outputs at the last token of every block: `(B, nb*W, Ds)` -> `(B, nb, C, Ds)`."""
         return self(z, state)[:, block_len - 1 :: block_len]
 
@@ -779,8 +834,8 @@ class PerFilterS4D(nn.Module):
     def step_constants(self):
         return self.kernel.step_constants()
 
-    def forward(self, z: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
-        return self._split(self.kernel(self._repeat(z), state))
+    def forward(self, z: torch.Tensor, state: torch.Tensor | None = None, tables=None) -> torch.Tensor:
+        return self._split(self.kernel(self._repeat(z), state, tables))
 
     def final_state(self, z: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
         return self.kernel.final_state(self._repeat(z), state)
@@ -789,5 +844,5 @@ class PerFilterS4D(nn.Module):
         y, state = self.kernel.step(self._repeat(z_t), state, constants)
         return self._split(y), state
 
-    def block_end_outputs(self, z: torch.Tensor, block_len: int, state: torch.Tensor | None = None):
-        return self._split(self.kernel.block_end_outputs(self._repeat(z), block_len, state))
+    def block_end_outputs(self, z: torch.Tensor, block_len: int, state: torch.Tensor | None = None, tables=None):
+        return self._split(self.kernel.block_end_outputs(self._repeat(z), block_len, state, tables))
