@@ -419,8 +419,8 @@ def grouped_chunk_tables(kernels: list, chunk: int, num_chunks: int, conv: bool 
 class ChunkTables:
     """The chunked-form tables ([`S4DKernel.chunk_tables`]) of a model's causal S4D kernels for one forward: the
     first request for a kernel computes them for every listed kernel of its shape at once ([`grouped_chunk_tables`]:
-    one set of parameter-side ops and their autograd instead of one per layer). Kernels with hooks (offloading,
-    adapters) are not listed: they compute their own."""
+    one set of parameter-side ops and their autograd instead of one per layer). Kernels with hooks (adapters) or
+    whose parameters are not plain tensors here (sharded by FSDP, offloaded) are not listed: they compute their own."""
 
     def __init__(self, kernels):
         self.kernels = [
@@ -430,6 +430,7 @@ class ChunkTables:
             and k.chunk_len
             and not k.bidirectional
             and not (k._forward_hooks or k._forward_pre_hooks or hasattr(k, "_hf_hook"))
+            and all(type(p) is nn.Parameter and not p.is_meta for p in k.parameters())
         ]
         self.built = {}
 

@@ -8,7 +8,7 @@ from conftest import tiny_config
 from reference import complex_block_end_outputs, complex_chunked_forward, s4d_recurrence
 
 from benchmarks.ssm_ops import OpCounter, count, make_kernel
-from modeling_bst.ssm_bst import PerFilterS4D, S4DKernel, chunk_groups, grouped_chunk_tables
+from modeling_bst.ssm_bst import ChunkTables, PerFilterS4D, S4DKernel, chunk_groups, grouped_chunk_tables
 
 
 F64 = dict(atol=1e-12, rtol=1e-10)
@@ -292,3 +292,13 @@ def test_compiled_model_training_step_is_one_graph_without_complex_values():
     torch.testing.assert_close(loss.detach(), eager[0], rtol=1e-5, atol=1e-5)
     for p, g in zip(model.parameters(), eager[1]):
         torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-5)
+
+
+def test_chunk_tables_list_only_kernels_whose_parameters_are_plain_here():
+    """Kernels with hooks (adapters, offloading) or parameters that are not plain tensors in this forward (meta:
+    offloaded; FSDP's sharded DTensors likewise) compute their own tables."""
+    plain = [make_s4d(), make_s4d()]
+    hooked = make_s4d()
+    hooked.register_forward_pre_hook(lambda *args: None)
+    offloaded = make_s4d().to("meta")
+    assert ChunkTables(plain + [hooked, offloaded]).kernels == plain
