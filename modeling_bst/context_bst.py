@@ -12,7 +12,7 @@ from .attention_bst import BSTRMSNorm
 from .cache_bst import CONTEXT_RING
 from .configuration_bst import BSTConfig
 from .functional_bst import additive_mask, context_valid, l2_normalize
-from .ssm_bst import PerFilterS4D, S4DKernel, UnstructFilter, upcast_ssm
+from .ssm_bst import PerFilterS4D, S4DKernel, UnstructFilter, compute_dtype
 from .utils_bst import constant_memo, gather_rows, maybe_any, step_memo, tracing
 
 
@@ -23,26 +23,17 @@ MH_SEGMENT_LEN = 256
 
 
 class BSTContextStates(nn.Module):
-    """Context-state builder of a BST layer (paper Sec. 3.3-3.4): the part shared by SH/MH/MF.
+    """Context-state builder of a BST layer (paper Sec. 3.3-3.4), the part shared by SH/MH/MF: ``z = x_n P_down``
+    (D -> D_s), the layer's SSM kernel ``ssm`` (a sibling module, passed to every call) over the whole sequence, and
+    the context keys/values of its outputs (subclasses), behind one contract:
 
-    It projects the layer input to the SSM's channels, ``z = x_n P_down`` (D -> D_s), runs the layer's SSM kernel over
-    the whole sequence (``ssm``, a sibling module of the layer picked by ``ssm_kind`` from [`SSM_KERNELS`], passed in
-    to every call) and turns its outputs into context keys/values per mode (subclasses, picked by ``context_mode`` from
-    [`CONTEXT_BUILDERS`]), all behind one contract:
+    * ``sequence(...)``: keys and values `(B, nb, S_c, H, d)` per block, an additive cross mask `(W, S_c)` or None,
+      and whether every block's first query has no context (strict mask); with ``fill_cache`` it writes the state;
+    * ``step(ssm, xn, layer_cache, plan)``: one token; keys/values `(B, S_c, H, d)`, a mask `(B, 1, 1, S_c)` or
+      None, and which rows see any context (None: all);
+    * ``forward`` calls one of them, so that hooks on the module (PEFT's ``target_parameters``, offloading) run.
 
-    * ``sequence(ssm, xn, lengths, layer_cache, positions, doc_start, fill_cache)``: full-sequence form. Returns context keys and
-      values `(B, nb, S_c, H, d)` per block, an additive cross mask `(W, S_c)` or None, and whether the first query of
-      every block has no context (strict mask); with ``fill_cache``, writes the SSM and context state;
-    * ``step(ssm, xn, layer_cache, plan)``: recurrent form for one token ([`StepPlan`]); returns keys/values `(B, S_c, H, d)`,
-      an additive mask `(B, 1, 1, S_c)` or None, and which rows see any context (None: all);
-    * ``forward``: the layer calls one of them through the module (``self.context(...)``), so that what hooks a
-      module's call sees the builder's parameters: PEFT's adapters on MH's / MF's per-head weights
-      (``target_parameters``), accelerate's offload hooks.
-
-    SSM outputs are cast to the activation dtype (``xn``'s), never to a weight's: a quantized projection's weight is
-    int8 / uint8.
-
-    Context keys/values come from their own projections after an RMS norm; keys are L2-normalised with qk_norm.
+    SSM outputs are cast to the activation dtype (``xn``'s), never to a weight's (which may be int8).
     """
 
     def __init__(self, config: BSTConfig):
@@ -56,11 +47,22 @@ class BSTContextStates(nn.Module):
         # meliad_dropout: dropout on the normed context states before the K/V projections (as meliad's cross KVQ).
         self.dropout = nn.Dropout(config.dropout) if config.meliad_dropout else nn.Identity()
 
-    def forward(self, ssm, xn, layer_cache, positions=None, doc_start=None, lengths=None, fill_cache=False, plan=None):
-        """[`step`] (given a ``plan``) or [`sequence`]."""
+    def forward(
+        self,
+        ssm,
+        xn,
+        layer_cache,
+        positions=None,
+        doc_start=None,
+        lengths=None,
+        fill_cache=False,
+        plan=None,
+        tables=None,
+    ):
+        """[`step`] (given a ``plan``) or [`sequence`] (``tables``: the forward's S4D [`ChunkTables`], or None)."""
         if plan is not None:
             return self.step(ssm, xn, layer_cache, plan)
-        return self.sequence(ssm, xn, lengths, layer_cache, positions, doc_start, fill_cache)
+        return self.sequence(ssm, xn, lengths, layer_cache, positions, doc_start, fill_cache, tables)
 
     def _heads(self, x):
         return x.unflatten(-1, (self.config.num_attention_heads, self.config.head_dim))
@@ -92,9 +94,8 @@ class BSTContextStates(nn.Module):
         return lens
 
     def _step_ssm(self, ssm, xn, layer_cache, plan, output: bool = True, chunked: bool = False):
-        """One SSM step: ``y_t`` `(B, C, Ds)` (None if not ``output``); the cache's SSM state advances.
-
-        ``chunked`` (unstruct, outputs at every step: SH/MH): decode in chunks of M steps ([`_unstruct_chunk`])."""
+        """One SSM step: ``y_t`` `(B, C, Ds)` (None if not ``output``); the cache's SSM state advances. ``chunked``
+        (unstruct with outputs at every step: SH/MH): decode in chunks of M steps ([`_unstruct_chunk`])."""
         z = self.down_proj(xn)[:, 0]  # (B, Ds)
         seen = None
         if self.config.ssm_kind == "unstruct":
@@ -123,15 +124,9 @@ class BSTContextStates(nn.Module):
         return y
 
     def _unstruct_chunk(self, ssm, layer_cache, constants, seen, memo):
-        """The current decoding chunk ``(pending outputs, step in the chunk)`` for an unstruct step, or None (a direct
-        dot product over the ``seen`` newest inputs).
-
-        A chunk starts when the last one is used up (or there is none: after a prefill, a continued chunk, a loaded
-        cache, a traced step) and the longest row has more than M inputs (below that the direct product is as
-        cheap): one FFT convolution of the history with the taps gives the share of every earlier input in the next
-        M outputs ([`UnstructFilter.pending_outputs`]). A step then costs O(M) instead of O(seen), plus the chunk's
-        O(seen log seen) / M. Under tracing (``seen`` unknown) steps take the direct form and drop the chunk
-        ([`BSTLayerCache.set_ssm`]): an eager step after a traced one starts a new one."""
+        """The current decoding chunk ``(pending outputs, step in it)`` of an unstruct step, or None (a direct dot
+        product over the ``seen`` newest inputs: traced steps, rows of at most M inputs). A new chunk starts when the
+        last one is used up ([`UnstructFilter.pending_outputs`]): O(M) per step plus O(seen log seen) / M."""
         if seen is None:
             return None
         chunk = layer_cache.chunk(ssm.decode_chunk)
@@ -152,9 +147,7 @@ class BSTContextStates(nn.Module):
 
 class TokenContextStates(BSTContextStates):
     """SH / MH: one context state per token; block b cross-attends to its own W context states (triangular mask).
-
-    The decoding cache keeps the current block's context keys/values in a W-slot ring (``ctx_k``, ``ctx_v``,
-    ``ctx_pos``)."""
+    The decoding cache keeps the current block's context keys/values in a W-slot ring."""
 
     # Tokens per segment of the segmented S4 path ([`segmented_context`]); 0: the whole-sequence path.
     segment_len = 0
@@ -164,13 +157,12 @@ class TokenContextStates(BSTContextStates):
         raise NotImplementedError
 
     def lift_channel_major(self, y: torch.Tensor, bsz: int):
-        """[`lift_and_project`] of SSM outputs laid out `(C, Ds, B * n)` (tokens batch-major) -> context keys,
-        values `(B, n, H, d_h)` (builders with ``segment_len``: MH)."""
+        """[`lift_and_project`] of SSM outputs `(C, Ds, B * n)` -> keys, values `(B, n, H, d_h)` (MH's segments)."""
         raise NotImplementedError
 
     def use_segments(self, ssm) -> bool:
-        """Whether [`sequence`] runs the segmented path: ``segment_len`` set, a causal S4D kernel evaluated in chunks,
-        eager mode (under tracing the whole-sequence path keeps the graph free of a length-dependent loop)."""
+        """Whether [`sequence`] runs [`segmented_context`]: ``segment_len`` set, a causal chunked S4D kernel, eager
+        (a traced graph keeps no length-dependent loop)."""
         return (
             self.segment_len > 0
             and isinstance(ssm, S4DKernel)
@@ -179,21 +171,18 @@ class TokenContextStates(BSTContextStates):
             and not tracing()
         )
 
-    def segmented_context(self, ssm, z: torch.Tensor, state: torch.Tensor | None, dtype: torch.dtype):
-        """Context keys and values `(B, T, H, d_h)` from the SSM input ``z`` `(B, T, Ds)`, a few chunks at a time
-        (SSM outputs cast to the activation ``dtype``).
-
-        The same map as ``lift_and_project(ssm(z, state))`` (the chunked S4D form, [`S4DKernel.chunked_forward`]),
-        but no `(B, T, C, Ds)` SSM output or `(B, T, H, D)` lifted state ever exists: the chunk-start states come from
-        one scan over the whole input, then each segment of ``segment_len`` tokens runs convolution, free response,
-        lift, norm and K/V projection while its tensors are small enough to stay in the caches, in the layout the
-        convolution produces ([`S4DKernel.channel_major_chunks`]). Time and memory traffic stay linear in T.
-        """
+    def segmented_context(self, ssm, z: torch.Tensor, state: torch.Tensor | None, dtype: torch.dtype, tables=None):
+        """``lift_and_project(ssm(z, state))`` `(B, T, H, d_h)` segment by segment (``segment_len`` tokens), from the
+        chunk-start states of one scan: no `(B, T, C, Ds)` SSM output or `(B, T, H, D)` lift is ever built."""
         bsz, length = z.shape[0], z.shape[1]
         chunk = ssm.chunk_len
         nc = -(-length // chunk)
-        zc = F.pad(upcast_ssm(z, ssm.log_dt), (0, 0, 0, nc * chunk - length))  # causal: zeros at the end are inert
-        constants = ssm.chunked_constants(chunk, zc.dtype, nc)  # one discretisation for the states and segments
+        zc = F.pad(
+            z.to(compute_dtype(ssm.log_dt)), (0, 0, 0, nc * chunk - length)
+        )  # causal: zeros at the end are inert
+        constants = ssm.chunked_constants(
+            chunk, zc.dtype, nc, tables
+        )  # one discretisation for the states and segments
         x0 = ssm.chunk_start_states(zc, chunk, state, constants)  # (Ds, B, nc, 2 N2)
         per = max(1, self.segment_len // chunk)  # chunks per segment
         keys, values = [], []
@@ -206,16 +195,16 @@ class TokenContextStates(BSTContextStates):
             values.append(v)
         return torch.cat(keys, 1)[:, :length], torch.cat(values, 1)[:, :length]
 
-    def sequence(self, ssm, xn, lengths, layer_cache, positions, doc_start, fill_cache):
+    def sequence(self, ssm, xn, lengths, layer_cache, positions, doc_start, fill_cache, tables=None):
         cfg = self.config
         bsz, seq_len, _ = xn.shape
         w = self.block_len
         nb = seq_len // w
         z, state0, continued = self._sequence_input(xn, lengths, layer_cache, positions)
         if self.use_segments(ssm):
-            ck, cv = self.segmented_context(ssm, z, state0, xn.dtype)  # (B, T, H, d)
+            ck, cv = self.segmented_context(ssm, z, state0, xn.dtype, tables)  # (B, T, H, d)
         else:
-            ck, cv = self.lift_and_project(ssm(z, state0).to(xn.dtype))  # (B, T, C, Ds) -> (B, T, 1, H, d)
+            ck, cv = self.lift_and_project(ssm(z, state0, tables).to(xn.dtype))  # (B, T, C, Ds) -> (B, T, 1, H, d)
         ctx_k, ctx_v = ck.view(bsz, nb, w, *ck.shape[-2:]), cv.view(bsz, nb, w, *cv.shape[-2:])
         if cfg.bidirectional:
             mask, zero_first = None, False
@@ -300,11 +289,9 @@ class MHContextStates(TokenContextStates):
 
 
 class MFContextStates(BSTContextStates):
-    """MF (multi-filter, Listing 4): S filters; block b attends to the S SSM outputs at the last token of block b-1
-    (block 0: a learned initial context), each lifted by its own projection, plus learned context IDs; no mask.
-
-    The decoding cache keeps the current block's S context keys/values and the latest SSM outputs `(B, S, Ds)`, the
-    next block's context (``ctx_k``, ``ctx_v``, ``mf_last``)."""
+    """MF (multi-filter, Listing 4): block b attends to the S SSM outputs at the last token of block b-1 (block 0: a
+    learned initial context), each lifted by its own projection, plus learned context IDs; no mask. The decoding
+    cache keeps the block's context keys/values and the latest SSM outputs (``mf_last``)."""
 
     def __init__(self, config: BSTConfig):
         super().__init__(config)
@@ -336,17 +323,17 @@ class MFContextStates(BSTContextStates):
         k, v = (self._heads(proj(c)).unflatten(0, batch_shape) for proj in (self.k_proj, self.v_proj))
         return (l2_normalize(k) if self.config.qk_norm else k), v  # (..., S, H, d_h)
 
-    def sequence(self, ssm, xn, lengths, layer_cache, positions, doc_start, fill_cache):
+    def sequence(self, ssm, xn, lengths, layer_cache, positions, doc_start, fill_cache, tables=None):
         cfg = self.config
         bsz, seq_len, _ = xn.shape
         w = self.block_len
         nb = seq_len // w
         z, state0, continued = self._sequence_input(xn, lengths, layer_cache, positions)
         if cfg.bidirectional:
-            y_end = ssm(z, state0)[:, w - 1 :: w]
+            y_end = ssm(z, state0, tables)[:, w - 1 :: w]
         else:
             # Causal S4: states at block ends, read out by the S filters (no FFT per filter).
-            y_end = ssm.block_end_outputs(z, w, state0)  # (B, nb, S, Ds)
+            y_end = ssm.block_end_outputs(z, w, state0, tables)  # (B, nb, S, Ds)
         first_k, first_v = self.mf_context(None, (bsz,), xn.dtype)
         if continued:
             cont_k, cont_v = self.mf_context(layer_cache.mf_last, (bsz,), xn.dtype)

@@ -1,15 +1,9 @@
-"""The pure tensor maths of the Block-State Transformer, in PyTorch alone.
+"""The pure tensor maths of the Block-State Transformer (functions of tensors, torch only: the vLLM plugin loads this
+file too): norms, T5 buckets and masks, S4D in real arithmetic (discretisation, kernel, step, final state, chunked
+form), long convolutions, the unstruct filter and the Block-Recurrent gate.
 
-Functions of tensors, no modules and no parameters of their own: the RMS norm and L2 normalisation, the T5 relative
-buckets and additive masks, which keys a query sees (the block self-attention's window, the SH/MH context mask), and
-the diagonal state-space (S4D) maths in real arithmetic: the zero-order-hold discretisation, the kernel, the
-recurrent step, the state after a sequence and the chunked form (within-chunk Toeplitz matmuls, a two-level scan of
-the chunk states). This file imports nothing but torch: the model's modules call it, and the vLLM plugin
-(``integrations/vllm``), which runs under an older transformers, loads the same file.
-
-Complex numbers are real tensors: a pair ``(re, im)`` of tensors, or one tensor with a trailing dimension of 2
-(``view_as_real`` layout) for a state. Shape legend: B batch, L length, C read-outs per SSM channel, Ds SSM channels,
-N2 complex modes, T chunk length, W block length, H heads.
+Complex numbers are real tensors: a pair ``(re, im)``, or a trailing dimension of 2 (``view_as_real`` layout) for a
+state. Shapes: B batch, L length, C read-outs per SSM channel, Ds SSM channels, N2 complex modes, T chunk length.
 """
 
 import functools
@@ -62,8 +56,7 @@ def t5_relative_bucket(relative_position, bidirectional: bool, num_buckets: int,
 
 
 def masked_fill_value(dtype: torch.dtype) -> float:
-    """The additive mask value of a hidden key: finite, so that a row with no key stays finite (it is zeroed
-    afterwards, meliad's safe softmax)."""
+    """The additive mask value of a hidden key: finite (a row with no key is zeroed afterwards, meliad's safe softmax)."""
     return torch.finfo(dtype).min
 
 
@@ -81,10 +74,8 @@ def window_valid(relative_position: torch.Tensor, block_len: int, attend_self: b
 
 
 def context_valid(key_pos: torch.Tensor, query_pos: torch.Tensor, cross_mask: str) -> torch.Tensor:
-    """SH/MH cross-attention within a block: the context state of the token at ``key_pos`` is seen by the query at
-    ``query_pos`` of the same block if ``key_pos <= query_pos`` (``"inclusive"``) or ``key_pos < query_pos``
-    (``"strict"``). (MF: every query of block b sees the S context states made from the SSM outputs at the end of
-    block b - 1, or the learned initial context in block 0.)"""
+    """SH/MH: the context state at ``key_pos`` is seen by the query at ``query_pos`` of the same block if ``key_pos <=
+    query_pos`` (``"inclusive"``) or ``key_pos < query_pos`` (``"strict"``)."""
     return key_pos <= query_pos if cross_mask == "inclusive" else key_pos < query_pos
 
 
@@ -137,11 +128,8 @@ def _split(length: int, chunk: int):
 
 
 def s4d_vandermonde(coeff, dt_a, length: int, offset: int = 0, chunk: int = 64) -> torch.Tensor:
-    """``Re sum_n coeff[..., h, n] Abar[h, n] ** (offset + l)`` for ``l < length``, ``coeff`` a pair of
-    `(..., Ds, N2)` -> `(..., Ds, length)`.
-
-    Powers are factored as ``A^(a*c + b) = A^(a*c) A^b``: only ``L/c + c`` exponentials per mode, the rest one real
-    matmul (the real part of a complex product needs ``Re Re - Im Im`` only)."""
+    """``Re sum_n coeff[..., h, n] Abar[h, n] ** (offset + l)`` for ``l < length`` (``coeff`` a pair of `(..., Ds,
+    N2)`) -> `(..., Ds, length)`, powers factored as ``A^(a*c + b) = A^(a*c) A^b``: ``L/c + c`` exponentials."""
     inner, outer = _split(length, chunk)
     p_in = pair_powers(dt_a, torch.arange(inner, device=dt_a[0].device))  # (Ds, N2, c)
     p_out = pair_powers(dt_a, offset + inner * torch.arange(outer, device=dt_a[0].device))  # (Ds, N2, a)
@@ -208,27 +196,19 @@ def s4d_step(z_t: torch.Tensor, state: torch.Tensor, constants):
     return y + skip * z_t.unsqueeze(1), torch.stack(x, -1)
 
 
-# -- S4D: the chunked form --------------------------------------------------------------------------------------------
-# Per chunk of T tokens (the SSD / Mamba2 chunked form, for a diagonal complex state): the output is a causal
-# convolution with the first T lags of the kernel (a lower-triangular T x T Toeplitz matrix per read-out and
-# channel, D skip on its diagonal) plus the free response to the state entering the chunk; the chunk's own end
-# state is a matmul against the powers ``Bbar Abar^(T-1-j)``; entering states come from a two-level scan over
-# chunks ([`s4d_chunk_scan`]). Complex numbers are (re, im) pairs stacked in one real dimension (``2 N2``: real parts
-# of the N2 modes, then imaginary ones), complex products by per-mode constants 2 x 2 real blocks
-# ``[[re, -im], [im, re]]``: everything is a real batched matmul and one discretisation.
+# -- S4D: the chunked form (the SSD / Mamba2 chunked form for a diagonal complex state) -----------------------------
+# Per chunk of T tokens: a lower-triangular T x T Toeplitz matmul with the kernel's first T lags (D on its diagonal)
+# plus the free response of the entering state; chunk end states by a matmul with ``Bbar Abar^(T-1-j)``, entering
+# states by a two-level scan ([`s4d_chunk_scan`]). States are stacked ``(re, im)`` (``2 N2``), products by per-mode
+# constants 2 x 2 real blocks ``[[re, -im], [im, re]]``: real batched matmuls from one discretisation.
 
 
 @functools.lru_cache(maxsize=256)
 def chunk_exponents_layout(chunk: int, groups: int, conv: bool):
-    """The exponent columns of [`s4d_chunk_tables`] as Python lists ``(exponents, log_mask, offsets)``.
-
-    Columns: ``0.5`` and ``1`` (the discretisation); ``chunk - 1 .. 0`` (local chunk states, tokens in order); the
-    read-outs ``0 .. chunk`` (``0`` only without ``conv``); then, if chunks are scanned (``groups`` > 0), for ``s =
-    chunk`` (within a group of chunks) and ``s = chunk * groups`` (across groups): ``groups`` masked columns (log-mask
-    -inf: exactly 0 in the table) and ``s * m`` for ``m`` in ``[0, groups]``, whose windows of ``groups + 1`` are the
-    rows of the lower-triangular Toeplitz grid ``s (i - j)`` (reversed). ``offsets``: where the read-outs and the
-    scan's columns start.
-    """
+    """The exponent columns of [`s4d_chunk_tables`] ``(exponents, log_mask, offsets)``: ``0.5, 1`` (discretisation),
+    ``chunk - 1 .. 0`` (local states), the read-outs ``0 .. chunk`` (``0`` only without ``conv``), then per scan level
+    ``s = chunk, chunk * groups``: ``groups`` masked columns (exactly 0) and ``s * m``, ``m <= groups``, whose windows
+    are the rows of the Toeplitz grid ``s (i - j)``. ``offsets``: where the read-outs and the scan start."""
     exps = [0.5, 1.0] + [float(t) for t in range(chunk - 1, -1, -1)]
     readout = len(exps)
     exps += [float(t) for t in range(chunk + 1 if conv else 1)]
@@ -241,8 +221,7 @@ def chunk_exponents_layout(chunk: int, groups: int, conv: bool):
 
 
 def chunk_groups(num_chunks: int) -> tuple[int, int]:
-    """Chunks per group and groups of the two-level chunk scan ([`s4d_chunk_scan`]): about sqrt(nc) each, so that its
-    per-mode matrices hold O(nc) entries. ``(0, 0)`` for one chunk (nothing to scan)."""
+    """Chunks per group and groups of [`s4d_chunk_scan`]: about sqrt(nc) each; ``(0, 0)`` for one chunk."""
     if num_chunks <= 1:
         return 0, 0
     groups = math.isqrt(num_chunks - 1) + 1  # ceil(sqrt(nc))
@@ -250,20 +229,12 @@ def chunk_groups(num_chunks: int) -> tuple[int, int]:
 
 
 def s4d_chunk_tables(params, exps: torch.Tensor, offsets, chunk: int, num_chunks: int, conv: bool = True):
-    """What the chunked form needs from the S4D parameters ``params`` = ``(log_dt, A_log_real, A_imag, B, C, D)``,
-    from one discretisation in the dtype of ``exps`` (`(2, E)`: the exponents and log-mask of
-    [`chunk_exponents_layout`], whose ``offsets`` are given).
-
-    Returns ``(rw, g, *scan)`` (a flat tuple, so that it can be memoised):
-
-    * ``rw`` `(Ds, T, C*T + 2 N2)`: ``[R | W]`` with the within-chunk convolution ``R[h, j, (c, t)] =
-      K[c, h, t - j]`` (0 for j > t, ``K[0]`` with D added) and the local-state weights ``W[h, j, (p, n)] =
-      (Bbar Abar^(T-1-j))_p`` (p: real, imaginary part). Without ``conv``: ``W`` only;
-    * ``g`` `(Ds, 2 N2, C*T)`: half the free-response read-out, ``sum_{p, n} x[p, n] g[(p, n), (c, t)]`` =
-      ``Re(C Abar^(t+1) x)`` for a state ``x`` stacked as ``(re, im)`` (callers multiply by 2 in their matmul).
-      Without ``conv``: `(Ds, 2 N2, C)`, ``Re(C x)``;
-    * ``scan``: the three per-mode matrices of [`s4d_chunk_scan`] for ``num_chunks`` chunks (none for one chunk).
-    """
+    """What the chunked form needs from ``params`` = ``(log_dt, A_log_real, A_imag, B, C, D)`` (one discretisation
+    in ``exps``' dtype; ``exps`` `(2, E)` and ``offsets`` from [`chunk_exponents_layout`]), a flat tuple
+    ``(rw, g, *scan)``: ``rw`` `(Ds, T, C*T + 2 N2)` = ``[R | W]``, ``R[h, j, (c, t)] = K[c, h, t - j]`` (D added at
+    lag 0) and ``W[h, j, (p, n)] = (Bbar Abar^(T-1-j))_p`` (``W`` only without ``conv``); ``g`` `(Ds, 2 N2, C*T)`
+    with ``x . g = Re(C Abar^(t+1) x)`` (`(Ds, 2 N2, C)`, ``Re(C x)``, without ``conv``); ``scan``: the per-mode
+    matrices of [`s4d_chunk_scan`] (none for one chunk)."""
     log_dt, a_log_real, a_imag, b_param, c_param, d_param = params
     dtype = exps.dtype
     groups, num_groups = chunk_groups(num_chunks)
@@ -333,15 +304,10 @@ def s4d_chunk_tables(params, exps: torch.Tensor, offsets, chunk: int, num_chunks
 
 
 def s4d_chunk_scan(local: torch.Tensor, state: torch.Tensor | None, scan, num_chunks: int, first: int = 0):
-    """States entering chunks ``first .. num_chunks - 1``: `(Ds, B * n, 2 N2)` (stacked ``(re, im)``), from the
-    chunks' local end states ``local`` `(Ds, B, n_in, 2 N2)` (``n_in <= num_chunks``; missing ones are zero) and the
-    state before the first chunk (``state``: complex `(B, Ds, N2)`, real `(B, Ds, N2, 2)` or None).
-
-    ``x_k = sum_{j<k} A^(k-1-j) local_j + A^k state`` with ``A = Abar^T`` per mode, in two levels of per-mode real
-    matmuls (``scan``: the matrices from [`s4d_chunk_tables`], empty for one chunk): within groups of ~sqrt(nc)
-    chunks, then across groups, then the group's entering state carried to each of its chunks. Memory O(Ds N2 nc)
-    (one level would need an nc x nc matrix per mode) and a fixed number of ops whatever the length.
-    """
+    """``x_k = sum_{j<k} A^(k-1-j) local_j + A^k state`` (``A = Abar^T`` per mode) for chunks ``first ..
+    num_chunks - 1``, `(Ds, B * n, 2 N2)`, from the local end states ``local`` `(Ds, B, n_in, 2 N2)` (missing ones
+    zero) and ``state`` (complex, real or None): per-mode matmuls within groups of ~sqrt(nc) chunks, across groups,
+    then each group's entering state carried to its chunks (``scan`` from [`s4d_chunk_tables`]). Memory O(Ds N2 nc)."""
     ds, bsz, n_in = local.shape[0], local.shape[1], local.shape[2]
     modes = local.shape[3] // 2
     if state is not None:
@@ -370,11 +336,8 @@ def s4d_chunk_scan(local: torch.Tensor, state: torch.Tensor | None, scan, num_ch
 
 
 def s4d_chunked_forward(z: torch.Tensor, chunk: int, tables, state: torch.Tensor | None = None) -> torch.Tensor:
-    """The S4D outputs of ``z`` `(B, L, Ds)` from ``state`` (None: zero) chunk by chunk: `(B, L, C, Ds)`.
-
-    One batched matmul per channel gives every chunk's within-chunk convolution and local end state (the ``[R | W]``
-    of [`s4d_chunk_tables`], ``tables`` for ``ceil(L / chunk)`` chunks); [`s4d_chunk_scan`] the states entering the
-    chunks; one more adds their free response ``2 Re(C Abar^(t+1) x)``."""
+    """The S4D outputs `(B, L, C, Ds)` of ``z`` `(B, L, Ds)` from ``state`` (None: zero): one bmm against ``[R | W]``
+    (``tables`` of [`s4d_chunk_tables`]), [`s4d_chunk_scan`], one baddbmm for the free response."""
     bsz, length, ds = z.shape
     nc = -(-length // chunk)
     if nc * chunk != length:
@@ -422,14 +385,9 @@ def spectrum_conv(u: torch.Tensor, k_f: torch.Tensor) -> torch.Tensor:
 
 # -- the Hyena-style ("unstruct") filter --------------------------------------------------------------------------------
 def unstruct_filters(features, layers, out, freq, max_len: int, decay, out_channels: int, channels: int):
-    """The taps of an implicit long filter, ``h_t = exp(-alpha t) * FFN(features_t)``, for the lags of ``features``.
-
-    ``features`` `(L, emb)`: the positional features of lags ``0 .. L-1`` in the compute dtype; ``layers``: the FFN's
-    linear maps (callables), each followed by ``sin(freq * .)``; ``out``: the last linear map (callable, to
-    ``K * C * Ds`` values per lag; K = 2 for a two-sided filter); ``max_len``: the filter's length (the time grid is
-    ``t / (max_len - 1)``); ``decay`` ``(target, fast, slow)``: per output the envelope ``exp(-t delta)``, the deltas
-    log-spaced so that the slowest decays to ``target`` at ``1 / slow`` and the fastest at ``1 / fast``. Returns
-    `(K, C, Ds, L)` in the dtype of ``features``."""
+    """Taps ``h_t = exp(-delta t) * FFN(features_t)`` `(K, C, Ds, L)` (K = 2 two-sided) for the lags of ``features``
+    `(L, emb)`: ``layers`` (callables) each followed by ``sin(freq * .)``, ``out`` the last map; time ``t / (max_len -
+    1)``; ``decay`` ``(target, fast, slow)``: deltas log-spaced to reach ``target`` at ``1 / slow`` .. ``1 / fast``."""
     dtype = features.dtype
     h = features
     for layer in layers:

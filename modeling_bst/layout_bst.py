@@ -89,6 +89,7 @@ class SequencePass:
     doc_start: torch.Tensor | None = None
     fill_cache: bool = False
     num_positions: int | None = None
+    ssm_tables: object = None  # the forward's S4D chunk tables, shared by the layers (``ssm_bst.ChunkTables``)
 
 
 class StepPlan:
@@ -160,6 +161,7 @@ class _Chunk:
         self.fresh = cache is None or self.rows.is_empty
         self.record = cache is not None and self.rows.record_past
         self.layout, self.common, self.plans = None, None, None
+        self.ssm_tables = None  # set by the model: its S4D kernels' chunk tables for this forward
         if self.fresh:
             head = seq_len
             if self.record and seq_len > 1:
@@ -223,6 +225,7 @@ class _Chunk:
                 inputs = SequencePass(self.layout.layer_lengths, None, None, layer_cache is not None, self.head)
             else:
                 inputs = SequencePass(None, self.positions, self.rows.doc_start, True, self.head)
+            inputs.ssm_tables = self.ssm_tables
             out = layer(head, layer_cache, inputs, weights)
             head, attn, cross = out if weights else (out, None, None)
         if self.head < self.seq_len:

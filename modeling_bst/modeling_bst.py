@@ -59,7 +59,7 @@ from .functional_bst import (
     window_valid,
 )
 from .layout_bst import SequencePass, StepPlan, _Chunk, _Documents
-from .ssm_bst import S4DKernel, UnstructFilter
+from .ssm_bst import ChunkTables, S4DKernel, UnstructFilter
 from .utils_bst import constant_memo, gather_rows, host_can_branch, maybe_any, on_accelerator, step_memo, tracing
 
 
@@ -857,7 +857,14 @@ class BSTContextLayer(BSTDecoderLayer):
     def attend_states(self, hidden_states, xn, k, v, layer_cache, inputs: SequencePass, weights: bool):
         x = self.dropout(hidden_states) if self.config.ssm_input == "raw" else xn
         keys, values, mask, zero_first = self.context(
-            self.ssm, x, layer_cache, inputs.positions, inputs.doc_start, inputs.lengths, inputs.fill_cache
+            self.ssm,
+            x,
+            layer_cache,
+            inputs.positions,
+            inputs.doc_start,
+            inputs.lengths,
+            inputs.fill_cache,
+            tables=inputs.ssm_tables,
         )
         return self.cross_attn(xn, keys, values, mask, zero_first, inputs.num_positions, weights)
 
@@ -1253,6 +1260,8 @@ class BSTModel(BSTPreTrainedModel):
             memo.clear()
         chunk = _Chunk(cache, attention_mask, (bsz, seq_len), cfg, hidden.device, host_can_branch(hidden), memo)
         self._check_unstruct_length(seq_len, cache, not chunk.fresh)
+        if not (self.gradient_checkpointing and self.training):  # (a checkpointed layer recomputes its own)
+            chunk.ssm_tables = ChunkTables(layer.ssm for layer in self.layers if isinstance(layer, BSTContextLayer))
         all_hidden = [hidden] if output_hidden_states else None
         all_attn, all_cross = ([], []) if output_attentions else (None, None)
         state = chunk.enter(hidden)

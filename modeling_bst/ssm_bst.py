@@ -1,27 +1,14 @@
 """SSM kernels of the Block-State Transformer: diagonal S4 (S4D) and Hyena-style "unstruct" filters.
 
-Both kernels produce a causal long convolution over the whole sequence (in float32, also under bf16 autocast: an
-FFT of size 2L; S4D in training, on accelerators and without a memoised spectrum in real arithmetic chunk by chunk,
-[`S4DKernel.chunked_forward`]) plus a D skip term, behind one contract (each kernel with its own state):
+Each produces a causal (or two-sided) long convolution plus a D skip term, `(B, L, Ds)` -> `(B, L, C, Ds)` (float32
+also under autocast), behind one contract: ``forward(z, state=None, tables=None)``, ``final_state(z, state=None)``,
+``step_constants()``, ``step(z_t, state, constants=None, seen=None)`` and ``block_end_outputs(z, W, state=None,
+tables=None)`` (MF). S4D's maths is ``functional_bst.py`` in real arithmetic (in training chunk by chunk, the FFT form
+for CPU evaluation); its decoding state `(B, Ds, N2)` is complex, real `(B, Ds, N2, 2)` in [`real_arithmetic`] (ONNX).
+Unstruct's state is its input history `(B, Ds, Lmax)`. docs/architecture.md and docs/performance.md describe both.
 
-* ``forward(z, state=None)``: full-sequence form, `(B, L, Ds)` -> `(B, L, C, Ds)`, continuing from ``state``;
-* ``final_state(z, state=None)``: the state after ``z`` (rows right-aligned: leading zeros are no input);
-* ``step_constants()``: what a step needs from the parameters (memoised by the decoding cache);
-* ``step(z_t, state, constants=None, seen=None)``: recurrent form for one token, `(B, Ds)` -> ``(y_t (B, C, Ds),
-  new state)``; ``seen`` bounds how many inputs any row has (unstruct: the cost of a step is O(seen));
-* ``block_end_outputs(z, W, state=None)``: the outputs at the last token of every block (MF context states).
-
-S4D's maths is real arithmetic throughout (``functional_bst.py``: complex numbers as ``(re, im)`` pairs); its state
-is the diagonal state `(B, Ds, N2)`, held as a complex tensor (a view of the real `(B, Ds, N2, 2)` one the maths
-computes). Unstruct's state is the input history `(B, Ds, Lmax)` (newest last; the filter has
-``max_position_embeddings`` taps). An unstruct step that outputs at every position (SH, MH) can be given the chunk's
-pending outputs ([`UnstructFilter.pending_outputs`]): then it costs O(M), not O(seen).
-
-For ONNX export (no complex tensors, no FFT), while ``torch.onnx.export`` traces or inside [`real_arithmetic`], the
-S4D state is the real `(B, Ds, N2, 2)` tensor and the long convolution a direct one ([`direct_causal_conv`]).
-
-Shape legend: B batch, L length, C output channels per SSM channel (1 for SH, H for MH, S for MF),
-Ds SSM channels, N2 complex modes (ssm_state_size / 2), nb number of blocks, W block length.
+Shape legend: B batch, L length, C read-outs per SSM channel (1 for SH, H for MH, S for MF), Ds SSM channels,
+N2 complex modes (ssm_state_size / 2), nb blocks, W block length.
 """
 
 import math
@@ -69,28 +56,22 @@ def bidirectional_spectrum(k_fwd: torch.Tensor, k_bwd: torch.Tensor) -> torch.Te
 
 
 def fft_conv(u: torch.Tensor, k_f: torch.Tensor) -> torch.Tensor:
-    """Convolution of ``u`` `(B, Ds, L)` with a kernel given by its size-2L spectrum ``k_f`` `(C, Ds, L+1)`.
-
-    Returns `(B, C, Ds, L)`. Under ``torch.compile`` / ``torch.export`` it is one opaque custom op
-    ([`_fft_conv_op`], same numbers): the complex FFT tensors stay out of inductor (it has no code generation for
-    complex dtypes) and out of the graph, which stays whole (``fullgraph=True`` works).
-    """
+    """[`spectrum_conv`]: ``u`` `(B, Ds, L)`, size-2L spectrum ``k_f`` `(C, Ds, L+1)` -> `(B, C, Ds, L)`; under
+    ``torch.compile`` / ``torch.export`` one opaque custom op (no complex tensor in the graph, which stays whole)."""
     if torch.compiler.is_compiling():
         return _fft_conv_op(u, k_f)
     return spectrum_conv(u, k_f)
 
 
 def ssm_dtype() -> torch.dtype:
-    """The dtype SSM parameters are created in: float32 under a half-precision default dtype (they are the models'
-    ``_keep_in_fp32_modules_strict``, so a model built in fp16 / bf16, e.g. ``from_config(config, dtype=torch.bfloat16)``,
-    keeps them float32 as loading does), the default dtype otherwise (a float64 model stays float64)."""
+    """The dtype SSM parameters are created in: float32 under a half-precision default dtype (they are kept in fp32,
+    as loading does), the default dtype otherwise."""
     dtype = torch.get_default_dtype()
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-# The FFT convolution as a custom op with a fake (shape-only) implementation, so that a compiled graph keeps it as
-# one call (no graph break; fullgraph and torch.export work) and runs the eager FFTs above inside it. Its backward
-# is a second op. The namespace follows the module name: a copy loaded as remote code registers its own ops.
+# The FFT convolution as a custom op (and its backward as a second one); the namespace follows the module name, so a
+# copy loaded as remote code registers its own ops.
 _OPS = "".join(c if c.isalnum() else "_" for c in __name__)
 
 
@@ -125,66 +106,33 @@ def _(grad, u, k_f):
     )
 
 
-def _fft_conv_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
+_fft_conv_op.register_autograd(
+    lambda ctx, grad: _fft_conv_backward(grad, *ctx.saved_tensors),
+    setup_context=lambda ctx, inputs, output: ctx.save_for_backward(*inputs),
+)
 
 
-def _fft_conv_vjp(ctx, grad):
-    return _fft_conv_backward(grad, *ctx.saved_tensors)
-
-
-_fft_conv_op.register_autograd(_fft_conv_vjp, setup_context=_fft_conv_setup)
-
-
-def fft_causal_conv(u: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Causal convolution ``y[..., t] = sum_{j<=t} k[..., j] u[..., t-j]`` via FFT of size n = 2L.
-
-    Args:
-        u (`torch.Tensor` of shape `(B, Ds, L)`): input, float32.
-        k (`torch.Tensor` of shape `(C, Ds, L)`): kernel, float32.
-
-    Returns:
-        `torch.Tensor` of shape `(B, C, Ds, L)`.
-    """
-    return fft_conv(u, causal_spectrum(k))
-
-
-def fft_bidirectional_conv(u: torch.Tensor, k_fwd: torch.Tensor, k_bwd: torch.Tensor) -> torch.Tensor:
-    """Two-sided convolution ``y_t = sum_{j>=0} k_fwd[j] u[t-j] + sum_{j>=1} k_bwd[j-1] u[t+j]`` (FFT size 2L).
-
-    Shapes as in [`fft_causal_conv`]; ``k_bwd`` has the same shape as ``k_fwd``.
-    """
-    return fft_conv(u, bidirectional_spectrum(k_fwd, k_bwd))
-
-
-# -- real arithmetic (ONNX export) ------------------------------------------------------------------------------------
-# ONNX has no complex tensors, and torch.fft does not export to it. Under ``torch.onnx.export`` (or inside
-# [`real_arithmetic`]) the S4D state is therefore a real `(B, Ds, N2, 2)` tensor (``view_as_real`` layout) and the
-# long convolution a direct causal convolution ([`direct_causal_conv`], O(L^2) instead of the FFT's O(L log L)). The
-# same numbers as the FFT form up to rounding; the eager and training paths are unchanged.
+# -- real arithmetic (ONNX export: no complex tensors, no FFT) ------------------------------------------------------
 _REAL_ARITHMETIC = [False]
 
 
 class real_arithmetic(Switch):
-    """Context manager: the SSM kernels take their real-arithmetic form ([`use_real_arithmetic`]) inside it.
-
-    ``torch.onnx.export`` selects that form by itself; this is for running it eagerly (tests, a PyTorch reference of
-    an exported model, a prefill whose cache feeds an exported decode step)."""
+    """Context manager: inside it the S4D state is real `(B, Ds, N2, 2)` and long convolutions are direct (O(L^2),
+    [`direct_causal_conv`]), as while ``torch.onnx.export`` traces; the same numbers up to rounding."""
 
     flag = _REAL_ARITHMETIC
 
 
 def use_real_arithmetic() -> bool:
-    """Whether the SSM kernels run in real arithmetic: inside [`real_arithmetic`], or while ``torch.onnx.export``
-    traces the model (checked only while exporting: a compiled graph never branches on it)."""
+    """Inside [`real_arithmetic`], or while ``torch.onnx.export`` traces the model."""
     if _REAL_ARITHMETIC[0]:
         return True
     return torch.compiler.is_exporting() and torch.onnx.is_in_onnx_export()
 
 
 def direct_bidirectional_conv(u: torch.Tensor, k_fwd: torch.Tensor, k_bwd: torch.Tensor) -> torch.Tensor:
-    """[`fft_bidirectional_conv`] as two direct convolutions: the backward lags are a causal convolution of the
-    reversed input with ``k_bwd`` shifted by one lag."""
+    """The two-sided convolution of [`bidirectional_spectrum`] as two direct ones (the backward lags: the reversed
+    input with ``k_bwd`` shifted by one lag)."""
     backward = direct_causal_conv(u.flip(-1), F.pad(k_bwd, (1, 0))[..., : k_bwd.shape[-1]]).flip(-1)
     return direct_causal_conv(u, k_fwd) + backward
 
@@ -196,26 +144,19 @@ SPECTRUM_MEMO_BYTES = 512 * 2**20
 
 
 def memoised_spectrum(module: nn.Module, key: tuple, compute):
-    """A kernel spectrum ``compute()``, reused across evaluation forwards (eval mode, no gradient to the SSM
-    parameters) while those parameters are unchanged: see [`memoised`]."""
+    """``compute()``, reused across evaluation forwards while the parameters are unchanged ([`memoised`])."""
     if not spectrum_memo_usable(module):
         return compute()
     return memoised(module.__dict__, "_spectrum_memo", key, list(module.parameters()), compute, SPECTRUM_MEMO_BYTES)
 
 
 def spectrum_memo_usable(module: nn.Module) -> bool:
-    """Whether [`memoised_spectrum`] may reuse a spectrum: evaluation mode, no gradient to the SSM parameters, on the
-    CPU, and not tracing. The check compares parameter values: on an accelerator that is a host-device sync per
-    forward (recomputing the spectrum is cheap there), and it is not traceable by torch.export / torch.compile."""
+    """Evaluation mode, no gradient to the parameters, on the CPU (the memo compares parameter values: a sync on an
+    accelerator) and not tracing."""
     params = list(module.parameters())
     if module.training or (torch.is_grad_enabled() and any(p.requires_grad for p in params)):
         return False
     return not params or host_can_branch(params[0])
-
-
-def upcast_ssm(x: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """``x`` in the SSM's compute dtype ([`compute_dtype`] of ``param``)."""
-    return x.to(compute_dtype(param))
 
 
 # The exponent tables of S4D's chunked form ([`chunk_exponents`]), per layout, dtype and device.
@@ -223,11 +164,9 @@ _EXPONENT_TABLES: dict = {}
 
 
 def chunk_exponents(chunk: int, groups: int, conv: bool, dtype: torch.dtype, device):
-    """[`chunk_exponents_layout`] as a `(2, E)` tensor (exponents, log-mask) and the offsets.
-
-    Kept per device and dtype in eager mode (no host-to-device copy per forward: it would be a sync point on a GPU);
-    built in the graph while tracing (a constant there)."""
-    if tracing():  # the plain function (dynamo would warn about the lru_cache wrapper)
+    """[`chunk_exponents_layout`] as a `(2, E)` tensor (exponents, log-mask) and the offsets: kept per device and
+    dtype in eager mode (no host-to-device copy per forward), built in the graph while tracing."""
+    if tracing():  # (dynamo would warn about the lru_cache wrapper)
         exps, mask, offsets = chunk_exponents_layout.__wrapped__(chunk, groups, conv)
         return torch.tensor([exps, mask], dtype=dtype, device=device), offsets
     exps, mask, offsets = chunk_exponents_layout(chunk, groups, conv)
@@ -249,7 +188,7 @@ class S4DKernel(nn.Module):
     ``K_{c,h}[l] = 2 Re(C_{c,h} Abar_h^l Bbar_h)``. Lambda, B and dt are shared by the C output channels (MH heads,
     MF filters): one state per SSM channel, several read-outs.
 
-    Complex parameters are stored as real views (`(..., 2)`) so that optimisers, weight decay and clipping work.
+    Complex parameters are stored as real `(..., 2)` tensors (optimisers, weight decay and clipping work).
     """
 
     def __init__(self, channels: int, out_channels: int, state_size: int, config):
@@ -292,8 +231,7 @@ class S4DKernel(nn.Module):
             init.normal_(self.C_backward, 0.0, math.sqrt(0.5))
 
     def discretize(self):
-        """``(dt Lambda, Bbar)``: `(Ds, N2)` ``(re, im)`` pairs in the compute dtype (``dt Lambda`` = log Abar, exact
-        for ZOH), [`s4d_discretize`]."""
+        """[`s4d_discretize`]: ``(dt Lambda, Bbar)``, `(Ds, N2)` ``(re, im)`` pairs in the compute dtype."""
         return s4d_discretize(self.log_dt, self.A_log_real, self.A_imag, self.B, compute_dtype(self.log_dt))
 
     def kernel(self, length: int, dt_a=None, d_b=None, backward: bool = False) -> torch.Tensor:
@@ -311,22 +249,16 @@ class S4DKernel(nn.Module):
             return bidirectional_spectrum(k, self.kernel(length, dt_a, d_b, backward=True))
         return causal_spectrum(k)
 
-    def forward(self, z: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
-        """Full-sequence form. ``z`` `(B, L, Ds)` -> ``y`` `(B, L, C, Ds)` (float32).
-
-        ``state`` (`(B, Ds, N2)` complex or real `(B, Ds, N2, 2)`), if given, is the state before the first token (a
-        continued sequence). Causal kernels run chunk by chunk ([`chunked_forward`], see [`use_chunks`]): in
-        training, on accelerators and whenever no whole-length spectrum is memoised; time and memory grow linearly in
-        L also with many read-outs (MH: C = H). Otherwise (``chunk_len = 0``, bidirectional kernels, CPU evaluation
-        with a memoised spectrum) one FFT convolution over the whole length, or in [`real_arithmetic`] a direct one
-        ([`direct_causal_conv`]: no FFT, for ONNX export).
-        """
+    def forward(self, z: torch.Tensor, state: torch.Tensor | None = None, tables=None) -> torch.Tensor:
+        """``z`` `(B, L, Ds)` -> ``y`` `(B, L, C, Ds)` (float32) from ``state`` (the state before the first token,
+        complex or real; None: zero). Chunk by chunk where [`use_chunks`] (``tables``: the forward's [`ChunkTables`]),
+        else one FFT convolution, or a direct one in [`real_arithmetic`]."""
         direct = use_real_arithmetic()
         with _no_autocast(z.device.type):
             z = z.to(compute_dtype(self.log_dt))
             length = z.shape[1]
             if not direct and self.use_chunks(length, z.element_size()):
-                return self.chunked_forward(z, min(self.chunk_len, length), state)
+                return self.chunked_forward(z, min(self.chunk_len, length), state, tables)
             u = z.transpose(1, 2)  # (B, Ds, L)
             if direct:
                 dt_a, d_b = self.discretize()
@@ -342,9 +274,8 @@ class S4DKernel(nn.Module):
             return y.permute(0, 3, 1, 2)  # (B, L, C, Ds)
 
     def use_chunks(self, length: int, element_size: int) -> bool:
-        """Whether [`forward`] runs chunk by chunk ([`chunked_forward`]): causal kernels with ``chunk_len`` set,
-        unless a memoised whole-length spectrum can be reused (CPU evaluation), which is faster while it fits the
-        memo (and for at most two chunks)."""
+        """Whether [`forward`] runs [`chunked_forward`]: causal kernels with ``chunk_len`` set, unless a memoised
+        whole-length spectrum can be reused (CPU evaluation) and fits the memo, or there are at most two chunks."""
         if not self.chunk_len or self.bidirectional:
             return False
         if not spectrum_memo_usable(self):
@@ -352,32 +283,28 @@ class S4DKernel(nn.Module):
         spectrum_bytes = self.out_channels * self.channels * (length + 1) * 2 * element_size
         return length > 2 * self.chunk_len and spectrum_bytes > SPECTRUM_MEMO_BYTES
 
-    # -- the chunked form in real arithmetic (training, prefill on accelerators): ``functional_bst`` -------------------
+    # -- the chunked form in real arithmetic (training, prefill on accelerators) ---------------------------------------
     def params(self) -> tuple[torch.Tensor, ...]:
         """``(log_dt, A_log_real, A_imag, B, C, D)``: the parameters of the functional S4D maths."""
         return self.log_dt, self.A_log_real, self.A_imag, self.B, self.C, self.D
 
-    def chunk_tables(self, chunk: int, num_chunks: int, conv: bool = True):
-        """[`s4d_chunk_tables`] of this kernel for ``num_chunks`` chunks of ``chunk`` tokens, from one discretisation
-        in the compute dtype."""
-        groups, _ = chunk_groups(num_chunks)
-        exps, offsets = chunk_exponents(chunk, groups, conv, compute_dtype(self.log_dt), self.log_dt.device)
-        with _no_autocast(self.log_dt.device.type):
-            return s4d_chunk_tables(self.params(), exps, offsets, chunk, num_chunks, conv)
+    def chunk_tables(self, chunk: int, num_chunks: int, conv: bool = True, tables=None):
+        """[`s4d_chunk_tables`] for ``num_chunks`` chunks of ``chunk`` tokens in the compute dtype, from the forward's
+        shared ``tables`` ([`ChunkTables`]) if they list this kernel."""
+        if tables is not None and self in tables.kernels:
+            return tables.get(self, chunk, num_chunks, conv)
+        return grouped_chunk_tables([self], chunk, num_chunks, conv)[0]
 
-    def chunked_forward(self, z: torch.Tensor, chunk: int, state: torch.Tensor | None = None) -> torch.Tensor:
-        """[`forward`] chunk by chunk in real arithmetic (causal kernels, [`s4d_chunked_forward`]): the same outputs,
-        linear cost in L. ``z`` `(B, L, Ds)` in the compute dtype -> `(B, L, C, Ds)`."""
-        tables = self.chunked_constants(chunk, z.dtype, -(-z.shape[1] // chunk))
-        return s4d_chunked_forward(z, chunk, tables, state)
+    def chunked_forward(self, z: torch.Tensor, chunk: int, state: torch.Tensor | None = None, tables=None):
+        """[`forward`] by [`s4d_chunked_forward`] (causal; ``z`` in the compute dtype): linear cost in L."""
+        constants = self.chunked_constants(chunk, z.dtype, -(-z.shape[1] // chunk), tables)
+        return s4d_chunked_forward(z, chunk, constants, state)
 
     def chunk_start_states(
         self, z: torch.Tensor, chunk: int, state: torch.Tensor | None = None, constants=None
     ) -> torch.Tensor:
-        """The states entering every chunk of ``chunk`` tokens (the given ``state`` or zero, then the chunk-end
-        states), in the stacked real layout of [`s4d_chunk_scan`]: ``z`` `(B, nc * chunk, Ds)` (compute dtype) ->
-        `(Ds, B, nc, 2 N2)` (real parts of the N2 modes, then imaginary ones). ``constants``: [`chunked_constants`]
-        for ``nc`` chunks, if already computed."""
+        """The states entering every chunk, stacked ``(re, im)`` as in [`s4d_chunk_scan`]: ``z`` `(B, nc * chunk, Ds)`
+        (compute dtype) -> `(Ds, B, nc, 2 N2)`; ``constants``: [`chunked_constants`] if already computed."""
         with _no_autocast(z.device.type):
             bsz, length, ds = z.shape
             nc = length // chunk
@@ -386,21 +313,16 @@ class S4DKernel(nn.Module):
             local = torch.bmm(u, rw[..., rw.shape[-1] - 2 * self.n_modes :])  # (Ds, B*nc, 2 N2)
             return s4d_chunk_scan(local.view(ds, bsz, nc, -1), state, scan, nc).view(ds, bsz, nc, -1)
 
-    def chunked_constants(self, chunk: int, dtype: torch.dtype, num_chunks: int = 1):
-        """[`chunk_tables`] for ``num_chunks`` chunks, memoised between evaluation forwards ([`memoised_spectrum`])."""
-        with _no_autocast(self.log_dt.device.type):
-            key = ("chunked", chunk, num_chunks, dtype)
-            return memoised_spectrum(self, key, lambda: self.chunk_tables(chunk, num_chunks))
+    def chunked_constants(self, chunk: int, dtype: torch.dtype, num_chunks: int = 1, tables=None):
+        """[`chunk_tables`] for ``num_chunks`` chunks, memoised between evaluation forwards ([`memoised_spectrum`]),
+        else from the forward's [`ChunkTables`] if given."""
+        key = ("chunked", chunk, num_chunks, dtype)
+        return memoised_spectrum(self, key, lambda: self.chunk_tables(chunk, num_chunks, True, tables))
 
     def channel_major_chunks(self, z: torch.Tensor, x0: torch.Tensor, chunk: int, constants=None) -> torch.Tensor:
-        """[`chunked_forward`]'s outputs for whole chunks, laid out read-out and channel first.
-
-        ``z`` `(B, n * chunk, Ds)` (compute dtype) and ``x0`` the states entering its n chunks `(Ds, B, n, 2 N2)`
-        ([`chunk_start_states`]) -> `(C, Ds, B * n * chunk)`, tokens batch-major. Every read-out's outputs of a
-        channel are contiguous in time: a per-read-out projection over Ds (MH's lift) is then one batched matmul
-        without a copy. The same numbers as [`chunked_forward`] up to rounding. ``constants``: [`chunked_constants`]
-        if the caller runs several segments (computed, and differentiated, once).
-        """
+        """[`chunked_forward`]'s outputs of whole chunks read-out and channel first (MH's lift is then one bmm):
+        ``z`` `(B, n * chunk, Ds)` and ``x0`` the states entering its chunks `(Ds, B, n, 2 N2)` -> `(C, Ds, B * n *
+        chunk)`, tokens batch-major."""
         with _no_autocast(z.device.type):
             bsz, length, ds = z.shape
             nc = length // chunk
@@ -414,26 +336,18 @@ class S4DKernel(nn.Module):
             return y.reshape(self.out_channels, ds, bsz * length)
 
     def final_state(self, z: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
-        """State after the last token: ``x_T = Abar^T x0 + sum_j Abar^{T-1-j} Bbar z_j``. `(B, L, Ds)` -> `(B, Ds, N2)`
-        complex ([`s4d_final_state`], viewed as complex).
-
-        Rows must be left-aligned to the end (left padding with zeros leaves the state exactly zero). In real
-        arithmetic ([`use_real_arithmetic`], or ``state`` in the real form) the state is real `(B, Ds, N2, 2)`.
-        """
+        """[`s4d_final_state`] of ``z`` `(B, L, Ds)` (rows right-aligned: leading zeros are no input): `(B, Ds, N2)`
+        complex, or real `(B, Ds, N2, 2)` in real arithmetic or after a real ``state``."""
         with _no_autocast(z.device.type):
             dt_a, d_b = self.discretize()
             x = s4d_final_state(z.to(compute_dtype(self.log_dt)), dt_a, d_b, state)
             real = use_real_arithmetic() or (state is not None and not state.is_complex())
             return x if real else torch.view_as_complex(x)
 
-    def block_end_outputs(self, z: torch.Tensor, block_len: int, state: torch.Tensor | None = None):
-        """SSM outputs of all C channels at the last token of every block, without an FFT per channel.
-
-        The C read-outs ``2 Re(C x) + D z`` of the block-end states, in real arithmetic: every block's local end
-        state is one batched matmul (the local-state weights of [`chunk_tables`] with blocks as chunks), then the
-        chunk scan ([`s4d_chunk_scan`]) and one more matmul for the read-outs. ``z`` `(B, nb*W, Ds)` -> `(B, nb, C, Ds)`.
-        Causal kernels only.
-        """
+    def block_end_outputs(self, z: torch.Tensor, block_len: int, state: torch.Tensor | None = None, tables=None):
+        """The C read-outs ``2 Re(C x) + D z`` at the last token of every block (causal): blocks as chunks of
+        [`chunk_tables`], their local end states, [`s4d_chunk_scan`], one read-out matmul. `(B, nb*W, Ds)` ->
+        `(B, nb, C, Ds)`."""
         if self.bidirectional:
             raise ValueError("block_end_outputs is the causal fast path; use forward() for a bidirectional kernel.")
         with _no_autocast(z.device.type):
@@ -443,7 +357,7 @@ class S4DKernel(nn.Module):
             if nb == 0:
                 return z.new_zeros(bsz, 0, self.out_channels, ds)
             # Blocks as chunks; the states after them are those entering chunks 1 .. nb of nb + 1.
-            w_local, readout, *scan = self.chunk_tables(block_len, nb + 1, conv=False)
+            w_local, readout, *scan = self.chunk_tables(block_len, nb + 1, False, tables)
             u = z[:, : nb * block_len].reshape(bsz * nb, block_len, ds).permute(2, 0, 1)  # (Ds, B*nb, W)
             local = torch.bmm(u, w_local)  # (Ds, B*nb, 2 N2)
             x = s4d_chunk_scan(local.view(ds, bsz, nb, -1), state, scan, nb + 1, first=1)  # (Ds, B*nb, 2 N2)
@@ -453,7 +367,7 @@ class S4DKernel(nn.Module):
             return y.view(ds, bsz, nb, self.out_channels).permute(1, 2, 3, 0)
 
     def empty_state(self, batch_size: int, device) -> torch.Tensor:
-        """The zero state `(B, Ds, N2)` (complex; real `(B, Ds, N2, 2)` in real arithmetic): no input yet."""
+        """The zero state `(B, Ds, N2)` (complex; real `(B, Ds, N2, 2)` in real arithmetic)."""
         if use_real_arithmetic():
             dtype = compute_dtype(self.log_dt)
             return torch.zeros(batch_size, self.channels, self.n_modes, 2, dtype=dtype, device=device)
@@ -461,8 +375,7 @@ class S4DKernel(nn.Module):
         return torch.zeros(batch_size, self.channels, self.n_modes, dtype=dtype, device=device)
 
     def step_constants(self):
-        """What a recurrent step needs from the parameters: ``(Abar, Bbar, 2 C, D)``, computed once per decode; in
-        real arithmetic ([`use_real_arithmetic`]) as real `(..., 2)` tensors ([`s4d_step_constants`]), else complex."""
+        """[`s4d_step_constants`] ``(Abar, Bbar, 2 C, D)``: complex, real `(..., 2)` in real arithmetic."""
         with _no_autocast(self.log_dt.device.type):
             a_bar, b_bar, c2, skip = s4d_step_constants(*self.params(), compute_dtype(self.log_dt))
             if use_real_arithmetic():
@@ -470,13 +383,9 @@ class S4DKernel(nn.Module):
             return tuple(torch.complex(t[..., 0], t[..., 1]) for t in (a_bar, b_bar, c2)) + (skip,)
 
     def step(self, z_t: torch.Tensor, state: torch.Tensor, constants=None, seen: int | None = None):
-        """Recurrent form for one token. ``z_t`` `(B, Ds)`, ``state`` `(B, Ds, N2)` complex (or real
-        `(B, Ds, N2, 2)`: [`s4d_step`]) -> ``y_t`` `(B, C, Ds)` and the new state in the same form.
-
-        ``constants``: [`step_constants`] if already computed (they only change with the parameters). ``seen`` is
-        not needed (the state has a fixed size). A complex state steps with complex products: on the CPU one
-        vectorised complex multiply is several times faster than its four real ones on the interleaved layout.
-        """
+        """One token: ``z_t`` `(B, Ds)`, ``state`` `(B, Ds, N2)` complex (or real: [`s4d_step`]) -> ``y_t``
+        `(B, C, Ds)` and the new state in the same form (``seen`` unused). A complex state steps with complex
+        products: on the CPU several times faster than four real ones on the interleaved layout."""
         with _no_autocast(z_t.device.type):
             z_t = z_t.to(compute_dtype(self.log_dt))
             if constants is None or constants[0].is_complex() != state.is_complex():
@@ -490,14 +399,58 @@ class S4DKernel(nn.Module):
             return y + skip * z_t.unsqueeze(1), state
 
 
-def append_history(history: torch.Tensor, z_t: torch.Tensor) -> torch.Tensor:
-    """The last ``Lh`` inputs after ``z_t`` `(B, Ds)` joins ``history`` `(B, Ds, Lh)` (oldest first): amortised O(1).
+def grouped_chunk_tables(kernels: list, chunk: int, num_chunks: int, conv: bool = True) -> list:
+    """[`S4DKernel.chunk_tables`] of S4D kernels of one shape (modes, read-outs, dtype, device) from one call: their
+    parameters concatenated along the channels (every table is per channel), the tables split back per kernel."""
+    first = kernels[0]
+    dims = (0, 0, 0, 0, 1, 1)  # log_dt, A_log_real, A_imag, B: channels first; C, D: after the read-outs
+    params = [torch.cat(p, d) if len(kernels) > 1 else p[0] for p, d in zip(zip(*(k.params() for k in kernels)), dims)]
+    groups, _ = chunk_groups(num_chunks)
+    exps, offsets = chunk_exponents(chunk, groups, conv, compute_dtype(first.log_dt), first.log_dt.device)
+    with _no_autocast(first.log_dt.device.type):
+        rw, g, *scan = s4d_chunk_tables(params, exps, offsets, chunk, num_chunks, conv)
+    if len(kernels) == 1:
+        return [(rw, g, *scan)]
+    sizes = [k.channels for k in kernels]
+    parts = [rw.split(sizes), g.split(sizes)] + [t.split([n * first.n_modes for n in sizes]) for t in scan]
+    return list(zip(*parts))
 
-    The returned history is a view of a buffer with slack after its end: a step writes the new input into the next
-    free slot and moves the view by one, so the ``Lh`` inputs are copied only when the slack runs out (every
-    ``max(64, Lh // 4)`` steps) instead of at every step. Earlier views stay valid (a step writes only beyond
-    them). Out of place (a copy) where gradients flow or while tracing.
-    """
+
+class ChunkTables:
+    """The chunked-form tables ([`S4DKernel.chunk_tables`]) of a model's causal S4D kernels for one forward: the
+    first request for a kernel computes them for every listed kernel of its shape at once ([`grouped_chunk_tables`]:
+    one set of parameter-side ops and their autograd instead of one per layer). Kernels with hooks (adapters) or
+    whose parameters are not plain tensors here (sharded by FSDP, offloaded) are not listed: they compute their own."""
+
+    def __init__(self, kernels):
+        self.kernels = [
+            k
+            for k in kernels
+            if type(k) is S4DKernel
+            and k.chunk_len
+            and not k.bidirectional
+            and not (k._forward_hooks or k._forward_pre_hooks or hasattr(k, "_hf_hook"))
+            and all(type(p) is nn.Parameter and not p.is_meta for p in k.parameters())
+        ]
+        self.built = {}
+
+    @staticmethod
+    def shape(kernel) -> tuple:
+        return kernel.n_modes, kernel.out_channels, kernel.log_dt.dtype, kernel.log_dt.device
+
+    def get(self, kernel, chunk: int, num_chunks: int, conv: bool = True):
+        shape = self.shape(kernel)
+        key = (chunk, num_chunks, conv, *shape)
+        group = [k for k in self.kernels if self.shape(k) == shape]
+        if key not in self.built:
+            self.built[key] = grouped_chunk_tables(group, chunk, num_chunks, conv)
+        return self.built[key][group.index(kernel)]
+
+
+def append_history(history: torch.Tensor, z_t: torch.Tensor) -> torch.Tensor:
+    """The last ``Lh`` inputs after ``z_t`` `(B, Ds)` joins ``history`` `(B, Ds, Lh)` (oldest first), amortised O(1):
+    a view of a buffer with slack after its end, copied only when the slack runs out (earlier views stay valid).
+    Out of place where gradients flow or while tracing."""
     bsz, channels, length = history.shape
     if (torch.is_grad_enabled() and (history.requires_grad or z_t.requires_grad)) or tracing():
         return torch.cat([history[..., 1:], z_t[..., None]], -1)
@@ -531,21 +484,14 @@ class Sin(nn.Module):
         return torch.sin(self.freq * x)
 
 
-# Unstruct decoding in chunks of this many steps: once per chunk one FFT convolution gives the share of all earlier
-# inputs in the chunk's outputs ([`UnstructFilter.pending_outputs`]); a step adds a dot product over the chunk's own
-# inputs. 512 by measurement (~60M bst-unstruct at 64k context, 1 thread: mean 45.8 / 43.7 / 41.1 ms per token with
-# M = 128 / 256 / 512 in one run; a chunk's FFTs cost ~250 ms per layer there, the direct part <= M is negligible).
-# Mean over 1024 steps, 1k and 64k alternating: 38.8 / 42.6 / 41.6 / 44.6 ms per token (64k/1k 1.09).
+# Unstruct decoding in chunks of M steps ([`UnstructFilter.pending_outputs`]); 512 by measurement (~60M bst-unstruct
+# at 64k context, 1 thread: 45.8 / 43.7 / 41.1 ms per token with M = 128 / 256 / 512; docs/performance.md).
 UNSTRUCT_DECODE_CHUNK = 512
 
 
 class UnstructFilter(nn.Module):
-    """Hyena-style implicit long filter: ``h_t = exp(-alpha t) * FFN(PositionalFeatures(t))`` plus a bias (D term).
-
-    The positional feature table (trainable, `(1, Lmax, emb_dim)`) and the time grid are tied to
-    ``max_position_embeddings``: the filter has Lmax taps. Longer inputs see it as finite (taps at larger lags are
-    zero: [`spectrum`] pads them, a decoding history keeps the last Lmax inputs).
-    """
+    """Hyena-style implicit long filter ``h_t = exp(-alpha t) * FFN(PositionalFeatures(t))`` plus a bias (D term),
+    with Lmax = ``max_position_embeddings`` taps (trainable positional features `(1, Lmax, emb_dim)`)."""
 
     def __init__(self, channels: int, out_channels: int, config):
         super().__init__()
@@ -587,8 +533,7 @@ class UnstructFilter(nn.Module):
             )
         with _no_autocast(self.pos_emb.device.type):
             dtype = compute_dtype(self.pos_emb)
-            # The MLP's layers are called as modules (an adapter on them, e.g. LoRA's "all-linear", runs), in their
-            # weights' dtype: float32, as the model's SSM modules are kept.
+            # The MLP's layers are called as modules (an adapter on them, e.g. LoRA, runs), in their weights' dtype.
             h = unstruct_filters(
                 self.pos_emb[0, :length].to(dtype),
                 [lambda x, layer=layer: layer(x.to(layer.weight.dtype)) for layer in self.mlp],
@@ -602,9 +547,8 @@ class UnstructFilter(nn.Module):
             return h if self.bidirectional else h[0]
 
     def taps(self, total: int):
-        """The filter over ``total`` lags with the bias (D skip) folded into lag 0, and the backward filter of a
-        bidirectional one (else None)."""
-        # Lags beyond the filter length have no taps (callers keep real positions below max_len).
+        """The filter over ``total`` lags (none beyond Lmax) with the bias folded into lag 0, and the backward filter
+        of a bidirectional one (else None)."""
         h = self.filters(min(total, self.max_len))
         h = F.pad(h, (0, total - h.shape[-1]))
         bias = self.bias.to(h.dtype)
@@ -617,14 +561,9 @@ class UnstructFilter(nn.Module):
         forward, backward = self.taps(total)
         return causal_spectrum(forward) if backward is None else bidirectional_spectrum(forward, backward)
 
-    def direct_conv(self, u: torch.Tensor) -> torch.Tensor:
-        """The convolution of [`forward`] without an FFT ([`direct_causal_conv`]): the real-arithmetic form
-        ([`use_real_arithmetic`], ONNX export). ``u`` `(B, Ds, L)` -> `(B, C, Ds, L)`."""
-        forward, backward = self.taps(u.shape[-1])
-        return direct_causal_conv(u, forward) if backward is None else direct_bidirectional_conv(u, forward, backward)
-
-    def forward(self, z: torch.Tensor, history: torch.Tensor | None = None) -> torch.Tensor:
-        """``z`` `(B, L, Ds)` -> ``y`` `(B, L, C, Ds)`. ``history`` `(B, Ds, Lh)`: earlier inputs (continuation)."""
+    def forward(self, z: torch.Tensor, history: torch.Tensor | None = None, tables=None) -> torch.Tensor:
+        """``z`` `(B, L, Ds)` -> ``y`` `(B, L, C, Ds)`. ``history`` `(B, Ds, Lh)`: earlier inputs (continuation);
+        ``tables`` (S4D's [`ChunkTables`]) unused."""
         with _no_autocast(z.device.type):
             dtype = compute_dtype(self.pos_emb)
             u = z.to(dtype).transpose(1, 2)  # (B, Ds, L)
@@ -632,8 +571,13 @@ class UnstructFilter(nn.Module):
             if history is not None:
                 u = torch.cat([history.to(dtype), u], dim=-1)
             total = u.shape[-1]
-            if use_real_arithmetic():
-                y = self.direct_conv(u)
+            if use_real_arithmetic():  # no FFT (ONNX)
+                forward, backward = self.taps(total)
+                y = (
+                    direct_causal_conv(u, forward)
+                    if backward is None
+                    else direct_bidirectional_conv(u, forward, backward)
+                )
             else:
                 spectrum = memoised_spectrum(self, (total, dtype), lambda: self.spectrum(total))
                 y = fft_conv(u, spectrum)  # (B, C, Ds, L')
@@ -642,8 +586,7 @@ class UnstructFilter(nn.Module):
 
     @staticmethod
     def reverse_taps(taps: torch.Tensor) -> torch.Tensor:
-        """Taps `(C, Ds, Lh)` laid out for [`step`]: `(Ds, Lh, C)`, lag ``Lh - 1 - j`` at index ``j`` (oldest first,
-        like the history), contiguous, so that a step is one batched matrix product over a suffix of it."""
+        """Taps `(C, Ds, Lh)` laid out for [`step`]: `(Ds, Lh, C)`, lag ``Lh - 1 - j`` at index ``j`` (as the history)."""
         return taps.flip(-1).permute(1, 2, 0).contiguous()
 
     def output_at_newest(
@@ -653,13 +596,8 @@ class UnstructFilter(nn.Module):
         seen: int | None = None,
         reversed_taps: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Output at the newest input of ``history`` `(B, Ds, Lh)` (newest last): `(B, C, Ds)`.
-
-        One dot product with the history: ``y_t = sum_j h_j z_{t-j} + bias z_t``. ``seen`` (the most inputs any row
-        has) limits it to the last ``seen`` entries, which hold everything non-zero: the cost is O(t), not O(Lh).
-        ``taps`` (`(C, Ds, Lh)`, [`filters`]) or ``reversed_taps`` ([`reverse_taps`] of them, what a decoding cache
-        keeps) skip recomputing the filter.
-        """
+        """``y_t = sum_j h_j z_{t-j} + bias z_t`` at the newest input of ``history`` `(B, Ds, Lh)`: `(B, C, Ds)`, over
+        the last ``seen`` inputs only (O(seen)); ``taps`` ([`filters`]) or ``reversed_taps`` if already computed."""
         with _no_autocast(history.device.type):
             length = history.shape[-1]
             dtype = compute_dtype(self.pos_emb)
@@ -674,43 +612,35 @@ class UnstructFilter(nn.Module):
     # -- chunked decoding: a step's cost independent of the position -----------------------------------------------
     def pending_fft_size(self, n: int) -> int:
         """FFT size for [`pending_outputs`] of ``n`` inputs: the smallest ``2^k``, ``5 * 2^(k-2)`` or ``3 * 2^(k-1)``
-        >= ``n + M`` (no wrap-around; fast sizes with at most 25% padding above 4, few distinct sizes: the taps
-        spectrum is memoised per size)."""
+        >= ``n + M`` (no wrap-around; few distinct sizes, each memoised)."""
         need = n + self.decode_chunk
         power = 1 << (need - 1).bit_length()  # >= need
         return min(size for size in (power, power * 5 // 8, power * 3 // 4) if size >= need)
 
     def pending_spectrum(self, size: int, reversed_taps: torch.Tensor) -> torch.Tensor:
-        """rFFT (``size`` points) of the taps at lags ``0 .. size - 1`` (none beyond Lmax) from their stepping layout
-        ``reversed_taps`` `(Ds, Lmax, C)` ([`reverse_taps`]): `(C, Ds, size // 2 + 1)`."""
+        """rFFT (``size`` points) of the taps from ``reversed_taps`` ([`reverse_taps`]): `(C, Ds, size // 2 + 1)`."""
         with _no_autocast(reversed_taps.device.type):
             taps = reversed_taps.flip(1).permute(2, 0, 1)[..., :size]  # (C, Ds, min(Lmax, size)), lag order
             return torch.fft.rfft(taps.to(compute_dtype(self.pos_emb)), n=size)
 
     def pending_outputs(self, history: torch.Tensor, n: int, spectrum: torch.Tensor) -> torch.Tensor:
-        """The share of the inputs in ``history`` `(B, Ds, Lh)` in the next M outputs: `(B, C, Ds, M)`.
-
-        Entry k is ``sum_{j > k} h_j z_{t+k-j}`` for the k-th step after ``history`` (time t; lags beyond Lmax have
-        no taps), so that output = entry k + a dot product over the k + 1 newest inputs ([`step`] with ``pending``).
-        ``n``: the newest inputs that can be non-zero (the rest are skipped); ``spectrum``: [`pending_spectrum`] of
-        size [`pending_fft_size`] ``(n)``. One circular convolution of that size: output index n + k reads the
-        inputs at lags 1 .. n + M - 1 only, below the size, so nothing wraps around. O(n log n) once per M steps.
-        """
+        """The share of the ``n`` newest inputs of ``history`` `(B, Ds, Lh)` in the next M outputs, `(B, C, Ds, M)`:
+        entry k is ``sum_{j > k} h_j z_{t+k-j}`` (a step adds the k + 1 newest inputs). One circular convolution of
+        [`pending_fft_size`] ``(n)`` (``spectrum``: [`pending_spectrum`]), O(n log n) once per M steps."""
         with _no_autocast(history.device.type):
             size = self.pending_fft_size(n)
             x = history[..., history.shape[-1] - n :].to(spectrum.real.dtype)  # (B, Ds, n)
             y = torch.fft.irfft(torch.fft.rfft(x, n=size).unsqueeze(1) * spectrum.unsqueeze(0), n=size)
             return y[..., n : n + self.decode_chunk].contiguous()
 
-    # -- the recurrent contract shared with S4DKernel --------------------------------------------------------------
     def empty_state(self, batch_size: int, device) -> torch.Tensor:
-        """An empty input history `(B, Ds, Lmax)` (zeros: no input yet)."""
+        """An empty input history `(B, Ds, Lmax)`."""
         dtype = compute_dtype(self.pos_emb)
         return torch.zeros(batch_size, self.channels, self.max_len, dtype=dtype, device=device)
 
     def final_state(self, z: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
-        """The input history after ``z`` `(B, L, Ds)` (rows right-aligned): the last ``Lmax`` inputs, `(B, Ds, Lmax)`."""
-        hist = upcast_ssm(z, self.pos_emb).transpose(1, 2)
+        """The last ``Lmax`` inputs after ``z`` `(B, L, Ds)` (rows right-aligned): `(B, Ds, Lmax)`."""
+        hist = z.to(compute_dtype(self.pos_emb)).transpose(1, 2)
         if state is not None:
             hist = torch.cat([state.to(hist.dtype), hist], -1)
         if hist.shape[-1] < self.max_len:
@@ -730,13 +660,9 @@ class UnstructFilter(nn.Module):
         output: bool = True,
         pending: tuple[torch.Tensor, int] | None = None,
     ):
-        """Recurrent form for one token: ``z_t`` `(B, Ds)` joins the history ``state`` `(B, Ds, Lmax)`; returns the
-        output `(B, C, Ds)` (None when not ``output``: MF needs it only at block ends) and the new history.
-
-        ``seen`` (inputs of the longest row, this one included) limits the dot product to the entries that can be
-        non-zero: O(seen) per step. ``pending`` ``(buffer, k)``: this is step k (k < M) of a chunk whose
-        [`pending_outputs`] ``buffer`` were computed from the history before its first step; the output is
-        ``buffer[..., k]`` plus a dot product over the k + 1 newest inputs: O(M) per step."""
+        """``z_t`` `(B, Ds)` joins the history ``state``: the output `(B, C, Ds)` (None unless ``output``) and the new
+        history. ``seen``: inputs of the longest row (O(seen) per step); ``pending`` ``(buffer, k)``: step k of a
+        chunk with [`pending_outputs`] ``buffer`` (O(M) per step)."""
         history = append_history(state, z_t.to(state.dtype))
         if not output:
             return None, history
@@ -745,20 +671,14 @@ class UnstructFilter(nn.Module):
             return buffer[..., k] + self.output_at_newest(history, seen=k + 1, reversed_taps=constants), history
         return self.output_at_newest(history, seen=seen, reversed_taps=constants), history
 
-    def block_end_outputs(self, z: torch.Tensor, block_len: int, state: torch.Tensor | None = None):
+    def block_end_outputs(self, z: torch.Tensor, block_len: int, state: torch.Tensor | None = None, tables=None):
         """Outputs at the last token of every block: `(B, nb*W, Ds)` -> `(B, nb, C, Ds)`."""
         return self(z, state)[:, block_len - 1 :: block_len]
 
 
 class PerFilterS4D(nn.Module):
-    """MF with one SSM per filter: each of the S filters has its own ``(Lambda, B, dt)`` (and C, D), instead of S
-    read-outs of one shared state. Same contract as [`S4DKernel`] (``forward``, ``final_state``, ``step``,
-    ``block_end_outputs``: still the exact block-end fast path), computed by one S4D kernel over S * Ds channels that
-    all read the same input; its state is `(B, S * Ds, N2)`.
-
-    With a shared state of N/2 complex modes, the S outputs at a block end span at most N + 1 dimensions per
-    channel; independent filters span S.
-    """
+    """MF with one SSM per filter (its own ``(Lambda, B, dt, C, D)``) instead of S read-outs of one shared state: one
+    S4D kernel over S * Ds channels that all read the same input (state `(B, S * Ds, N2)`), same contract."""
 
     def __init__(self, channels: int, out_channels: int, state_size: int, config):
         super().__init__()
@@ -779,8 +699,8 @@ class PerFilterS4D(nn.Module):
     def step_constants(self):
         return self.kernel.step_constants()
 
-    def forward(self, z: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
-        return self._split(self.kernel(self._repeat(z), state))
+    def forward(self, z: torch.Tensor, state: torch.Tensor | None = None, tables=None) -> torch.Tensor:
+        return self._split(self.kernel(self._repeat(z), state, tables))
 
     def final_state(self, z: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
         return self.kernel.final_state(self._repeat(z), state)
@@ -789,5 +709,5 @@ class PerFilterS4D(nn.Module):
         y, state = self.kernel.step(self._repeat(z_t), state, constants)
         return self._split(y), state
 
-    def block_end_outputs(self, z: torch.Tensor, block_len: int, state: torch.Tensor | None = None):
-        return self._split(self.kernel.block_end_outputs(self._repeat(z), block_len, state))
+    def block_end_outputs(self, z: torch.Tensor, block_len: int, state: torch.Tensor | None = None, tables=None):
+        return self._split(self.kernel.block_end_outputs(self._repeat(z), block_len, state, tables))

@@ -19,7 +19,8 @@ from reference import (
 )
 
 from modeling_bst import ssm_bst
-from modeling_bst.ssm_bst import S4DKernel, UnstructFilter, append_history, fft_bidirectional_conv, fft_causal_conv
+from modeling_bst.functional_bst import causal_spectrum
+from modeling_bst.ssm_bst import S4DKernel, UnstructFilter, append_history, bidirectional_spectrum, fft_conv
 
 
 F64 = dict(atol=1e-12, rtol=1e-10)
@@ -136,8 +137,9 @@ def test_s4d_real_arithmetic_equals_complex_reference(length):
     ids=["f64", "f32"],
 )
 def test_fft_causal_conv_matches_direct(dtype, tol, length):
+    """The FFT convolution with a causal spectrum (size 2L) is the direct causal sum."""
     u, k = torch.randn(2, 3, length, dtype=dtype), torch.randn(4, 3, length, dtype=dtype)
-    out = fft_causal_conv(u, k)
+    out = fft_conv(u, causal_spectrum(k))
     assert out.shape == (2, 4, 3, length) and out.dtype == dtype
     torch.testing.assert_close(out.double(), direct_causal_conv(u, k), **tol)
 
@@ -151,7 +153,7 @@ def test_fft_causal_conv_matches_direct(dtype, tol, length):
 def test_fft_bidirectional_conv_matches_two_sided_sum(dtype, tol, length):
     u = torch.randn(2, 3, length, dtype=dtype)
     kf, kb = torch.randn(2, 3, length, dtype=dtype), torch.randn(2, 3, length, dtype=dtype)
-    out = fft_bidirectional_conv(u, kf, kb)
+    out = fft_conv(u, bidirectional_spectrum(kf, kb))
     assert out.shape == (2, 2, 3, length)
     torch.testing.assert_close(out.double(), two_sided_conv(u, kf, kb), **tol)
 

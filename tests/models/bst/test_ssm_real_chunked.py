@@ -8,7 +8,7 @@ from conftest import tiny_config
 from reference import complex_block_end_outputs, complex_chunked_forward, s4d_recurrence
 
 from benchmarks.ssm_ops import OpCounter, count, make_kernel
-from modeling_bst.ssm_bst import PerFilterS4D, S4DKernel, chunk_groups
+from modeling_bst.ssm_bst import ChunkTables, PerFilterS4D, S4DKernel, chunk_groups, grouped_chunk_tables
 
 
 F64 = dict(atol=1e-12, rtol=1e-10)
@@ -201,3 +201,104 @@ def test_compiled_fullgraph_forward_backward_matches_eager():
     (grad,) = torch.autograd.grad(loss, z)
     torch.testing.assert_close(loss, eager, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grad, grad_eager, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_chunk_tables_equal_each_kernels_own():
+    """One call for kernels of one shape (parameters concatenated along the channels) gives each kernel the tables
+    it computes alone, conv and block-end (conv=False) forms, one chunk and scanned."""
+    kernels = [make_s4d(channels=c, out_channels=3) for c in (5, 2, 7)]
+    for chunk, num_chunks, conv in [(4, 1, True), (4, 10, True), (8, 5, False)]:
+        grouped = grouped_chunk_tables(kernels, chunk, num_chunks, conv)
+        for kernel, tables in zip(kernels, grouped):
+            own = kernel.chunk_tables(chunk, num_chunks, conv)
+            assert len(tables) == len(own)
+            for a, b in zip(tables, own):
+                torch.testing.assert_close(a, b, **F64)
+
+
+def model_outputs_and_grads(model, ids):
+    model.zero_grad()
+    logits = model(ids).logits
+    (
+        logits * torch.randn(logits.shape, generator=torch.Generator().manual_seed(3), dtype=logits.dtype)
+    ).sum().backward()
+    return logits.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("variant", ["sh-s4", "mh-s4", "mf-s4"])
+def test_model_shares_chunk_tables_with_per_layer_numbers(variant, monkeypatch):
+    """A training forward computes the chunk tables of its BST layers' S4D kernels in one call; logits and every
+    gradient (float64) are those of each layer computing its own (hooked kernels compute their own)."""
+    from conftest import SEQ_LEN, make_model
+
+    from modeling_bst import ssm_bst
+
+    model = make_model(variant, dtype=torch.float64, bst_layer_indices=[0, 1, 2]).train()
+    for m in model.modules():
+        if isinstance(m, S4DKernel):
+            m.chunk_len = 4
+    ids = torch.randint(0, 97, (2, 4 * SEQ_LEN))
+    calls = []
+    grouped = ssm_bst.grouped_chunk_tables
+    monkeypatch.setattr(ssm_bst, "grouped_chunk_tables", lambda ks, *a: calls.append(len(ks)) or grouped(ks, *a))
+    shared = model_outputs_and_grads(model, ids)
+    assert calls == [3]
+    calls.clear()
+    for layer in model.model.layers:
+        layer.ssm.register_forward_hook(lambda *args: None)
+    alone = model_outputs_and_grads(model, ids)
+    assert calls == [1, 1, 1]
+    assert_same(shared, alone)
+
+
+def test_compiled_model_training_step_is_one_graph_without_complex_values():
+    """torch.compile(fullgraph=True) of a training step of a model whose BST layers share their chunk tables: one
+    graph, no complex value in AOTAutograd's forward and backward graphs, eager's loss and gradients."""
+    from conftest import SEQ_LEN, make_model
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    torch._dynamo.reset()
+    model = make_model("sh-s4", bst_layer_indices=[0, 1, 2]).train()
+    for m in model.modules():
+        if isinstance(m, S4DKernel):
+            m.chunk_len = 4
+    ids = torch.randint(0, 97, (1, 4 * SEQ_LEN))
+    graphs, aot = [], []
+
+    def keep(gm, example_inputs):
+        aot.append(gm)
+        return make_boxed_func(gm.forward)
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return aot_autograd(fw_compiler=keep, bw_compiler=keep)(gm, example_inputs)
+
+    def step():
+        model.zero_grad()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    eager = step()
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    model.zero_grad()
+    loss = compiled(ids, labels=ids).loss
+    loss.backward()
+    torch._dynamo.reset()
+    assert len(graphs) == 1 and len(aot) == 2
+    values = [n.meta.get("val") for gm in aot for n in gm.graph.nodes]
+    assert not any(isinstance(v, torch.Tensor) and v.is_complex() for v in values)
+    torch.testing.assert_close(loss.detach(), eager[0], rtol=1e-5, atol=1e-5)
+    for p, g in zip(model.parameters(), eager[1]):
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-5)
+
+
+def test_chunk_tables_list_only_kernels_whose_parameters_are_plain_here():
+    """Kernels with hooks (adapters, offloading) or parameters that are not plain tensors in this forward (meta:
+    offloaded; FSDP's sharded DTensors likewise) compute their own tables."""
+    plain = [make_s4d(), make_s4d()]
+    hooked = make_s4d()
+    hooked.register_forward_pre_hook(lambda *args: None)
+    offloaded = make_s4d().to("meta")
+    assert ChunkTables(plain + [hooked, offloaded]).kernels == plain
