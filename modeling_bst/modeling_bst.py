@@ -44,6 +44,7 @@ from transformers.modeling_outputs import (
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import can_return_tuple, logging
+from transformers.utils.output_capturing import capture_outputs
 
 from .attention_bst import BSTRMSNorm, flex_block_attention, grouped_flex, use_flex
 from .cache_bst import ATTENTION_RING, BSTCache, BSTLayerCache, own_layers
@@ -418,18 +419,17 @@ class BSTBlockSelfAttention(nn.Module):
         layer_cache.fill_ring(ATTENTION_RING, k.detach(), v.detach(), lens, self.ring, positions)
 
     # -- full-sequence form --------------------------------------------------------------------------------------
-    def forward(self, q, k, v, lengths=None, layer_cache=None, positions=None, num_positions=None, weights=False):
+    def forward(self, q, k, v, lengths=None, layer_cache=None, positions=None, weights=False):
         """
         Args:
             q, k, v (`torch.Tensor` of shape `(B, T, H, d_h)`): from [`project`]; T is a multiple of W.
             lengths (`torch.LongTensor` of shape `(B,)`, *optional*): real tokens per row (right padding).
             layer_cache, positions: a continued sequence (rows block-aligned) sees the cached previous block.
-            num_positions (`int`, *optional*): leading positions the returned weights cover.
-            weights (`bool`): also return the attention weights (eager attention).
+            weights (`int`): return the attention weights of the first n = ``weights`` positions (0: none; eager).
 
         Returns:
-            the attention output `(B, T, H * d_h)` and the weights `(B, H, n, K)` by key column (n =
-            ``num_positions``; K = n, or W + n after a cached previous block), None unless ``weights``.
+            the attention output `(B, T, H * d_h)` and the weights `(B, H, n, K)` by key column (K = n, or W + n
+            after a cached previous block), None unless ``weights``.
         """
         bsz, seq_len, heads, hd = q.shape
         drop = self.config.attention_dropout if self.training else 0.0
@@ -438,7 +438,7 @@ class BSTBlockSelfAttention(nn.Module):
             previous = self.previous_block(layer_cache, positions)
         probs = None
         if weights:
-            out, probs = self.dense(q, k, v, previous, lengths, num_positions or seq_len, drop)
+            out, probs = self.dense(q, k, v, previous, lengths, weights, drop)
         elif use_flex(self, q, drop, k, v):
             out = flex_block_attention(self, q, k, v, lengths, previous)
         else:
@@ -580,11 +580,11 @@ class BSTBlockSelfAttention(nn.Module):
         return torch.cat([out[:, :1] * keep, out[:, 1:]], 1)
 
     # -- recurrent form ------------------------------------------------------------------------------------------
-    def step(self, q, k, v, layer_cache: BSTLayerCache, plan: StepPlan, weights=False):
+    def step(self, q, k, v, layer_cache: BSTLayerCache, plan: StepPlan):
         """One token per row at ``plan.positions`` `(B,)`: writes its key/value into the ring, then attends over the
         W previous (or most recent) tokens. ``q``/``k``/``v`` `(B, 1, H, d_h)` from [`project`].
 
-        Returns the output `(B, 1, H * d_h)`, the weights `(B, H, 1, R)` over the ring (None unless ``weights``)
+        Returns the output `(B, 1, H * d_h)`, the weights `(B, H, 1, R)` over the ring (None unless ``plan.weights``)
         and the ring ``(keys, values, key positions)`` after the write (a BRecT cell reads them at block ends).
         """
         bsz, _, heads, hd = q.shape
@@ -599,7 +599,7 @@ class BSTBlockSelfAttention(nn.Module):
             self, q.transpose(1, 2), ring_k.transpose(1, 2), ring_v.transpose(1, 2), bias, 0.0, True
         )
         out = out * any_key
-        probs = probs * any_key if weights else None
+        probs = probs * any_key if plan.weights else None
         return out.reshape(bsz, 1, heads * hd), probs, (ring_k, ring_v, kpos)
 
     def step_window(self, kpos, positions):
@@ -647,15 +647,15 @@ class BSTCrossAttention(nn.Module):
             q = l2_normalize(q)
         return q * self.scale.to(q.dtype)[:, None]
 
-    def forward(self, xn, keys, values, mask=None, zero_first=False, num_positions=None, weights=False):
+    def forward(self, xn, keys, values, mask=None, zero_first=False, weights=False):
         """
         Args:
             xn (`torch.Tensor` of shape `(B, T, D)`): the normalised layer input; T is a multiple of W.
             keys, values (`torch.Tensor` of shape `(B, nb, S, H, d_h)`): per block, what its queries attend to.
             mask (`torch.Tensor` of shape `(W, S)`, *optional*): additive mask within a block (SH/MH: triangular).
             zero_first (`bool`): the first query of every block sees nothing (strict mask) and gets zeros.
-            num_positions (`int`, *optional*): leading positions the returned weights cover.
-            weights (`bool`): also return the attention weights `(B, H, T, S)` (eager attention).
+            weights (`int`): return the attention weights `(B, H, n, S)` of the first n = ``weights`` positions (0:
+                none; eager attention).
 
         Returns:
             the output `(B, T, H * d_h)` and the weights (None unless ``weights``).
@@ -689,8 +689,7 @@ class BSTCrossAttention(nn.Module):
         if weights:  # (B nb, H, W, S) -> (B, H, T, S)
             if zero_first:
                 probs = torch.cat([torch.zeros_like(probs[:, :, :1]), probs[:, :, 1:]], 2)
-            probs = probs.view(bsz, nb, heads, w, s).transpose(1, 2).reshape(bsz, heads, seq_len, s)
-            probs = probs[:, :, : num_positions or seq_len]
+            probs = probs.view(bsz, nb, heads, w, s).transpose(1, 2).reshape(bsz, heads, seq_len, s)[:, :, :weights]
         return out.reshape(bsz, seq_len, heads * hd), probs
 
     def step(self, xn, keys, values, mask=None, any_valid=None, weights=False):
@@ -722,11 +721,12 @@ class BSTMLP(nn.Module):
 class BSTLayer(GradientCheckpointingLayer):
     """What every decoder layer shares: its place in the stack, the input norm, dropout, and the call contract.
 
-    ``layer(hidden_states, layer_cache, inputs, output_attentions)`` runs one of two forms that share every
-    parameter, picked by ``inputs``: the full-sequence form ([`sequence`]; ``inputs`` a [`SequencePass`] or None:
-    training, prefill, a block-aligned chunk continuing ``layer_cache``) or the recurrent form ([`step`]; ``inputs``
-    a [`StepPlan`]: one token per row, advancing ``layer_cache`` in place). Both return ``(hidden_states,
-    self_attention_weights, second_attention_weights)`` (None where a layer has none or they were not asked for).
+    ``layer(hidden_states, layer_cache, chunk)`` runs the layer over a forward's [`_Chunk`] (``layout_bst.py``), which
+    calls its two forms: [`sequence`] (a [`SequencePass`]: training, prefill, a block-aligned chunk continuing
+    ``layer_cache``) and [`step`] (a [`StepPlan`]: one token per row, advancing ``layer_cache`` in place). Both return
+    ``(hidden_states, self_attention_weights, second_attention_weights)`` (None where a layer has none or they were
+    not asked for). Without a chunk, ``hidden_states`` `(B, T, D)` (T a multiple of W) runs as one fresh sequence.
+    Returns the hidden states, and the weights too when the chunk asks for them.
     """
 
     def __init__(self, config: BSTConfig, layer_idx: int):
@@ -737,37 +737,17 @@ class BSTLayer(GradientCheckpointingLayer):
         self.input_norm = BSTRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        layer_cache: BSTLayerCache | None = None,
-        inputs: SequencePass | StepPlan | None = None,
-        output_attentions: bool = False,
-    ):
-        """
-        Args:
-            hidden_states (`torch.Tensor` of shape `(B, T, D)`): rows aligned to start at their first real token; in
-                the full-sequence form T is a multiple of W and rows are right-padded; in the recurrent form T = 1.
-            layer_cache ([`BSTLayerCache`], *optional*): read (continuation / decoding) and written.
-            inputs ([`SequencePass`] or [`StepPlan`], *optional*): what the pass shares across layers; its type picks
-                the form.
-            output_attentions (`bool`): also return the attention weights (eager attention).
+    def forward(self, hidden_states: torch.Tensor, layer_cache: BSTLayerCache | None = None, chunk=None):
+        if chunk is None:
+            return self.sequence(hidden_states, layer_cache, SequencePass())[0]
+        out = chunk.run(self, layer_cache, hidden_states)
+        return out if chunk.weights else out[0]
 
-        Returns:
-            ``hidden_states`` `(B, T, D)`; with ``output_attentions`` the tuple ``(hidden_states,
-            self_attention_weights, second_attention_weights)``.
-        """
-        if isinstance(inputs, StepPlan):
-            out = self.step(hidden_states, layer_cache, inputs, output_attentions)
-        else:
-            out = self.sequence(hidden_states, layer_cache, inputs or SequencePass(), output_attentions)
-        return out if output_attentions else out[0]
-
-    def sequence(self, hidden_states, layer_cache, inputs: SequencePass, weights: bool):
+    def sequence(self, hidden_states, layer_cache, inputs: SequencePass):
         """The full-sequence form."""
         raise NotImplementedError
 
-    def step(self, hidden_states, layer_cache, plan: StepPlan, weights: bool):
+    def step(self, hidden_states, layer_cache, plan: StepPlan):
         """The recurrent form."""
         raise NotImplementedError
 
@@ -802,33 +782,31 @@ class BSTDecoderLayer(BSTLayer):
         """The modules of step 3 (none in a block layer)."""
         self.cross_attn = None
 
-    def attend_states(self, hidden_states, xn, k, v, layer_cache, inputs: SequencePass, weights: bool):
+    def attend_states(self, hidden_states, xn, k, v, layer_cache, inputs: SequencePass):
         """Step 3 in the full-sequence form: ``(output (B, T, H d_h), weights)``, or None for a layer without a
         second attention. ``xn`` the normed input, ``k``/``v`` the self-attention's keys/values."""
         return None
 
-    def step_states(self, hidden_states, xn, ring, layer_cache, plan: StepPlan, weights: bool):
+    def step_states(self, hidden_states, xn, ring, layer_cache, plan: StepPlan):
         """Step 3 in the recurrent form (``ring``: the self-attention ring after this token's write)."""
         return None
 
-    def sequence(self, hidden_states, layer_cache, inputs: SequencePass, weights: bool):
+    def sequence(self, hidden_states, layer_cache, inputs: SequencePass):
         # 1. Pre-attention norm (meliad's dropout on it). 2. Block self-attention.
         xn = self.dropout(self.input_norm(hidden_states))
         q, k, v = self.self_attn.project(xn)  # (B, T, H, d_h)
-        a_self, self_w = self.self_attn(
-            q, k, v, inputs.lengths, layer_cache, inputs.positions, inputs.num_positions, weights
-        )
+        a_self, self_w = self.self_attn(q, k, v, inputs.lengths, layer_cache, inputs.positions, inputs.weights)
         # 3. The layer type's second attention (context states or recurrent state).
-        second = self.attend_states(hidden_states, xn, k, v, layer_cache, inputs, weights)
+        second = self.attend_states(hidden_states, xn, k, v, layer_cache, inputs)
         if inputs.fill_cache:
             self.self_attn.write_cache(layer_cache, k, v, inputs.lengths, inputs.positions)
         return self.output(hidden_states, a_self, self_w, second, self.dropout)
 
-    def step(self, hidden_states, layer_cache, plan: StepPlan, weights: bool):
+    def step(self, hidden_states, layer_cache, plan: StepPlan):
         xn = self.input_norm(hidden_states)
         q, k, v = self.self_attn.project(xn)
-        a_self, self_w, ring = self.self_attn.step(q, k, v, layer_cache, plan, weights)
-        second = self.step_states(hidden_states, xn, ring, layer_cache, plan, weights)
+        a_self, self_w, ring = self.self_attn.step(q, k, v, layer_cache, plan)
+        second = self.step_states(hidden_states, xn, ring, layer_cache, plan)
         return self.output(hidden_states, a_self, self_w, second, None)
 
     def output(self, hidden_states, a_self, self_w, second, dropout):
@@ -854,17 +832,17 @@ class BSTContextLayer(BSTDecoderLayer):
         self.context = CONTEXT_BUILDERS[config.context_mode](config)
         self.cross_attn = BSTCrossAttention(config)
 
-    def attend_states(self, hidden_states, xn, k, v, layer_cache, inputs: SequencePass, weights: bool):
+    def attend_states(self, hidden_states, xn, k, v, layer_cache, inputs: SequencePass):
         x = self.dropout(hidden_states) if self.config.ssm_input == "raw" else xn
         keys, values, mask, zero_first = self.context(
             self.ssm, x, layer_cache, inputs.positions, inputs.doc_start, inputs.lengths, inputs.fill_cache
         )
-        return self.cross_attn(xn, keys, values, mask, zero_first, inputs.num_positions, weights)
+        return self.cross_attn(xn, keys, values, mask, zero_first, inputs.weights)
 
-    def step_states(self, hidden_states, xn, ring, layer_cache, plan: StepPlan, weights: bool):
+    def step_states(self, hidden_states, xn, ring, layer_cache, plan: StepPlan):
         x = hidden_states if self.config.ssm_input == "raw" else xn
         keys, values, mask, any_valid = self.context(self.ssm, x, layer_cache, plan=plan)
-        return self.cross_attn.step(xn, keys, values, mask, any_valid, weights)
+        return self.cross_attn.step(xn, keys, values, mask, any_valid, plan.weights)
 
 
 class BSTRecurrentLayer(BSTDecoderLayer):
@@ -880,18 +858,18 @@ class BSTRecurrentLayer(BSTDecoderLayer):
         self.recurrent = BSTRecurrentState(config)
         self.cross_attn = BSTCrossAttention(config)
 
-    def attend_states(self, hidden_states, xn, k, v, layer_cache, inputs: SequencePass, weights: bool):
+    def attend_states(self, hidden_states, xn, k, v, layer_cache, inputs: SequencePass):
         positions = inputs.positions
         continued = layer_cache is not None and positions is not None
         previous = self.self_attn.previous_block(layer_cache, positions) if continued else None
         keys, values = self.recurrent(
             k, v, previous, inputs.lengths, layer_cache, positions, inputs.doc_start, inputs.fill_cache
         )
-        return self.cross_attn(xn, keys, values, num_positions=inputs.num_positions, weights=weights)
+        return self.cross_attn(xn, keys, values, weights=inputs.weights)
 
-    def step_states(self, hidden_states, xn, ring, layer_cache, plan: StepPlan, weights: bool):
+    def step_states(self, hidden_states, xn, ring, layer_cache, plan: StepPlan):
         keys, values = self.recurrent.step_keys_values(layer_cache, plan)
-        out = self.cross_attn.step(xn, keys, values, weights=weights)
+        out = self.cross_attn.step(xn, keys, values, weights=plan.weights)
         self.recurrent.step_update(ring, layer_cache, plan)
         return out
 
@@ -923,7 +901,7 @@ class BSTGSSLayer(BSTLayer):
         h = hidden_states + self.dropout(self.o_proj(self.y_proj(y.to(v.dtype)) * v))
         return h, None, None
 
-    def sequence(self, hidden_states, layer_cache, inputs: SequencePass, weights: bool):
+    def sequence(self, hidden_states, layer_cache, inputs: SequencePass):
         u, v = self.gates(hidden_states)
         lengths = inputs.lengths
         state0 = layer_cache.ssm_state if layer_cache is not None and inputs.positions is not None else None
@@ -938,7 +916,7 @@ class BSTGSSLayer(BSTLayer):
             layer_cache.set_ssm(self.ssm.final_state(u_right.detach(), state0).detach())
         return self.output(hidden_states, y, v)
 
-    def step(self, hidden_states, layer_cache, plan: StepPlan, weights: bool):
+    def step(self, hidden_states, layer_cache, plan: StepPlan):
         u, v = self.gates(hidden_states)
         constants = step_memo(plan.memo, (id(self), "ssm"), (), self.ssm.parameters(), self.ssm.step_constants)
         y, state = self.ssm.step(u[:, 0], layer_cache.ssm_state, constants)  # y (B, 1, Ds)
@@ -1012,6 +990,8 @@ class BSTPreTrainedModel(PreTrainedModel):
     # (the same modules; transformers wants the two lists disjoint).
     _keep_in_fp32_modules_strict = ["ssm"]
     _keep_in_fp32_modules = [r"(.*\.)?ssm"]
+    # Each layer's output, in the caller's columns (BSTModel.chunk_forward); the attention weights are collected there.
+    _can_record_outputs = {"hidden_states": BSTLayer}
 
     def post_init(self):
         # A model without SSM kernels (Slide, Transformer-XL, BRecT) has nothing to keep in float32.
@@ -1203,84 +1183,92 @@ class BSTModel(BSTPreTrainedModel):
         row (several documents: ``position_ids`` that restart, or ``cu_seq_lens_q/k``, in ``kwargs``) runs each
         document as a row of its own and equals the documents run apart ([`_Documents`]); it takes no cache."""
         cfg = self.config
-        cache = given = None if cfg.bidirectional else cache
-        asked_cache = use_cache
-        use_cache = (
-            use_cache if use_cache is not None else cfg.use_cache and not self.training
-        ) and not cfg.bidirectional
-        output_hidden_states = output_hidden_states if output_hidden_states is not None else cfg.output_hidden_states
-        output_attentions = self._attention_weights(output_attentions)
+        cache = None if cfg.bidirectional else cache
         if cache is not None:
             own_layers(cache, cfg)  # a BSTCache, or a DynamicCache / StaticCache of BST layers (made by generate)
-        bsz, seq_len = self._check_inputs(input_ids, inputs_embeds, attention_mask, cache)
+        shape = self._check_inputs(input_ids, inputs_embeds, attention_mask, cache)
+        hidden_states = output_hidden_states if output_hidden_states is not None else cfg.output_hidden_states
         # (the causal LM head finds the documents once for itself and the model: ``_document_starts``)
         if "_document_starts" in kwargs:
             starts = kwargs["_document_starts"]
         else:
-            starts = _Documents.starts(kwargs, attention_mask, (bsz, seq_len))
-        if starts is not None:
-            if given is not None or asked_cache:
-                raise ValueError(
-                    "A packed row (position_ids restarting inside a row, or cu_seq_lens_q/k) cannot fill or continue "
-                    "a cache: its documents are separate sequences. Pass use_cache=False; generate from one row per "
-                    "sequence."
-                )
-            if output_attentions:
-                raise ValueError("A packed row returns no attention weights: pass output_attentions=False.")
-            docs = _Documents(starts, cfg.block_len)
-            inner = [
-                self.forward(
-                    input_ids=ids,
-                    inputs_embeds=embeds,
-                    attention_mask=mask,
-                    use_cache=False,
-                    output_hidden_states=output_hidden_states,
-                    return_dict=True,
-                )
-                for ids, embeds, mask in zip(docs.rows(input_ids), docs.rows(inputs_embeds), docs.masks)
-            ]
-            all_hidden = [out.hidden_states for out in inner] if output_hidden_states else None
-            return BaseModelOutputWithPastAndCrossAttentions(
-                last_hidden_state=docs.columns([out.last_hidden_state for out in inner]),
-                hidden_states=None if all_hidden is None else tuple(map(docs.columns, zip(*all_hidden))),
+            starts = _Documents.starts(kwargs, attention_mask, shape)
+        if starts is None:
+            return self.chunk_forward(
+                input_ids,
+                attention_mask,
+                cache,
+                inputs_embeds,
+                use_cache,
+                output_hidden_states=hidden_states,
+                output_attentions=self._attention_weights(output_attentions),
+                return_dict=True,
             )
+        if cache is not None or use_cache:
+            raise ValueError(
+                "A packed row (position_ids restarting inside a row, or cu_seq_lens_q/k) cannot fill or continue "
+                "a cache: its documents are separate sequences. Pass use_cache=False; generate from one row per "
+                "sequence."
+            )
+        if self._attention_weights(output_attentions):
+            raise ValueError("A packed row returns no attention weights: pass output_attentions=False.")
+        docs = _Documents(starts, cfg.block_len)
+        inner = [
+            self.chunk_forward(ids, mask, None, embeds, False, output_hidden_states=hidden_states, return_dict=True)
+            for ids, embeds, mask in zip(docs.rows(input_ids), docs.rows(inputs_embeds), docs.masks)
+        ]
+        hidden = None
+        if inner[0].hidden_states is not None:
+            per_layer = zip(*(out.hidden_states for out in inner))
+            hidden = tuple(None if h[0] is None else docs.columns(h) for h in per_layer)
+        return BaseModelOutputWithPastAndCrossAttentions(
+            last_hidden_state=docs.columns([out.last_hidden_state for out in inner]), hidden_states=hidden
+        )
+
+    @capture_outputs
+    def chunk_forward(
+        self, input_ids, attention_mask, cache, inputs_embeds, use_cache, output_attentions=False, **kwargs
+    ):
+        """One chunk continuing ``cache`` ([`_Chunk`]); [`forward`] without packed rows. Hidden states are recorded by
+        transformers' hooks on the layers (``_can_record_outputs``); the attention weights are collected here: a
+        layer without them (a block layer's cross-attention, a GSS layer) reports None, which a hook skips."""
+        cfg = self.config
+        given = cache
+        use_cache = (
+            use_cache if use_cache is not None else cfg.use_cache and not self.training
+        ) and not cfg.bidirectional
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        bsz, seq_len = hidden.shape[:2]
         if use_cache and cache is None:
             cache = BSTCache(cfg, bsz)
         # Constants derived from parameters, kept for one decoding run (from the prefill of a cache on).
         memo = self.__dict__.setdefault("step_memo", {})
         if cache is not None and cache.layers[0].is_empty:
             memo.clear()
-        chunk = _Chunk(cache, attention_mask, (bsz, seq_len), cfg, hidden.device, host_can_branch(hidden), memo)
+        chunk = _Chunk(
+            cache, attention_mask, (bsz, seq_len), cfg, hidden.device, host_can_branch(hidden), memo,
+            output_attentions, bool(kwargs.get("output_hidden_states")),
+        )  # fmt: skip
         self._check_unstruct_length(seq_len, cache, not chunk.fresh)
-        all_hidden = [hidden] if output_hidden_states else None
-        all_attn, all_cross = ([], []) if output_attentions else (None, None)
-        state = chunk.enter(hidden)
         if not cfg.meliad_dropout:  # embedding dropout, on every chunk (a streamed segment continuing a cache too)
-            state = (self.dropout(state[0]), self.dropout(state[1]))
+            hidden = self.dropout(hidden)
+        hidden = chunk.into_layers(hidden)
+        all_attn, all_cross = [], []
         for layer_idx, layer in enumerate(self.layers):
-            if all_hidden is not None and layer_idx > 0:
-                # The recorded tensor is the one the next layer reads (gradients reach it).
-                all_hidden.append(chunk.columns(state))
-                state = chunk.enter(all_hidden[-1])
-            layer_cache = cache.layers[layer_idx] if cache is not None else None
-            state, attn, cross = chunk.run(layer, layer_cache, state, output_attentions)
-            if all_attn is not None:
-                all_attn.append(attn)
-                all_cross.append(cross)
+            out = layer(hidden, cache.layers[layer_idx] if cache is not None else None, chunk)
+            hidden, attn, cross = out if output_attentions else (out, None, None)
+            all_attn.append(attn)
+            all_cross.append(cross)
         chunk.finish()
-        hidden = self.norm(chunk.columns(state))
-        if all_hidden is not None:
-            all_hidden.append(hidden)
+        hidden = self.norm(chunk.out_of_layers(hidden))
         if cache is not None and self.training:
             for layer_cache in cache.layers:
                 layer_cache.detach()
         return BaseModelOutputWithPastAndCrossAttentions(
             last_hidden_state=hidden,
             **{CACHE_NAME: cache if use_cache or given is not None else None},
-            hidden_states=tuple(all_hidden) if all_hidden is not None else None,
-            attentions=tuple(all_attn) if all_attn is not None else None,
-            cross_attentions=tuple(all_cross) if all_cross is not None else None,
+            attentions=tuple(all_attn) if output_attentions else None,
+            cross_attentions=tuple(all_cross) if output_attentions else None,
         )
 
     def _attention_weights(self, output_attentions: bool | None) -> bool:
