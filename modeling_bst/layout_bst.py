@@ -1,8 +1,6 @@
-"""How one forward's input reaches the layers of the Block-State Transformer: a padded batch packed into the
-block layout of the full-sequence form and back ([`_Layout`]), and the split of an input that continues the cache into
-a full-sequence part and one-token steps ([`_Chunk`]), with what one step shares across layers ([`StepPlan`]).
-``BSTModel.forward`` in ``modeling_bst.py`` runs every layer through a [`_Chunk`].
-"""
+"""How one forward's input reaches the layers: a padded batch in the block layout of the full-sequence form
+([`_Layout`]), an input continuing the cache split into a full-sequence part and one-token steps ([`_Chunk`]), what
+one step shares across layers ([`StepPlan`]), packed documents ([`_Documents`])."""
 
 from dataclasses import dataclass
 
@@ -14,12 +12,8 @@ from .utils_bst import gather_rows, host_can_branch
 
 
 class _Layout:
-    """Maps a padded batch in the caller's columns onto rows that start at their first real token and are padded
-    on the right to a multiple of W (the layout of the full-sequence form), and back.
-
-    ``attention_mask`` may mark real tokens anywhere (left, right or holes in the middle): each row's real tokens
-    are packed in order, so a row equals the sequence of its real tokens alone.
-    """
+    """A padded batch in the caller's columns <-> rows that start at their first real token, right-padded to a multiple
+    of W (the full-sequence form's layout); real tokens may be anywhere (left, right, holes)."""
 
     def __init__(self, attention_mask, shape, block_len: int, device, check: bool):
         bsz, seq_len = shape
@@ -68,11 +62,10 @@ def _step_weights_by_column(weights: torch.Tensor, kpos: torch.Tensor, positions
 
 @dataclass
 class SequencePass:
-    """What the full-sequence form of one forward shares across the layers: real tokens per row ``lengths`` `(B,)`
-    (None: all T are real), for a chunk continuing the cache the tokens each row holds before it ``positions`` and
-    where its document started ``doc_start`` (None: a fresh sequence), whether the layers write their state after
-    the input into the cache (``fill_cache``), and of how many leading positions they return the attention weights
-    (``weights``; 0: none; the rest pads the input to whole blocks)."""
+    """What the full-sequence form of one forward shares across the layers: real tokens per row ``lengths`` (None: all),
+    for a chunk continuing the cache its rows' ``positions`` and ``doc_start`` (None: fresh), whether layers write
+    the cache (``fill_cache``), and of how many leading positions they return attention weights (``weights``; 0:
+    none; the rest pads whole blocks)."""
 
     lengths: torch.Tensor | None = None
     positions: torch.Tensor | None = None
@@ -82,11 +75,9 @@ class SequencePass:
 
 
 class StepPlan:
-    """What one recurrent step at ``positions`` `(B,)` shares across the layers: the row indices, ring slots, each
-    row's offset in its document, block starts and ends, and what a layer derives from its ring after the write
-    (window validity, bias columns, the context mask: every layer's ring holds the same positions). Each is built
-    by the first layer that asks ([`get`]) and reused by the others. ``memo``: constants derived from parameters,
-    kept for a decoding run (cleared when a new cache starts; [`step_memo`]); ``weights``: layers return their
+    """What one recurrent step at ``positions`` `(B,)` shares across the layers (row indices, ring slots, offsets in the
+    document, block starts and ends, what a layer derives from its ring), each built by the first layer that asks
+    ([`get`]). ``memo``: parameter-derived constants kept for a decoding run; ``weights``: layers return their
     attention weights."""
 
     def __init__(self, positions, doc_start, block_len: int, memo: dict | None, weights: bool = False):
@@ -126,23 +117,13 @@ class StepPlan:
 
 
 class _Chunk:
-    """One forward's input as a chunk that continues the cache (empty for a fresh sequence), and how a layer runs it:
-    the full-sequence form over the first ``head`` columns, then the recurrent form one token at a time over the rest.
-
-    * fresh input: all columns in the full-sequence form, rows packed by the attention mask ([`_Layout`]); into a
-      recording cache (assisted decoding drafts at the end of the first input) the last ``MAX_ROLLBACK`` positions
-      after the last padded column and after every row's first real token are steps, so that ``crop`` can take any
-      of them back;
-    * a continuing chunk of whole blocks, every row on the block grid: all in the full-sequence form, seeded with the
-      cached state;
-    * any other continuing chunk (a decoded token; drafts; a chunk off the grid): all steps. Padding is honoured only
-      by the full-sequence form, so a continuing chunk must be unpadded.
-
-    Between layers the hidden states are one tensor: the caller's columns when hidden states are recorded (each is
-    the tensor the next layer reads) or when the chunk has both forms; else the layout of its one form, converted on
-    entry ([`into_layers`]) and exit ([`out_of_layers`]) only. The steps' [`StepPlan`]s are built once for all
-    layers; the row state (held by the cache's first layer) advances once, after the last layer ([`finish`]).
-    """
+    """One forward's input as a chunk continuing the cache (empty for a fresh sequence): the full-sequence form over the
+    first ``head`` columns, one-token steps over the rest. A fresh input runs whole (rows packed by [`_Layout`]), but
+    for a recording cache (assisted decoding), whose last ``MAX_ROLLBACK`` positions run as steps so that ``crop``
+    can take them back; a continuing chunk runs whole when it is whole blocks on every row's grid, else as steps
+    (unpadded). Between layers the hidden states are in the caller's columns when they are recorded or the chunk has
+    both forms, else in the layout of its one form, converted once on entry and exit. The row state (in the cache's
+    first layer) advances after the last layer ([`finish`])."""
 
     def __init__(
         self, cache, attention_mask, shape, config, device, check: bool, memo=None, weights=False, columns=False
@@ -282,16 +263,10 @@ class _Chunk:
 
 
 class _Documents:
-    """A packed (padding-free) batch: rows holding several documents, as TRL's ``SFTTrainer(packing=True)`` and
-    transformers' ``DataCollatorWithFlattening`` give them. A document starts where ``position_ids`` restart
-    (transformers' rule: a token whose position is not one more than the previous token's) and at the offsets of
-    ``cu_seq_lens_q/k`` into the flattened batch; ``seq_idx`` and ``max_length_q/k``, when given, must agree.
-
-    [`rows`] lays the batch out as one row per document, right-padded (``masks``), [`columns`] maps outputs back: each
-    document then runs exactly as it would alone (its blocks aligned to its own start; self-attention, context
-    states, SSM and recurrent state fresh at its first token). Documents run in groups of similar length (width W
-    times a power of two blocks, at most the longest document's), so short ones do not pay for the longest: a packed
-    row costs at most about twice its tokens rounded up to blocks."""
+    """A packed batch: rows holding several documents (TRL's ``SFTTrainer(packing=True)``,
+    ``DataCollatorWithFlattening``), a document starting where ``position_ids`` restart or at the offsets of
+    ``cu_seq_lens_q/k``. [`rows`] lays them out one document per row, in groups of similar width (W times a power of
+    two blocks), [`columns`] maps outputs back; each document runs exactly as alone."""
 
     KEYS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "seq_idx", "max_length_q", "max_length_k")
 

@@ -1,31 +1,6 @@
-"""PyTorch Block-State Transformer (Fathi, Pilault et al., NeurIPS 2023), Hugging Face compatible.
-
-A BST layer runs an SSM (S4D or a Hyena-style filter) over the whole sequence, turns its output into context
-states (SH / MH / MF), and lets every block of W tokens self-attend over the W previous tokens while
-cross-attending to its context states. Plain layers are Block-Transformer ("Slide") layers; BRecT layers carry a
-recurrent state updated block by block. The block cell follows meliad (the paper's code base):
-
-* self-attention over exactly the W previous tokens (``attend_self`` to include the token), T5 relative bias
-  (one table per layer), L2-normalised queries/keys with a learned per-head scale, bias added before scaling;
-* self- and cross-attention outputs concatenated, then one output projection; ReLU MLP; RMS norm; tied embeddings,
-  logits scaled by 1/sqrt(vocab);
-* all blocks in one batched attention call; the only Python loop over blocks is the BRecT state recurrence.
-
-Layout (one module per paper concept, docs/paper-mapping.md "Module map"): the layer types of ``config.layer_types``
-pick their class from ``DECODER_LAYER_CLASSES`` (``BSTDecoderLayer`` for a block layer and the base of the others,
-``BSTContextLayer``, ``BSTRecurrentLayer``, ``BSTGSSLayer``). A BST layer holds the SSM kernel of its ``ssm_kind``
-(``ssm``, from ``SSM_KERNELS``, ``ssm_bst.py``), the context builder of its ``context_mode`` (``context``, from
-``CONTEXT_BUILDERS``, ``context_bst.py``) and its cross-attention. Every module has a full-sequence form and a
-one-token form; recurrent state lives only in the ``BSTCache`` passed in (``cache_bst.py``). Masks, the T5 buckets
-and FlexAttention are in ``attention_bst.py``; the eager / SDPA dispatch is [`attention`] here. How a forward's
-input is packed into blocks and split into a full-sequence part and steps is ``layout_bst.py``.
-
-Departures from the paper / meliad, each a config field (see docs/paper-mapping.md):
-
-* the previous block of the first block is masked (meliad: zero keys, unmasked);
-* the logit scale starts at sqrt(d_h) (meliad: 1.0, tuned for Adafactor);
-* the SH/MH triangular cross mask is inclusive (j <= i) by default.
-"""
+"""PyTorch Block-State Transformer (Fathi, Pilault et al., NeurIPS 2023), Hugging Face compatible: the attention
+modules, the four layer types of ``config.layer_types`` (``DECODER_LAYER_CLASSES``) and the models. The code layout
+and the departures from the paper are in docs/architecture.md and docs/paper-mapping.md."""
 
 import functools
 import math
@@ -104,16 +79,10 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling=1
 
 
 def attention(module, q, k, v, mask, dropout, return_weights: bool = False, absent=None):
-    """The attention backend of ``module.config._attn_implementation`` (eager or SDPA), unscaled (queries carry the
-    learned scale). ``q`` `(N, H, Lq, d)`, ``k``/``v`` `(N, H, Lk, d)`, additive ``mask`` broadcastable, ``absent``
-    (bool, broadcastable, optional) keys masked besides -> `(N, Lq, H, d)`, and with ``return_weights`` the weights
-    `(N, H, Lq, Lk)` (eager attention only; None under SDPA).
-
-    A mask that needs a gradient on the CPU goes to [`learned_mask_attention`] (SDPA's fused CPU kernel returns no
-    gradient for it). Under ``flex_attention`` this is SDPA: the full-sequence forms call [`flex_attention`]
-    themselves (see [`use_flex`]); what comes here are one-query decode steps, the BRecT state update and the
-    fallbacks.
-    """
+    """The attention backend of ``config._attn_implementation`` (eager or SDPA; ``flex_attention`` here means SDPA: the
+    full-sequence forms call FlexAttention themselves), unscaled. ``q`` `(N, H, Lq, d)`, ``k``/``v`` `(N, H, Lk, d)`,
+    additive ``mask``, ``absent`` (bool) keys masked besides -> `(N, Lq, H, d)`, and the weights `(N, H, Lq, Lk)`
+    with ``return_weights`` (eager only)."""
     implementation = module.config._attn_implementation
     if implementation == "flex_attention":
         implementation = "sdpa"
@@ -189,16 +158,9 @@ def _contiguous_as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def learned_mask_attention(q, k, v, mask, dropout: float, absent=None) -> torch.Tensor:
-    """SDPA for an additive mask that needs a gradient (the learned T5 bias while training) on the CPU, written out.
-
-    torch's fused CPU kernel returns no gradient for a mask, so SDPA takes its math path here; this computes exactly
-    what that path does (half precision upcast to float32, results equal bit for bit) without its extra work: the
-    query and key scaling by 1, a copy of the transposed keys, and the checks for fully masked rows (the masks here
-    are finite, see [`masked_fill_value`]). ~25% less time per call at the training shapes on CPU. (On CUDA,
-    [`attention`] sends such a mask to SDPA, whose memory-efficient kernel returns its gradient.)
-    Same arguments as [`attention`] (``absent``: keys masked in the float32 scores, so that one shared ``mask``
-    serves every row); returns `(N, Lq, H, d)`.
-    """
+    """SDPA's math path written out for an additive mask that needs a gradient on the CPU (the learned T5 bias while
+    training; the fused CPU kernel returns no gradient for a mask): the same numbers (half precision upcast to
+    float32) without the path's extra copies and checks. Arguments as [`attention`]; returns `(N, Lq, H, d)`."""
     dtype = q.dtype
     with torch.autocast(q.device.type, enabled=False):
         # Each cast writes the layout the matmuls read (heads before tokens), so that no further copy is made: a
@@ -215,13 +177,9 @@ def learned_mask_attention(q, k, v, mask, dropout: float, absent=None) -> torch.
 
 
 class BSTRecurrentState(nn.Module):
-    """BRecT:fixed:skip recurrent cell (meliad ``recurrent_gate_type="bias"``, ``recurrent_skip_ffn=True``).
-
-    Per block: ``z = [attn(Qr, Kr, Vr) ; attn(Q2r, K_tokens, V_tokens)] Wo_r`` over the previous and current block's
-    token keys/values, then ``s' = g * s + (1 - g) * z`` with a learned input-independent gate ``g = sigmoid(b)``.
-    ``update`` is one block; ``sequence`` runs it over all blocks of a sequence, ``forward`` with the cache around
-    it (the full-sequence form); ``step_keys_values`` and ``step_update`` are the recurrent form around one token.
-    """
+    """BRecT:fixed:skip recurrent cell (meliad's bias gate, skip FFN): per block ``z = [attn(Qr, Kr, Vr) ; attn(Q2r,
+    K_tokens, V_tokens)] Wo_r``, ``s' = g * s + (1 - g) * z`` with ``g = sigmoid(b)``. ``forward``: full-sequence
+    form; ``step_keys_values`` / ``step_update``: one token."""
 
     def __init__(self, config: BSTConfig):
         super().__init__()
@@ -271,13 +229,9 @@ class BSTRecurrentState(nn.Module):
         return gated_state_update(state, z, self.gate_bias)
 
     def sequence(self, state, kb, vb, previous):
-        """The recurrence over the blocks of a sequence (the package's only sequential loop).
-
-        ``state`` `(B, S, D)` before block 0; ``kb``/``vb`` `(B, nb, W, H, d_h)` the blocks' token keys/values;
-        ``previous``: the block before block 0 ``(k, v, valid)`` (`(B, W, H, d_h)` x 2, `(B, W)`).
-        Returns the states before and after every block `(B, nb + 1, S, D)` and the keys/values that block b's
-        tokens read from the state before it, `(B, nb, S, H, d_h)` x 2.
-        """
+        """The recurrence over the blocks (the package's only sequential loop). ``state`` `(B, S, D)`, ``kb``/``vb``
+        `(B, nb, W, H, d_h)`, ``previous`` the block before block 0 ``(k, v, valid)``. Returns the states `(B, nb +
+        1, S, D)` and the state keys/values each block reads, `(B, nb, S, H, d_h)` x 2."""
         bsz, nb, w = kb.shape[:3]
         prev_k, prev_v, prev_valid = previous
         cur_valid = torch.ones(bsz, w, dtype=torch.bool, device=kb.device)
@@ -296,12 +250,9 @@ class BSTRecurrentState(nn.Module):
     def forward(
         self, k, v, previous, lengths=None, layer_cache=None, positions=None, doc_start=None, fill_cache=False
     ):
-        """Full-sequence form: the state keys/values that every block's tokens attend to, `(B, nb, S, H, d_h)` x 2.
-
-        ``k``/``v`` `(B, T, H, d_h)` are the tokens' self-attention keys/values (T a multiple of W); ``previous`` the
-        cached block before the sequence ``(k, v, valid)`` (a continued sequence, whose state comes from
-        ``layer_cache``) or None (a fresh one, from the learned initial state). With ``fill_cache`` the state after
-        each row's real tokens goes into ``layer_cache``."""
+        """Full-sequence form: the state keys/values each block's tokens read, `(B, nb, S, H, d_h)` x 2, from the
+        tokens' keys/values `(B, T, H, d_h)`; ``previous`` (a continued sequence, state from ``layer_cache``) or None
+        (the learned initial state); ``fill_cache`` stores the state after each row's real tokens."""
         bsz, seq_len, heads, hd = k.shape
         w = self.config.block_len
         nb = seq_len // w
@@ -344,16 +295,10 @@ class BSTRecurrentState(nn.Module):
 
 
 class BSTBlockSelfAttention(nn.Module):
-    """Block self-attention (paper Sec. 3.1, meliad's windowed attention): every token attends over exactly the W
-    previous tokens (the W most recent with ``attend_self``), with a T5 relative bias (one table per layer),
-    L2-normalised queries/keys and a learned per-head scale applied after the bias is added.
-
-    * ``forward``: full-sequence form, one of three by what is asked: one FlexAttention call over the whole
-      sequence under ``attn_implementation="flex_attention"`` ([`flex_block_attention`]); the weights by key column
-      with ``output_attentions`` ([`dense`]); else queries in windows over the keys each reaches, one attention call
-      ([`windowed`]).
-    * ``step``: recurrent form for one token over the attention ring of the cache.
-    """
+    """Block self-attention (paper Sec. 3.1, meliad): each token attends over exactly the W previous tokens (the W most
+    recent with ``attend_self``), T5 relative bias, L2-normalised queries/keys, a learned per-head scale. ``forward``
+    picks one full-sequence form: FlexAttention ([`flex_block_attention`]), the weights by key column ([`dense`]) or
+    windows of queries ([`windowed`]); ``step``: one token over the cache's ring."""
 
     def __init__(self, config: BSTConfig, ring: int):
         super().__init__()
@@ -372,12 +317,8 @@ class BSTBlockSelfAttention(nn.Module):
         return x.unflatten(-1, (self.config.num_attention_heads, self.config.head_dim))
 
     def project(self, xn):
-        """Queries (scaled), keys, values `(B, T, H, d_h)` of the normalised input ``xn`` `(B, T, D)`.
-
-        Where the three projections are plain ``nn.Linear`` modules they run as one matmul against their stacked
-        weights, and queries and keys are L2-normalised together: the same numbers in fewer kernels. A projection
-        that is wrapped or hooked (PEFT's LoRA, quantisation, offloading) is called as a module, so that its
-        wrapper runs."""
+        """Scaled queries, keys, values `(B, T, H, d_h)` of ``xn`` `(B, T, D)`; plain ``nn.Linear`` projections run as
+        one matmul (a wrapped or hooked one, LoRA or quantised, is called as a module)."""
         heads, hd = self.config.num_attention_heads, self.config.head_dim
         if plain_linears(self.q_proj, self.k_proj, self.v_proj):
             weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
@@ -420,17 +361,10 @@ class BSTBlockSelfAttention(nn.Module):
 
     # -- full-sequence form --------------------------------------------------------------------------------------
     def forward(self, q, k, v, lengths=None, layer_cache=None, positions=None, weights=False):
-        """
-        Args:
-            q, k, v (`torch.Tensor` of shape `(B, T, H, d_h)`): from [`project`]; T is a multiple of W.
-            lengths (`torch.LongTensor` of shape `(B,)`, *optional*): real tokens per row (right padding).
-            layer_cache, positions: a continued sequence (rows block-aligned) sees the cached previous block.
-            weights (`int`): return the attention weights of the first n = ``weights`` positions (0: none; eager).
-
-        Returns:
-            the attention output `(B, T, H * d_h)` and the weights `(B, H, n, K)` by key column (K = n, or W + n
-            after a cached previous block), None unless ``weights``.
-        """
+        """Full-sequence form over ``q``/``k``/``v`` `(B, T, H, d_h)` (T a multiple of W; ``lengths`` real tokens per
+        row; ``layer_cache`` and ``positions``: the cached previous block of a continued sequence). Returns `(B, T, H
+        * d_h)` and, when ``weights`` = n > 0 (eager), the weights of the first n queries `(B, H, n, K)` by key
+        column (K = n, or W + n after a cached block)."""
         bsz, seq_len, heads, hd = q.shape
         drop = self.config.attention_dropout if self.training else 0.0
         previous = None
@@ -446,10 +380,9 @@ class BSTBlockSelfAttention(nn.Module):
         return out.reshape(bsz, seq_len, heads * hd), probs
 
     def dense(self, q, k, v, previous, lengths, n: int, dropout):
-        """The form that returns the weights: every query over every key (the cached previous block's W first), one
-        eager attention under one mask (the scaled T5 bias, the window or, bidirectional, the previous / own / next
-        block, and which keys are held). Returns the output `(B, T, H, d)` of the first n queries (zeros after) and
-        the weights `(B, H, n, K)` it is made of (gradients reach them; the keys after position n hold none)."""
+        """The form that returns the weights: every query over every key (the cached block's W first) in one eager call
+        under one mask. Returns the output `(B, T, H, d)` of the first n queries (zeros after) and the weights `(B,
+        H, n, K)` it is made of (gradients reach them)."""
         bsz, seq_len = q.shape[:2]
         w = self.block_len
         first = 0 if previous is None else -w
@@ -529,12 +462,9 @@ class BSTBlockSelfAttention(nn.Module):
         return absent.unfold(1, span, chunk).reshape(-1, 1, 1, span)
 
     def windowed(self, q, k, v, previous, lengths, dropout):
-        """The full-sequence form as one attention call: the sequence's queries in windows of c ([`query_chunk`];
-        bidirectional W) over the keys each window reaches (causal: the W + c from W before its first query, the
-        previous block's held keys, or nothing, before the first; bidirectional: the previous, own and next block),
-        one mask of the T5 bias, the window and which keys are held. `(B, T, H, d)` x 3 -> `(B, T, H, d)`. A query
-        without any key (the first one, ``attend_self=False``, no held previous key; bidirectional padding) gets
-        zeros, as in meliad's safe softmax."""
+        """The full-sequence form as one attention call: queries in windows of c ([`query_chunk`]; bidirectional W) over
+        the keys each window reaches, under one mask (T5 bias, window, held keys). `(B, T, H, d)` x 3 -> `(B, T, H,
+        d)`; a query without any key gets zeros (meliad's safe softmax)."""
         bsz, seq_len, heads, hd = q.shape
         w, bidirectional = self.block_len, self.config.bidirectional
         chunk = w if bidirectional else query_chunk(self.config, q)
@@ -581,12 +511,9 @@ class BSTBlockSelfAttention(nn.Module):
 
     # -- recurrent form ------------------------------------------------------------------------------------------
     def step(self, q, k, v, layer_cache: BSTLayerCache, plan: StepPlan):
-        """One token per row at ``plan.positions`` `(B,)`: writes its key/value into the ring, then attends over the
-        W previous (or most recent) tokens. ``q``/``k``/``v`` `(B, 1, H, d_h)` from [`project`].
-
-        Returns the output `(B, 1, H * d_h)`, the weights `(B, H, 1, R)` over the ring (None unless ``plan.weights``)
-        and the ring ``(keys, values, key positions)`` after the write (a BRecT cell reads them at block ends).
-        """
+        """One token per row at ``plan.positions``: writes its key/value into the ring, then attends over the window.
+        Returns `(B, 1, H * d_h)`, the weights over the ring `(B, H, 1, R)` (with ``plan.weights``) and the ring
+        ``(keys, values, key positions)`` after the write."""
         bsz, _, heads, hd = q.shape
         p = plan.positions
         ring_k, ring_v, kpos = layer_cache.write_ring(
@@ -622,13 +549,9 @@ class BSTBlockSelfAttention(nn.Module):
 
 
 class BSTCrossAttention(nn.Module):
-    """The second attention of a BST or BRecT layer: its own queries (``q_proj``, L2-normalised, learned per-head
-    scale) over keys/values that are not the tokens': a BST layer's context states, or a BRecT layer's recurrent
-    state. Block b's queries see only block b's keys/values.
-
-    * ``forward``: full-sequence form, all blocks in one batched call (FlexAttention as one block-diagonal call);
-    * ``step``: one token per row over its current block's keys/values.
-    """
+    """The second attention of a BST or BRecT layer: its own queries over keys/values per block (a BST layer's context
+    states, a BRecT layer's recurrent state); block b's queries see only block b's. ``forward``: all blocks in one
+    call; ``step``: one token."""
 
     def __init__(self, config: BSTConfig):
         super().__init__()
@@ -648,18 +571,9 @@ class BSTCrossAttention(nn.Module):
         return q * self.scale.to(q.dtype)[:, None]
 
     def forward(self, xn, keys, values, mask=None, zero_first=False, weights=False):
-        """
-        Args:
-            xn (`torch.Tensor` of shape `(B, T, D)`): the normalised layer input; T is a multiple of W.
-            keys, values (`torch.Tensor` of shape `(B, nb, S, H, d_h)`): per block, what its queries attend to.
-            mask (`torch.Tensor` of shape `(W, S)`, *optional*): additive mask within a block (SH/MH: triangular).
-            zero_first (`bool`): the first query of every block sees nothing (strict mask) and gets zeros.
-            weights (`int`): return the attention weights `(B, H, n, S)` of the first n = ``weights`` positions (0:
-                none; eager attention).
-
-        Returns:
-            the output `(B, T, H * d_h)` and the weights (None unless ``weights``).
-        """
+        """Full-sequence form: ``xn`` `(B, T, D)` (T a multiple of W) over ``keys``/``values`` `(B, nb, S, H, d_h)`,
+        additive ``mask`` `(W, S)` within a block, ``zero_first``: each block's first query gets zeros. Returns `(B,
+        T, H * d_h)` and, when ``weights`` = n > 0 (eager), the weights `(B, H, n, S)`."""
         cfg = self.config
         bsz, seq_len, _ = xn.shape
         w, heads, hd = self.block_len, cfg.num_attention_heads, cfg.head_dim
@@ -719,15 +633,11 @@ class BSTMLP(nn.Module):
 
 
 class BSTLayer(GradientCheckpointingLayer):
-    """What every decoder layer shares: its place in the stack, the input norm, dropout, and the call contract.
-
-    ``layer(hidden_states, layer_cache, chunk)`` runs the layer over a forward's [`_Chunk`] (``layout_bst.py``), which
-    calls its two forms: [`sequence`] (a [`SequencePass`]: training, prefill, a block-aligned chunk continuing
-    ``layer_cache``) and [`step`] (a [`StepPlan`]: one token per row, advancing ``layer_cache`` in place). Both return
-    ``(hidden_states, self_attention_weights, second_attention_weights)`` (None where a layer has none or they were
-    not asked for). Without a chunk, ``hidden_states`` `(B, T, D)` (T a multiple of W) runs as one fresh sequence.
-    Returns the hidden states, and the weights too when the chunk asks for them.
-    """
+    """What every decoder layer shares: its index, the input norm, dropout and the call ``layer(hidden_states,
+    layer_cache, chunk)``: the chunk ([`_Chunk`]) runs the layer's full-sequence form ([`sequence`], a
+    [`SequencePass`]) and recurrent form ([`step`], a [`StepPlan`]), each returning ``(hidden_states,
+    self_attention_weights, second_attention_weights)``. Returns the hidden states (and the weights when the chunk
+    asks for them); without a chunk, ``hidden_states`` (T a multiple of W) runs as one fresh sequence."""
 
     def __init__(self, config: BSTConfig, layer_idx: int):
         super().__init__()
@@ -753,15 +663,9 @@ class BSTLayer(GradientCheckpointingLayer):
 
 
 class BSTDecoderLayer(BSTLayer):
-    """A block layer (layer type "block": the paper's Slide layer) and the base of the BST and BRecT layers.
-
-    1. RMS norm of the input;
-    2. block self-attention over the W previous tokens;
-    3. the second attention of the layer type ([`attend_states`] / [`step_states`]: none here; BST: SSM -> context
-       states -> cross-attention; BRecT: the recurrent state);
-    4. both outputs concatenated, one output projection, residual;
-    5. RMS norm, MLP, residual.
-    """
+    """A block layer (the paper's Slide layer) and the base of the BST and BRecT layers: 1. RMS norm; 2. block
+    self-attention; 3. the layer type's second attention ([`attend_states`] / [`step_states`]: none here); 4. both
+    concatenated, output projection, residual; 5. RMS norm, MLP, residual."""
 
     def __init__(self, config: BSTConfig, layer_idx: int):
         super().__init__(config, layer_idx)
@@ -875,12 +779,8 @@ class BSTRecurrentLayer(BSTDecoderLayer):
 
 
 class BSTGSSLayer(BSTLayer):
-    """Gated State Space layer (GSS; Mehta et al., 2022), the SSM layer of the paper's GSS-Hybrid baseline.
-
-    ``u = gelu(x_n W_u)`` (D -> D_s), ``v = gelu(x_n W_v)`` (D -> F), ``y = SSM(u)``,
-    ``out = x + ((y W_y) * v) W_o`` with an S4D kernel over D_s channels; the recurrent step reads/writes
-    ``layer_cache.ssm``. No attention weights (None).
-    """
+    """Gated State Space layer (Mehta et al., 2022), the GSS-Hybrid baseline's SSM layer: ``u = gelu(x_n W_u)``, ``v =
+    gelu(x_n W_v)``, ``out = x + ((S4D(u) W_y) * v) W_o``. No attention weights (None)."""
 
     def __init__(self, config: BSTConfig, layer_idx: int):
         super().__init__(config, layer_idx)
@@ -1060,17 +960,9 @@ class BSTPreTrainedModel(PreTrainedModel):
         return embeddings
 
     def ssm_parameter_names(self) -> list[str]:
-        """Parameters that train with their own learning rate (``config.ssm_lr``) and no weight decay (S4 practice;
-        docs/paper-mapping.md, "Optimiser"), in ``named_parameters`` order. Per SSM kernel (every ``S4DKernel`` and
-        ``UnstructFilter``: BST context states, GSS layers, classification S4 layers):
-
-        * S4D: the state matrix Lambda (``A_log_real``, ``A_imag``), ``B`` and ``log_dt`` (S4's ``_optim`` set);
-        * unstruct: the whole implicit filter, as safari's Hyena filter: ``pos_emb`` (the trainable positional
-          features), ``sin.freq``, ``mlp.{i}.weight`` and ``mlp.{i}.bias``, ``out.weight`` (the decay envelope is
-          fixed, not a parameter).
-
-        The read-outs train with the other parameters: S4D's ``C``, ``C_backward`` and ``D``, and unstruct's D-term
-        ``bias`` (like Hyena's). No parameter outside an SSM kernel is an SSM parameter."""
+        """Parameters of the SSM kernels that train with ``config.ssm_lr`` and no weight decay (docs/paper-mapping.md,
+        "Optimiser"): S4D's ``A_log_real``, ``A_imag``, ``B``, ``log_dt``; the unstruct filter's parameters but its
+        ``bias``. In ``named_parameters`` order."""
         ssm = set()
         for prefix, module in self.named_modules():
             if isinstance(module, S4DKernel):
@@ -1081,18 +973,13 @@ class BSTPreTrainedModel(PreTrainedModel):
 
 
 class BSTModel(BSTPreTrainedModel):
-    """The BST decoder stack: ``embed_tokens`` -> ``layers`` -> ``norm`` (no absolute positions).
-
-    One output contract for its three forms (full sequence; block-aligned chunk continuing a cache; recurrent steps):
-    ``last_hidden_state`` `(B, T, D)` in the caller's columns (zero at padding); ``hidden_states`` (when asked):
-    ``num_hidden_layers + 1`` tensors `(B, T, D)`: the embeddings, each later layer's input and the normed output,
-    each the very tensor the next computation reads (gradients reach them); ``attentions`` (eager
-    attention only): per layer the self-attention weights, `(B, H, T, K)` over K key positions (full-sequence form:
-    K = T, or W + T continuing a cache; recurrent steps: K = processed positions + 1, by column); ``cross_attentions``:
-    per BST/BRecT layer the cross-attention weights `(B, H, T, S_c)` over the context states of the query's block
-    (SH/MH: S_c = W, state j = the block's j-th token; MF: the S filters; BRecT: the recurrent states). Padded inputs
-    report weights in the packed (aligned) order of real tokens. GSS layers report ``None``.
-    """
+    """The BST decoder stack: ``embed_tokens`` -> ``layers`` -> ``norm`` (no absolute positions). Outputs, in the
+    caller's columns (zero at padding): ``hidden_states``, the embeddings, each later layer's input and the normed
+    output (the tensors the next computation reads); ``attentions`` (eager attention), per layer the self-attention
+    weights `(B, H, T, K)` by key column (K = T, or W + T continuing a cache; steps: the positions so far);
+    ``cross_attentions``, per layer the second attention's weights `(B, H, T, S)` over the states of the query's
+    block (None for a block layer). GSS layers report None; a padded input reports weights in the packed order of its
+    real tokens."""
 
     def __init__(self, config: BSTConfig):
         super().__init__(config)
@@ -1176,12 +1063,9 @@ class BSTModel(BSTPreTrainedModel):
         output_attentions: bool | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPastAndCrossAttentions:
-        """``cache`` (or ``past_key_values``, [`cache_argument`]): a [`BSTCache`] to continue. The output holds the
-        cache under the installed transformers' name ([`CACHE_NAME`]).
-
-        Every input is a chunk that continues the cache, which is empty for a fresh sequence ([`_Chunk`]). A packed
-        row (several documents: ``position_ids`` that restart, or ``cu_seq_lens_q/k``, in ``kwargs``) runs each
-        document as a row of its own and equals the documents run apart ([`_Documents`]); it takes no cache."""
+        """``cache`` (or ``past_key_values``): a [`BSTCache`] to continue; the output holds it under the installed
+        transformers' name ([`CACHE_NAME`]). A packed row (``position_ids`` restarting, or ``cu_seq_lens_q/k``, in
+        ``kwargs``) runs each document as a row of its own ([`_Documents`])."""
         cfg = self.config
         cache = None if cfg.bidirectional else cache
         if cache is not None:
