@@ -1,13 +1,6 @@
-"""Attention helpers of the Block-State Transformer that are not modules: the RMS norm module shared by the attention
-and context modules (its maths, like the T5 relative-position buckets, the additive masks and L2 normalisation, is in
-``functional_bst.py``), and FlexAttention for
-``attn_implementation="flex_attention"``: which calls can take it ([`use_flex`]), the compiled kernel, block masks
-built analytically from a mask's band structure ([`tiled_block_mask`]), and the full-sequence forms on it: the block
-self-attention ([`flex_block_attention`]) and the block-diagonal cross-attentions ([`grouped_flex`]).
-
-The attention modules and the eager / SDPA dispatch through transformers' attention interface are in
-``modeling_bst.py``.
-"""
+"""The RMS norm module and FlexAttention for ``attn_implementation="flex_attention"``: which calls take it
+([`use_flex`]), the kernel, block masks built from a mask's band structure ([`tiled_block_mask`]), the block
+self-attention ([`flex_block_attention`]) and the block-diagonal cross-attentions ([`grouped_flex`]) on it."""
 
 import torch
 import torch.nn.functional as F
@@ -46,14 +39,8 @@ FLEX_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def use_flex(module, q: torch.Tensor, dropout: float, *tensors: torch.Tensor) -> bool:
     """Whether a full-sequence attention of ``module`` runs on FlexAttention: ``attn_implementation="flex_attention"``
-    and nothing flex cannot do here, else the SDPA path (same result):
-
-    * attention dropout (flex has no dropout);
-    * no exact flex kernel for the device ([`flex_kernel`]: none on CPU);
-    * a dtype flex's CPU kernel lacks (float64);
-    * a backward on CPU (torch implements flex's backward on accelerators only): with gradients enabled and any of
-      ``q``, ``tensors`` or the module's parameters requiring them, a CPU forward takes SDPA.
-    """
+    and none of what flex cannot do here (dropout; a device without an exact kernel, the CPU; float64; a backward on
+    the CPU), else SDPA (same result)."""
     if module.config._attn_implementation != "flex_attention" or dropout > 0:
         return False
     if flex_kernel(q.device.type) is None:
@@ -77,11 +64,9 @@ def use_flex(module, q: torch.Tensor, dropout: float, *tensors: torch.Tensor) ->
 
 
 def flex_kernel(device_type: str):
-    """The FlexAttention kernel for ``device_type``, or None where none is exact: on accelerators transformers'
-    [`compile_friendly_flex_attention`] (compiled once; uncompiled inside a compiled region); on CPU none. In torch
-    2.13 inductor's compiled CPU kernel is wrong at some lengths (float32: 8, 24, 40, 56, 72 and 120 tokens
-    with a causal mask, also 152, 232, 264 and 520 without one: every length = 8 mod 16 of 27 measured in 1-520; NaN
-    at some), and its unfused form materialises the dense scores (the SDPA path does not)."""
+    """The FlexAttention kernel for ``device_type``: transformers' ``compile_friendly_flex_attention`` on accelerators;
+    None on the CPU (torch 2.13's compiled CPU kernel is wrong at some lengths, e.g. every length = 8 mod 16
+    measured)."""
     return None if device_type == "cpu" else compile_friendly_flex_attention
 
 
@@ -166,15 +151,10 @@ def grouped_flex(module, q, k, v, q_group: int, kv_group: int, causal_within: st
 
 
 def flex_block_attention(module, q, k, v, lengths, previous):
-    """The full-sequence form of the block self-attention ``module`` ([`BSTBlockSelfAttention`]) on FlexAttention:
-    one call over all T queries and the T keys (after the cached previous block's W keys for a continued sequence),
-    with the same keys per query as the block form.
-
-    The window (or, bidirectional, the previous / own / next block) is the band of the ``BlockMask``; the cached
-    block's validity and the padding (bidirectional) are ``mask_mod`` terms; the scaled T5 bias is a ``score_mod``
-    lookup by distance. A query without any key (a document's first token, ``attend_self=False``) gets zeros, as in
-    the block form. ``q``/``k``/``v`` `(B, T, H, d)`; ``previous``: ``(k, v, valid)`` or None. -> `(B, T, H, d)`.
-    """
+    """The block self-attention's full-sequence form on FlexAttention: one call over all queries and keys (after the
+    cached block's W keys), the window (bidirectional: the previous / own / next block) as the ``BlockMask``'s band,
+    held keys and padding as ``mask_mod`` terms, the scaled T5 bias as a ``score_mod``. ``q``/``k``/``v`` `(B, T, H,
+    d)`, ``previous`` ``(k, v, valid)`` or None -> `(B, T, H, d)`; a query without any key gets zeros."""
     cfg = module.config
     bsz, seq_len = q.shape[:2]
     w = cfg.block_len

@@ -1,8 +1,6 @@
-"""How one forward's input reaches the layers of the Block-State Transformer: a padded batch packed into the
-block layout of the full-sequence form and back ([`_Layout`]), and the split of an input that continues the cache into
-a full-sequence part and one-token steps ([`_Chunk`]), with what one step shares across layers ([`StepPlan`]).
-``BSTModel.forward`` in ``modeling_bst.py`` runs every layer through a [`_Chunk`].
-"""
+"""How one forward's input reaches the layers: a padded batch in the block layout of the full-sequence form
+([`_Layout`]), an input continuing the cache split into a full-sequence part and one-token steps ([`_Chunk`]), what
+one step shares across layers ([`StepPlan`]), packed documents ([`_Documents`])."""
 
 from dataclasses import dataclass
 
@@ -14,12 +12,8 @@ from .utils_bst import gather_rows, host_can_branch
 
 
 class _Layout:
-    """Maps a padded batch in the caller's columns onto rows that start at their first real token and are padded
-    on the right to a multiple of W (the layout of the full-sequence form), and back.
-
-    ``attention_mask`` may mark real tokens anywhere (left, right or holes in the middle): each row's real tokens
-    are packed in order, so a row equals the sequence of its real tokens alone.
-    """
+    """A padded batch in the caller's columns <-> rows that start at their first real token, right-padded to a multiple
+    of W (the full-sequence form's layout); real tokens may be anywhere (left, right, holes)."""
 
     def __init__(self, attention_mask, shape, block_len: int, device, check: bool):
         bsz, seq_len = shape
@@ -66,42 +60,30 @@ def _step_weights_by_column(weights: torch.Tensor, kpos: torch.Tensor, positions
     return out.scatter_add(-1, index, weights * valid[:, None, None, :].to(weights.dtype))
 
 
-def _join(a, b, pad_keys: bool = False):
-    """Outputs of two consecutive parts of a chunk along the sequence (attention weights: the later part sees more
-    keys, ``pad_keys``)."""
-    if a is None or b is None:
-        return b if a is None else a
-    if pad_keys:
-        a = F.pad(a, (0, b.shape[-1] - a.shape[-1]))
-    return torch.cat([a, b], -2 if a.dim() == 4 else 1)
-
-
 @dataclass
 class SequencePass:
-    """What the full-sequence form of one forward shares across the layers: real tokens per row ``lengths`` `(B,)`
-    (None: all T are real), for a chunk continuing the cache the tokens each row holds before it ``positions`` and
-    where its document started ``doc_start`` (None: a fresh sequence), whether the layers write their state after
-    the input into the cache (``fill_cache``), and how many leading positions the caller asked for
-    (``num_positions``; the rest pads the input to whole blocks; the attention weights cover these)."""
+    """What the full-sequence form of one forward shares across the layers: real tokens per row ``lengths`` (None: all),
+    for a chunk continuing the cache its rows' ``positions`` and ``doc_start`` (None: fresh), whether layers write
+    the cache (``fill_cache``), and of how many leading positions they return attention weights (``weights``; 0:
+    none; the rest pads whole blocks)."""
 
     lengths: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     doc_start: torch.Tensor | None = None
     fill_cache: bool = False
-    num_positions: int | None = None
+    weights: int = 0
     ssm_tables: object = None  # the forward's S4D chunk tables, shared by the layers (``ssm_bst.ChunkTables``)
 
 
 class StepPlan:
-    """What one recurrent step at ``positions`` `(B,)` shares across the layers: the row indices, ring slots, each
-    row's offset in its document, block starts and ends, and what a layer derives from its ring after the write
-    (window validity, bias columns, the context mask: every layer's ring holds the same positions). Each is built
-    by the first layer that asks ([`get`]) and reused by the others. ``memo``: constants derived from parameters,
-    kept for a decoding run (cleared when a new cache starts; [`step_memo`])."""
+    """What one recurrent step at ``positions`` `(B,)` shares across the layers (row indices, ring slots, offsets in the
+    document, block starts and ends, what a layer derives from its ring), each built by the first layer that asks
+    ([`get`]). ``memo``: parameter-derived constants kept for a decoding run; ``weights``: layers return their
+    attention weights."""
 
-    def __init__(self, positions: torch.Tensor, doc_start: torch.Tensor, block_len: int, memo: dict | None):
+    def __init__(self, positions, doc_start, block_len: int, memo: dict | None, weights: bool = False):
         self.positions, self.doc_start, self.block_len, self.memo = positions, doc_start, block_len, memo
-        self.built = {}
+        self.weights, self.built = weights, {}
 
     def get(self, key, build):
         """``build()``, once per step."""
@@ -136,27 +118,20 @@ class StepPlan:
 
 
 class _Chunk:
-    """One forward's input as a chunk that continues the cache (empty for a fresh sequence), and how a layer runs it:
-    the full-sequence form over the first ``head`` columns, then the recurrent form one token at a time over the rest.
+    """One forward's input as a chunk continuing the cache (empty for a fresh sequence): the full-sequence form over the
+    first ``head`` columns, one-token steps over the rest. A fresh input runs whole (rows packed by [`_Layout`]), but
+    for a recording cache (assisted decoding), whose last ``MAX_ROLLBACK`` positions run as steps so that ``crop``
+    can take them back; a continuing chunk runs whole when it is whole blocks on every row's grid, else as steps
+    (unpadded). Between layers the hidden states are in the caller's columns when they are recorded or the chunk has
+    both forms, else in the layout of its one form, converted once on entry and exit. The row state (in the cache's
+    first layer) advances after the last layer ([`finish`])."""
 
-    * fresh input: all columns in the full-sequence form, rows packed by the attention mask ([`_Layout`]); into a
-      recording cache (assisted decoding drafts at the end of the first input) the last ``MAX_ROLLBACK`` positions
-      after the last padded column and after every row's first real token are steps, so that ``crop`` can take any
-      of them back;
-    * a continuing chunk of whole blocks, every row on the block grid: all in the full-sequence form, seeded with the
-      cached state;
-    * any other continuing chunk (a decoded token; drafts; a chunk off the grid): all steps. Padding is honoured only
-      by the full-sequence form, so a continuing chunk must be unpadded.
-
-    Between layers the hidden states are a pair ``(head, tail)``: the head in the full-sequence layout, the tail in
-    the caller's columns ([`enter`] / [`columns`]). The steps' [`StepPlan`]s are built once for all layers; the row
-    state (held by the cache's first layer) advances once, after the last layer ([`finish`]).
-    """
-
-    def __init__(self, cache, attention_mask, shape, config, device, check: bool, memo: dict | None = None):
+    def __init__(
+        self, cache, attention_mask, shape, config, device, check: bool, memo=None, weights=False, columns=False
+    ):
         bsz, seq_len = shape
         w = config.block_len
-        self.seq_len, self.block_len, self.memo = seq_len, w, memo
+        self.seq_len, self.block_len, self.memo, self.weights = seq_len, w, memo, weights
         self.rows = None if cache is None else cache.layers[0]
         self.fresh = cache is None or self.rows.is_empty
         self.record = cache is not None and self.rows.record_past
@@ -198,40 +173,49 @@ class _Chunk:
             )
             head = seq_len if aligned else 0
         self.head = head
+        self.columns = columns or 0 < head < seq_len
 
     @property
     def positions(self):
         """Tokens each row has in the cache before the chunk (None: a fresh sequence)."""
         return None if self.fresh else self.rows.positions
 
-    def enter(self, hidden: torch.Tensor):
-        """Caller's columns `(B, T, D)` -> ``(head, tail)``."""
-        head = hidden[:, : self.head]
-        return (self.layout.to_blocks(head) if self.fresh else head), hidden[:, self.head :]
+    def into_layers(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The caller's columns `(B, T, D)` -> what the first layer reads."""
+        return hidden if self.columns or not self.fresh else self.layout.to_blocks(hidden)
 
-    def columns(self, state) -> torch.Tensor:
-        """``(head, tail)`` -> the caller's columns `(B, T, D)` (zero at padding)."""
-        head, tail = state
-        if self.fresh:
-            head = self.layout.from_blocks(head)
-        return torch.cat([head, tail], 1) if self.head < self.seq_len else head
+    def out_of_layers(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the last layer returns -> the caller's columns `(B, T, D)` (zero at padding)."""
+        return hidden if self.columns or not self.fresh else self.layout.from_blocks(hidden)
 
-    def run(self, layer, layer_cache, state, weights: bool):
-        """One layer over the chunk: ``state`` -> the next ``state``, the self- and second attention weights."""
-        head, tail = state
+    def run(self, layer, layer_cache, hidden):
+        """One layer over the chunk: the full-sequence form over the head, the steps over the tail. Returns the next
+        hidden states and, with ``weights``, the self- and second attention weights over the chunk's positions."""
+        head, tail = (hidden[:, : self.head], hidden[:, self.head :]) if self.columns else (hidden, hidden)  # one used
         attn = cross = None
         if self.head:
+            n = self.head if self.weights else 0
             if self.fresh:
-                inputs = SequencePass(self.layout.layer_lengths, None, None, layer_cache is not None, self.head)
+                inputs = SequencePass(self.layout.layer_lengths, None, None, layer_cache is not None, n)
+                head = self.layout.to_blocks(head) if self.columns else head
             else:
-                inputs = SequencePass(None, self.positions, self.rows.doc_start, True, self.head)
+                inputs = SequencePass(None, self.positions, self.rows.doc_start, True, n)
             inputs.ssm_tables = self.ssm_tables
-            out = layer(head, layer_cache, inputs, weights)
-            head, attn, cross = out if weights else (out, None, None)
+            head, attn, cross = layer.sequence(head, layer_cache, inputs)
+            if self.fresh and self.columns:
+                head = self.layout.from_blocks(head)
         if self.head < self.seq_len:
-            tail, tail_attn, tail_cross = self.steps(layer, layer_cache, tail, weights)
-            attn, cross = _join(attn, tail_attn, pad_keys=True), _join(cross, tail_cross)
-        return (head, tail), attn, cross
+            tail, tail_attn, tail_cross = self.steps(layer, layer_cache, tail)
+            # the steps see more keys than the full-sequence part
+            attn = (
+                tail_attn
+                if attn is None
+                else torch.cat([F.pad(attn, (0, tail_attn.shape[-1] - attn.shape[-1])), tail_attn], 2)
+            )
+            cross = tail_cross if cross is None else torch.cat([cross, tail_cross], 2)
+        if not self.head:
+            return tail, attn, cross
+        return (torch.cat([head, tail], 1) if self.head < self.seq_len else head), attn, cross
 
     def step_plans(self, n: int) -> list:
         """One [`StepPlan`] per step of the tail, shared by every layer."""
@@ -241,21 +225,22 @@ class _Chunk:
             else:
                 start, doc_start = self.rows.positions, self.rows.doc_start
             self.plans = [
-                StepPlan(start if t == 0 else start + t, doc_start, self.block_len, self.memo) for t in range(n)
+                StepPlan(start if t == 0 else start + t, doc_start, self.block_len, self.memo, self.weights)
+                for t in range(n)
             ]
         return self.plans
 
-    def steps(self, layer, layer_cache, hidden, weights: bool):
-        """The recurrent form over the columns of ``hidden`` `(B, n, D)`, one token per row at a time."""
+    def steps(self, layer, layer_cache, hidden):
+        """The recurrent form over the columns of ``hidden`` `(B, n, D)`, one token per row at a time. The
+        self-attention weights of a step cover the ring; they are laid out by key column here (one row per step,
+        keys up to the newest), which no hook on a layer call could do."""
         n = hidden.shape[1]
-        # The weights' columns: a host read, only for them.
-        newest = (self.head if self.fresh else self.rows.seen_tokens) if weights else 0
+        newest = (self.head if self.fresh else self.rows.seen_tokens) if self.weights else 0  # a host read
         outs, attns, crosses, undo = [], [], [], []
         for t, plan in enumerate(self.step_plans(n)):
             if self.record:
                 undo.append(layer_cache.capture(plan.positions))
-            out = layer(hidden[:, t : t + 1], layer_cache, plan, weights)
-            h, attn, cross = out if weights else (out, None, None)
+            h, attn, cross = layer.step(hidden[:, t : t + 1], layer_cache, plan)
             outs.append(h)
             if attn is not None:
                 attn = _step_weights_by_column(attn, layer_cache.kpos, plan.positions, newest + t)
@@ -281,16 +266,10 @@ class _Chunk:
 
 
 class _Documents:
-    """A packed (padding-free) batch: rows holding several documents, as TRL's ``SFTTrainer(packing=True)`` and
-    transformers' ``DataCollatorWithFlattening`` give them. A document starts where ``position_ids`` restart
-    (transformers' rule: a token whose position is not one more than the previous token's) and at the offsets of
-    ``cu_seq_lens_q/k`` into the flattened batch; ``seq_idx`` and ``max_length_q/k``, when given, must agree.
-
-    [`rows`] lays the batch out as one row per document, right-padded (``masks``), [`columns`] maps outputs back: each
-    document then runs exactly as it would alone (its blocks aligned to its own start; self-attention, context
-    states, SSM and recurrent state fresh at its first token). Documents run in groups of similar length (width W
-    times a power of two blocks, at most the longest document's), so short ones do not pay for the longest: a packed
-    row costs at most about twice its tokens rounded up to blocks."""
+    """A packed batch: rows holding several documents (TRL's ``SFTTrainer(packing=True)``,
+    ``DataCollatorWithFlattening``), a document starting where ``position_ids`` restart or at the offsets of
+    ``cu_seq_lens_q/k``. [`rows`] lays them out one document per row, in groups of similar width (W times a power of
+    two blocks), [`columns`] maps outputs back; each document runs exactly as alone."""
 
     KEYS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "seq_idx", "max_length_q", "max_length_k")
 

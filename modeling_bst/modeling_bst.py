@@ -1,31 +1,6 @@
-"""PyTorch Block-State Transformer (Fathi, Pilault et al., NeurIPS 2023), Hugging Face compatible.
-
-A BST layer runs an SSM (S4D or a Hyena-style filter) over the whole sequence, turns its output into context
-states (SH / MH / MF), and lets every block of W tokens self-attend over the W previous tokens while
-cross-attending to its context states. Plain layers are Block-Transformer ("Slide") layers; BRecT layers carry a
-recurrent state updated block by block. The block cell follows meliad (the paper's code base):
-
-* self-attention over exactly the W previous tokens (``attend_self`` to include the token), T5 relative bias
-  (one table per layer), L2-normalised queries/keys with a learned per-head scale, bias added before scaling;
-* self- and cross-attention outputs concatenated, then one output projection; ReLU MLP; RMS norm; tied embeddings,
-  logits scaled by 1/sqrt(vocab);
-* all blocks in one batched attention call; the only Python loop over blocks is the BRecT state recurrence.
-
-Layout (one module per paper concept, docs/paper-mapping.md "Module map"): the layer types of ``config.layer_types``
-pick their class from ``DECODER_LAYER_CLASSES`` (``BSTDecoderLayer`` for a block layer and the base of the others,
-``BSTContextLayer``, ``BSTRecurrentLayer``, ``BSTGSSLayer``). A BST layer holds the SSM kernel of its ``ssm_kind``
-(``ssm``, from ``SSM_KERNELS``, ``ssm_bst.py``), the context builder of its ``context_mode`` (``context``, from
-``CONTEXT_BUILDERS``, ``context_bst.py``) and its cross-attention. Every module has a full-sequence form and a
-one-token form; recurrent state lives only in the ``BSTCache`` passed in (``cache_bst.py``). Masks, the T5 buckets
-and FlexAttention are in ``attention_bst.py``; the eager / SDPA dispatch is [`attention`] here. How a forward's
-input is packed into blocks and split into a full-sequence part and steps is ``layout_bst.py``.
-
-Departures from the paper / meliad, each a config field (see docs/paper-mapping.md):
-
-* the previous block of the first block is masked (meliad: zero keys, unmasked);
-* the logit scale starts at sqrt(d_h) (meliad: 1.0, tuned for Adafactor);
-* the SH/MH triangular cross mask is inclusive (j <= i) by default.
-"""
+"""PyTorch Block-State Transformer (Fathi, Pilault et al., NeurIPS 2023), Hugging Face compatible: the attention
+modules, the four layer types of ``config.layer_types`` (``DECODER_LAYER_CLASSES``) and the models. The code layout
+and the departures from the paper are in docs/architecture.md and docs/paper-mapping.md."""
 
 import functools
 import math
@@ -44,6 +19,7 @@ from transformers.modeling_outputs import (
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import can_return_tuple, logging
+from transformers.utils.output_capturing import capture_outputs
 
 from .attention_bst import BSTRMSNorm, flex_block_attention, grouped_flex, use_flex
 from .cache_bst import ATTENTION_RING, BSTCache, BSTLayerCache, own_layers
@@ -103,16 +79,10 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling=1
 
 
 def attention(module, q, k, v, mask, dropout, return_weights: bool = False, absent=None):
-    """The attention backend of ``module.config._attn_implementation`` (eager or SDPA), unscaled (queries carry the
-    learned scale). ``q`` `(N, H, Lq, d)`, ``k``/``v`` `(N, H, Lk, d)`, additive ``mask`` broadcastable, ``absent``
-    (bool, broadcastable, optional) keys masked besides -> `(N, Lq, H, d)`, and with ``return_weights`` the weights
-    `(N, H, Lq, Lk)` (eager attention only; None under SDPA).
-
-    A mask that needs a gradient on the CPU goes to [`learned_mask_attention`] (SDPA's fused CPU kernel returns no
-    gradient for it). Under ``flex_attention`` this is SDPA: the full-sequence forms call [`flex_attention`]
-    themselves (see [`use_flex`]); what comes here are one-query decode steps, the BRecT state update and the
-    fallbacks.
-    """
+    """The attention backend of ``config._attn_implementation`` (eager or SDPA; ``flex_attention`` here means SDPA: the
+    full-sequence forms call FlexAttention themselves), unscaled. ``q`` `(N, H, Lq, d)`, ``k``/``v`` `(N, H, Lk, d)`,
+    additive ``mask``, ``absent`` (bool) keys masked besides -> `(N, Lq, H, d)`, and the weights `(N, H, Lq, Lk)`
+    with ``return_weights`` (eager only)."""
     implementation = module.config._attn_implementation
     if implementation == "flex_attention":
         implementation = "sdpa"
@@ -188,16 +158,9 @@ def _contiguous_as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def learned_mask_attention(q, k, v, mask, dropout: float, absent=None) -> torch.Tensor:
-    """SDPA for an additive mask that needs a gradient (the learned T5 bias while training) on the CPU, written out.
-
-    torch's fused CPU kernel returns no gradient for a mask, so SDPA takes its math path here; this computes exactly
-    what that path does (half precision upcast to float32, results equal bit for bit) without its extra work: the
-    query and key scaling by 1, a copy of the transposed keys, and the checks for fully masked rows (the masks here
-    are finite, see [`masked_fill_value`]). ~25% less time per call at the training shapes on CPU. (On CUDA,
-    [`attention`] sends such a mask to SDPA, whose memory-efficient kernel returns its gradient.)
-    Same arguments as [`attention`] (``absent``: keys masked in the float32 scores, so that one shared ``mask``
-    serves every row); returns `(N, Lq, H, d)`.
-    """
+    """SDPA's math path written out for an additive mask that needs a gradient on the CPU (the learned T5 bias while
+    training; the fused CPU kernel returns no gradient for a mask): the same numbers (half precision upcast to
+    float32) without the path's extra copies and checks. Arguments as [`attention`]; returns `(N, Lq, H, d)`."""
     dtype = q.dtype
     with torch.autocast(q.device.type, enabled=False):
         # Each cast writes the layout the matmuls read (heads before tokens), so that no further copy is made: a
@@ -214,13 +177,9 @@ def learned_mask_attention(q, k, v, mask, dropout: float, absent=None) -> torch.
 
 
 class BSTRecurrentState(nn.Module):
-    """BRecT:fixed:skip recurrent cell (meliad ``recurrent_gate_type="bias"``, ``recurrent_skip_ffn=True``).
-
-    Per block: ``z = [attn(Qr, Kr, Vr) ; attn(Q2r, K_tokens, V_tokens)] Wo_r`` over the previous and current block's
-    token keys/values, then ``s' = g * s + (1 - g) * z`` with a learned input-independent gate ``g = sigmoid(b)``.
-    ``update`` is one block; ``sequence`` runs it over all blocks of a sequence, ``forward`` with the cache around
-    it (the full-sequence form); ``step_keys_values`` and ``step_update`` are the recurrent form around one token.
-    """
+    """BRecT:fixed:skip recurrent cell (meliad's bias gate, skip FFN): per block ``z = [attn(Qr, Kr, Vr) ; attn(Q2r,
+    K_tokens, V_tokens)] Wo_r``, ``s' = g * s + (1 - g) * z`` with ``g = sigmoid(b)``. ``forward``: full-sequence
+    form; ``step_keys_values`` / ``step_update``: one token."""
 
     def __init__(self, config: BSTConfig):
         super().__init__()
@@ -270,13 +229,9 @@ class BSTRecurrentState(nn.Module):
         return gated_state_update(state, z, self.gate_bias)
 
     def sequence(self, state, kb, vb, previous):
-        """The recurrence over the blocks of a sequence (the package's only sequential loop).
-
-        ``state`` `(B, S, D)` before block 0; ``kb``/``vb`` `(B, nb, W, H, d_h)` the blocks' token keys/values;
-        ``previous``: the block before block 0 ``(k, v, valid)`` (`(B, W, H, d_h)` x 2, `(B, W)`).
-        Returns the states before and after every block `(B, nb + 1, S, D)` and the keys/values that block b's
-        tokens read from the state before it, `(B, nb, S, H, d_h)` x 2.
-        """
+        """The recurrence over the blocks (the package's only sequential loop). ``state`` `(B, S, D)`, ``kb``/``vb``
+        `(B, nb, W, H, d_h)`, ``previous`` the block before block 0 ``(k, v, valid)``. Returns the states `(B, nb +
+        1, S, D)` and the state keys/values each block reads, `(B, nb, S, H, d_h)` x 2."""
         bsz, nb, w = kb.shape[:3]
         prev_k, prev_v, prev_valid = previous
         cur_valid = torch.ones(bsz, w, dtype=torch.bool, device=kb.device)
@@ -295,12 +250,9 @@ class BSTRecurrentState(nn.Module):
     def forward(
         self, k, v, previous, lengths=None, layer_cache=None, positions=None, doc_start=None, fill_cache=False
     ):
-        """Full-sequence form: the state keys/values that every block's tokens attend to, `(B, nb, S, H, d_h)` x 2.
-
-        ``k``/``v`` `(B, T, H, d_h)` are the tokens' self-attention keys/values (T a multiple of W); ``previous`` the
-        cached block before the sequence ``(k, v, valid)`` (a continued sequence, whose state comes from
-        ``layer_cache``) or None (a fresh one, from the learned initial state). With ``fill_cache`` the state after
-        each row's real tokens goes into ``layer_cache``."""
+        """Full-sequence form: the state keys/values each block's tokens read, `(B, nb, S, H, d_h)` x 2, from the
+        tokens' keys/values `(B, T, H, d_h)`; ``previous`` (a continued sequence, state from ``layer_cache``) or None
+        (the learned initial state); ``fill_cache`` stores the state after each row's real tokens."""
         bsz, seq_len, heads, hd = k.shape
         w = self.config.block_len
         nb = seq_len // w
@@ -343,16 +295,10 @@ class BSTRecurrentState(nn.Module):
 
 
 class BSTBlockSelfAttention(nn.Module):
-    """Block self-attention (paper Sec. 3.1, meliad's windowed attention): every token attends over exactly the W
-    previous tokens (the W most recent with ``attend_self``), with a T5 relative bias (one table per layer),
-    L2-normalised queries/keys and a learned per-head scale applied after the bias is added.
-
-    * ``forward``: full-sequence form, one of three by what is asked: one FlexAttention call over the whole
-      sequence under ``attn_implementation="flex_attention"`` ([`flex_block_attention`]); the weights by key column
-      with ``output_attentions`` ([`dense`]); else queries in windows over the keys each reaches, one attention call
-      ([`windowed`]).
-    * ``step``: recurrent form for one token over the attention ring of the cache.
-    """
+    """Block self-attention (paper Sec. 3.1, meliad): each token attends over exactly the W previous tokens (the W most
+    recent with ``attend_self``), T5 relative bias, L2-normalised queries/keys, a learned per-head scale. ``forward``
+    picks one full-sequence form: FlexAttention ([`flex_block_attention`]), the weights by key column ([`dense`]) or
+    windows of queries ([`windowed`]); ``step``: one token over the cache's ring."""
 
     def __init__(self, config: BSTConfig, ring: int):
         super().__init__()
@@ -371,12 +317,8 @@ class BSTBlockSelfAttention(nn.Module):
         return x.unflatten(-1, (self.config.num_attention_heads, self.config.head_dim))
 
     def project(self, xn):
-        """Queries (scaled), keys, values `(B, T, H, d_h)` of the normalised input ``xn`` `(B, T, D)`.
-
-        Where the three projections are plain ``nn.Linear`` modules they run as one matmul against their stacked
-        weights, and queries and keys are L2-normalised together: the same numbers in fewer kernels. A projection
-        that is wrapped or hooked (PEFT's LoRA, quantisation, offloading) is called as a module, so that its
-        wrapper runs."""
+        """Scaled queries, keys, values `(B, T, H, d_h)` of ``xn`` `(B, T, D)`; plain ``nn.Linear`` projections run as
+        one matmul (a wrapped or hooked one, LoRA or quantised, is called as a module)."""
         heads, hd = self.config.num_attention_heads, self.config.head_dim
         if plain_linears(self.q_proj, self.k_proj, self.v_proj):
             weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
@@ -418,19 +360,11 @@ class BSTBlockSelfAttention(nn.Module):
         layer_cache.fill_ring(ATTENTION_RING, k.detach(), v.detach(), lens, self.ring, positions)
 
     # -- full-sequence form --------------------------------------------------------------------------------------
-    def forward(self, q, k, v, lengths=None, layer_cache=None, positions=None, num_positions=None, weights=False):
-        """
-        Args:
-            q, k, v (`torch.Tensor` of shape `(B, T, H, d_h)`): from [`project`]; T is a multiple of W.
-            lengths (`torch.LongTensor` of shape `(B,)`, *optional*): real tokens per row (right padding).
-            layer_cache, positions: a continued sequence (rows block-aligned) sees the cached previous block.
-            num_positions (`int`, *optional*): leading positions the returned weights cover.
-            weights (`bool`): also return the attention weights (eager attention).
-
-        Returns:
-            the attention output `(B, T, H * d_h)` and the weights `(B, H, n, K)` by key column (n =
-            ``num_positions``; K = n, or W + n after a cached previous block), None unless ``weights``.
-        """
+    def forward(self, q, k, v, lengths=None, layer_cache=None, positions=None, weights=False):
+        """Full-sequence form over ``q``/``k``/``v`` `(B, T, H, d_h)` (T a multiple of W; ``lengths`` real tokens per
+        row; ``layer_cache`` and ``positions``: the cached previous block of a continued sequence). Returns `(B, T, H
+        * d_h)` and, when ``weights`` = n > 0 (eager), the weights of the first n queries `(B, H, n, K)` by key
+        column (K = n, or W + n after a cached block)."""
         bsz, seq_len, heads, hd = q.shape
         drop = self.config.attention_dropout if self.training else 0.0
         previous = None
@@ -438,7 +372,7 @@ class BSTBlockSelfAttention(nn.Module):
             previous = self.previous_block(layer_cache, positions)
         probs = None
         if weights:
-            out, probs = self.dense(q, k, v, previous, lengths, num_positions or seq_len, drop)
+            out, probs = self.dense(q, k, v, previous, lengths, weights, drop)
         elif use_flex(self, q, drop, k, v):
             out = flex_block_attention(self, q, k, v, lengths, previous)
         else:
@@ -446,10 +380,9 @@ class BSTBlockSelfAttention(nn.Module):
         return out.reshape(bsz, seq_len, heads * hd), probs
 
     def dense(self, q, k, v, previous, lengths, n: int, dropout):
-        """The form that returns the weights: every query over every key (the cached previous block's W first), one
-        eager attention under one mask (the scaled T5 bias, the window or, bidirectional, the previous / own / next
-        block, and which keys are held). Returns the output `(B, T, H, d)` of the first n queries (zeros after) and
-        the weights `(B, H, n, K)` it is made of (gradients reach them; the keys after position n hold none)."""
+        """The form that returns the weights: every query over every key (the cached block's W first) in one eager call
+        under one mask. Returns the output `(B, T, H, d)` of the first n queries (zeros after) and the weights `(B,
+        H, n, K)` it is made of (gradients reach them)."""
         bsz, seq_len = q.shape[:2]
         w = self.block_len
         first = 0 if previous is None else -w
@@ -529,12 +462,9 @@ class BSTBlockSelfAttention(nn.Module):
         return absent.unfold(1, span, chunk).reshape(-1, 1, 1, span)
 
     def windowed(self, q, k, v, previous, lengths, dropout):
-        """The full-sequence form as one attention call: the sequence's queries in windows of c ([`query_chunk`];
-        bidirectional W) over the keys each window reaches (causal: the W + c from W before its first query, the
-        previous block's held keys, or nothing, before the first; bidirectional: the previous, own and next block),
-        one mask of the T5 bias, the window and which keys are held. `(B, T, H, d)` x 3 -> `(B, T, H, d)`. A query
-        without any key (the first one, ``attend_self=False``, no held previous key; bidirectional padding) gets
-        zeros, as in meliad's safe softmax."""
+        """The full-sequence form as one attention call: queries in windows of c ([`query_chunk`]; bidirectional W) over
+        the keys each window reaches, under one mask (T5 bias, window, held keys). `(B, T, H, d)` x 3 -> `(B, T, H,
+        d)`; a query without any key gets zeros (meliad's safe softmax)."""
         bsz, seq_len, heads, hd = q.shape
         w, bidirectional = self.block_len, self.config.bidirectional
         chunk = w if bidirectional else query_chunk(self.config, q)
@@ -580,13 +510,10 @@ class BSTBlockSelfAttention(nn.Module):
         return torch.cat([out[:, :1] * keep, out[:, 1:]], 1)
 
     # -- recurrent form ------------------------------------------------------------------------------------------
-    def step(self, q, k, v, layer_cache: BSTLayerCache, plan: StepPlan, weights=False):
-        """One token per row at ``plan.positions`` `(B,)`: writes its key/value into the ring, then attends over the
-        W previous (or most recent) tokens. ``q``/``k``/``v`` `(B, 1, H, d_h)` from [`project`].
-
-        Returns the output `(B, 1, H * d_h)`, the weights `(B, H, 1, R)` over the ring (None unless ``weights``)
-        and the ring ``(keys, values, key positions)`` after the write (a BRecT cell reads them at block ends).
-        """
+    def step(self, q, k, v, layer_cache: BSTLayerCache, plan: StepPlan):
+        """One token per row at ``plan.positions``: writes its key/value into the ring, then attends over the window.
+        Returns `(B, 1, H * d_h)`, the weights over the ring `(B, H, 1, R)` (with ``plan.weights``) and the ring
+        ``(keys, values, key positions)`` after the write."""
         bsz, _, heads, hd = q.shape
         p = plan.positions
         ring_k, ring_v, kpos = layer_cache.write_ring(
@@ -599,7 +526,7 @@ class BSTBlockSelfAttention(nn.Module):
             self, q.transpose(1, 2), ring_k.transpose(1, 2), ring_v.transpose(1, 2), bias, 0.0, True
         )
         out = out * any_key
-        probs = probs * any_key if weights else None
+        probs = probs * any_key if plan.weights else None
         return out.reshape(bsz, 1, heads * hd), probs, (ring_k, ring_v, kpos)
 
     def step_window(self, kpos, positions):
@@ -622,13 +549,9 @@ class BSTBlockSelfAttention(nn.Module):
 
 
 class BSTCrossAttention(nn.Module):
-    """The second attention of a BST or BRecT layer: its own queries (``q_proj``, L2-normalised, learned per-head
-    scale) over keys/values that are not the tokens': a BST layer's context states, or a BRecT layer's recurrent
-    state. Block b's queries see only block b's keys/values.
-
-    * ``forward``: full-sequence form, all blocks in one batched call (FlexAttention as one block-diagonal call);
-    * ``step``: one token per row over its current block's keys/values.
-    """
+    """The second attention of a BST or BRecT layer: its own queries over keys/values per block (a BST layer's context
+    states, a BRecT layer's recurrent state); block b's queries see only block b's. ``forward``: all blocks in one
+    call; ``step``: one token."""
 
     def __init__(self, config: BSTConfig):
         super().__init__()
@@ -647,19 +570,10 @@ class BSTCrossAttention(nn.Module):
             q = l2_normalize(q)
         return q * self.scale.to(q.dtype)[:, None]
 
-    def forward(self, xn, keys, values, mask=None, zero_first=False, num_positions=None, weights=False):
-        """
-        Args:
-            xn (`torch.Tensor` of shape `(B, T, D)`): the normalised layer input; T is a multiple of W.
-            keys, values (`torch.Tensor` of shape `(B, nb, S, H, d_h)`): per block, what its queries attend to.
-            mask (`torch.Tensor` of shape `(W, S)`, *optional*): additive mask within a block (SH/MH: triangular).
-            zero_first (`bool`): the first query of every block sees nothing (strict mask) and gets zeros.
-            num_positions (`int`, *optional*): leading positions the returned weights cover.
-            weights (`bool`): also return the attention weights `(B, H, T, S)` (eager attention).
-
-        Returns:
-            the output `(B, T, H * d_h)` and the weights (None unless ``weights``).
-        """
+    def forward(self, xn, keys, values, mask=None, zero_first=False, weights=False):
+        """Full-sequence form: ``xn`` `(B, T, D)` (T a multiple of W) over ``keys``/``values`` `(B, nb, S, H, d_h)`,
+        additive ``mask`` `(W, S)` within a block, ``zero_first``: each block's first query gets zeros. Returns `(B,
+        T, H * d_h)` and, when ``weights`` = n > 0 (eager), the weights `(B, H, n, S)`."""
         cfg = self.config
         bsz, seq_len, _ = xn.shape
         w, heads, hd = self.block_len, cfg.num_attention_heads, cfg.head_dim
@@ -689,8 +603,7 @@ class BSTCrossAttention(nn.Module):
         if weights:  # (B nb, H, W, S) -> (B, H, T, S)
             if zero_first:
                 probs = torch.cat([torch.zeros_like(probs[:, :, :1]), probs[:, :, 1:]], 2)
-            probs = probs.view(bsz, nb, heads, w, s).transpose(1, 2).reshape(bsz, heads, seq_len, s)
-            probs = probs[:, :, : num_positions or seq_len]
+            probs = probs.view(bsz, nb, heads, w, s).transpose(1, 2).reshape(bsz, heads, seq_len, s)[:, :, :weights]
         return out.reshape(bsz, seq_len, heads * hd), probs
 
     def step(self, xn, keys, values, mask=None, any_valid=None, weights=False):
@@ -720,14 +633,11 @@ class BSTMLP(nn.Module):
 
 
 class BSTLayer(GradientCheckpointingLayer):
-    """What every decoder layer shares: its place in the stack, the input norm, dropout, and the call contract.
-
-    ``layer(hidden_states, layer_cache, inputs, output_attentions)`` runs one of two forms that share every
-    parameter, picked by ``inputs``: the full-sequence form ([`sequence`]; ``inputs`` a [`SequencePass`] or None:
-    training, prefill, a block-aligned chunk continuing ``layer_cache``) or the recurrent form ([`step`]; ``inputs``
-    a [`StepPlan`]: one token per row, advancing ``layer_cache`` in place). Both return ``(hidden_states,
-    self_attention_weights, second_attention_weights)`` (None where a layer has none or they were not asked for).
-    """
+    """What every decoder layer shares: its index, the input norm, dropout and the call ``layer(hidden_states,
+    layer_cache, chunk)``: the chunk ([`_Chunk`]) runs the layer's full-sequence form ([`sequence`], a
+    [`SequencePass`]) and recurrent form ([`step`], a [`StepPlan`]), each returning ``(hidden_states,
+    self_attention_weights, second_attention_weights)``. Returns the hidden states (and the weights when the chunk
+    asks for them); without a chunk, ``hidden_states`` (T a multiple of W) runs as one fresh sequence."""
 
     def __init__(self, config: BSTConfig, layer_idx: int):
         super().__init__()
@@ -737,51 +647,25 @@ class BSTLayer(GradientCheckpointingLayer):
         self.input_norm = BSTRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        layer_cache: BSTLayerCache | None = None,
-        inputs: SequencePass | StepPlan | None = None,
-        output_attentions: bool = False,
-    ):
-        """
-        Args:
-            hidden_states (`torch.Tensor` of shape `(B, T, D)`): rows aligned to start at their first real token; in
-                the full-sequence form T is a multiple of W and rows are right-padded; in the recurrent form T = 1.
-            layer_cache ([`BSTLayerCache`], *optional*): read (continuation / decoding) and written.
-            inputs ([`SequencePass`] or [`StepPlan`], *optional*): what the pass shares across layers; its type picks
-                the form.
-            output_attentions (`bool`): also return the attention weights (eager attention).
+    def forward(self, hidden_states: torch.Tensor, layer_cache: BSTLayerCache | None = None, chunk=None):
+        if chunk is None:
+            return self.sequence(hidden_states, layer_cache, SequencePass())[0]
+        out = chunk.run(self, layer_cache, hidden_states)
+        return out if chunk.weights else out[0]
 
-        Returns:
-            ``hidden_states`` `(B, T, D)`; with ``output_attentions`` the tuple ``(hidden_states,
-            self_attention_weights, second_attention_weights)``.
-        """
-        if isinstance(inputs, StepPlan):
-            out = self.step(hidden_states, layer_cache, inputs, output_attentions)
-        else:
-            out = self.sequence(hidden_states, layer_cache, inputs or SequencePass(), output_attentions)
-        return out if output_attentions else out[0]
-
-    def sequence(self, hidden_states, layer_cache, inputs: SequencePass, weights: bool):
+    def sequence(self, hidden_states, layer_cache, inputs: SequencePass):
         """The full-sequence form."""
         raise NotImplementedError
 
-    def step(self, hidden_states, layer_cache, plan: StepPlan, weights: bool):
+    def step(self, hidden_states, layer_cache, plan: StepPlan):
         """The recurrent form."""
         raise NotImplementedError
 
 
 class BSTDecoderLayer(BSTLayer):
-    """A block layer (layer type "block": the paper's Slide layer) and the base of the BST and BRecT layers.
-
-    1. RMS norm of the input;
-    2. block self-attention over the W previous tokens;
-    3. the second attention of the layer type ([`attend_states`] / [`step_states`]: none here; BST: SSM -> context
-       states -> cross-attention; BRecT: the recurrent state);
-    4. both outputs concatenated, one output projection, residual;
-    5. RMS norm, MLP, residual.
-    """
+    """A block layer (the paper's Slide layer) and the base of the BST and BRecT layers: 1. RMS norm; 2. block
+    self-attention; 3. the layer type's second attention ([`attend_states`] / [`step_states`]: none here); 4. both
+    concatenated, output projection, residual; 5. RMS norm, MLP, residual."""
 
     def __init__(self, config: BSTConfig, layer_idx: int):
         super().__init__(config, layer_idx)
@@ -802,33 +686,31 @@ class BSTDecoderLayer(BSTLayer):
         """The modules of step 3 (none in a block layer)."""
         self.cross_attn = None
 
-    def attend_states(self, hidden_states, xn, k, v, layer_cache, inputs: SequencePass, weights: bool):
+    def attend_states(self, hidden_states, xn, k, v, layer_cache, inputs: SequencePass):
         """Step 3 in the full-sequence form: ``(output (B, T, H d_h), weights)``, or None for a layer without a
         second attention. ``xn`` the normed input, ``k``/``v`` the self-attention's keys/values."""
         return None
 
-    def step_states(self, hidden_states, xn, ring, layer_cache, plan: StepPlan, weights: bool):
+    def step_states(self, hidden_states, xn, ring, layer_cache, plan: StepPlan):
         """Step 3 in the recurrent form (``ring``: the self-attention ring after this token's write)."""
         return None
 
-    def sequence(self, hidden_states, layer_cache, inputs: SequencePass, weights: bool):
+    def sequence(self, hidden_states, layer_cache, inputs: SequencePass):
         # 1. Pre-attention norm (meliad's dropout on it). 2. Block self-attention.
         xn = self.dropout(self.input_norm(hidden_states))
         q, k, v = self.self_attn.project(xn)  # (B, T, H, d_h)
-        a_self, self_w = self.self_attn(
-            q, k, v, inputs.lengths, layer_cache, inputs.positions, inputs.num_positions, weights
-        )
+        a_self, self_w = self.self_attn(q, k, v, inputs.lengths, layer_cache, inputs.positions, inputs.weights)
         # 3. The layer type's second attention (context states or recurrent state).
-        second = self.attend_states(hidden_states, xn, k, v, layer_cache, inputs, weights)
+        second = self.attend_states(hidden_states, xn, k, v, layer_cache, inputs)
         if inputs.fill_cache:
             self.self_attn.write_cache(layer_cache, k, v, inputs.lengths, inputs.positions)
         return self.output(hidden_states, a_self, self_w, second, self.dropout)
 
-    def step(self, hidden_states, layer_cache, plan: StepPlan, weights: bool):
+    def step(self, hidden_states, layer_cache, plan: StepPlan):
         xn = self.input_norm(hidden_states)
         q, k, v = self.self_attn.project(xn)
-        a_self, self_w, ring = self.self_attn.step(q, k, v, layer_cache, plan, weights)
-        second = self.step_states(hidden_states, xn, ring, layer_cache, plan, weights)
+        a_self, self_w, ring = self.self_attn.step(q, k, v, layer_cache, plan)
+        second = self.step_states(hidden_states, xn, ring, layer_cache, plan)
         return self.output(hidden_states, a_self, self_w, second, None)
 
     def output(self, hidden_states, a_self, self_w, second, dropout):
@@ -854,7 +736,7 @@ class BSTContextLayer(BSTDecoderLayer):
         self.context = CONTEXT_BUILDERS[config.context_mode](config)
         self.cross_attn = BSTCrossAttention(config)
 
-    def attend_states(self, hidden_states, xn, k, v, layer_cache, inputs: SequencePass, weights: bool):
+    def attend_states(self, hidden_states, xn, k, v, layer_cache, inputs: SequencePass):
         x = self.dropout(hidden_states) if self.config.ssm_input == "raw" else xn
         keys, values, mask, zero_first = self.context(
             self.ssm,
@@ -866,12 +748,12 @@ class BSTContextLayer(BSTDecoderLayer):
             inputs.fill_cache,
             tables=inputs.ssm_tables,
         )
-        return self.cross_attn(xn, keys, values, mask, zero_first, inputs.num_positions, weights)
+        return self.cross_attn(xn, keys, values, mask, zero_first, inputs.weights)
 
-    def step_states(self, hidden_states, xn, ring, layer_cache, plan: StepPlan, weights: bool):
+    def step_states(self, hidden_states, xn, ring, layer_cache, plan: StepPlan):
         x = hidden_states if self.config.ssm_input == "raw" else xn
         keys, values, mask, any_valid = self.context(self.ssm, x, layer_cache, plan=plan)
-        return self.cross_attn.step(xn, keys, values, mask, any_valid, weights)
+        return self.cross_attn.step(xn, keys, values, mask, any_valid, plan.weights)
 
 
 class BSTRecurrentLayer(BSTDecoderLayer):
@@ -887,29 +769,25 @@ class BSTRecurrentLayer(BSTDecoderLayer):
         self.recurrent = BSTRecurrentState(config)
         self.cross_attn = BSTCrossAttention(config)
 
-    def attend_states(self, hidden_states, xn, k, v, layer_cache, inputs: SequencePass, weights: bool):
+    def attend_states(self, hidden_states, xn, k, v, layer_cache, inputs: SequencePass):
         positions = inputs.positions
         continued = layer_cache is not None and positions is not None
         previous = self.self_attn.previous_block(layer_cache, positions) if continued else None
         keys, values = self.recurrent(
             k, v, previous, inputs.lengths, layer_cache, positions, inputs.doc_start, inputs.fill_cache
         )
-        return self.cross_attn(xn, keys, values, num_positions=inputs.num_positions, weights=weights)
+        return self.cross_attn(xn, keys, values, weights=inputs.weights)
 
-    def step_states(self, hidden_states, xn, ring, layer_cache, plan: StepPlan, weights: bool):
+    def step_states(self, hidden_states, xn, ring, layer_cache, plan: StepPlan):
         keys, values = self.recurrent.step_keys_values(layer_cache, plan)
-        out = self.cross_attn.step(xn, keys, values, weights=weights)
+        out = self.cross_attn.step(xn, keys, values, weights=plan.weights)
         self.recurrent.step_update(ring, layer_cache, plan)
         return out
 
 
 class BSTGSSLayer(BSTLayer):
-    """Gated State Space layer (GSS; Mehta et al., 2022), the SSM layer of the paper's GSS-Hybrid baseline.
-
-    ``u = gelu(x_n W_u)`` (D -> D_s), ``v = gelu(x_n W_v)`` (D -> F), ``y = SSM(u)``,
-    ``out = x + ((y W_y) * v) W_o`` with an S4D kernel over D_s channels; the recurrent step reads/writes
-    ``layer_cache.ssm``. No attention weights (None).
-    """
+    """Gated State Space layer (Mehta et al., 2022), the GSS-Hybrid baseline's SSM layer: ``u = gelu(x_n W_u)``, ``v =
+    gelu(x_n W_v)``, ``out = x + ((S4D(u) W_y) * v) W_o``. No attention weights (None)."""
 
     def __init__(self, config: BSTConfig, layer_idx: int):
         super().__init__(config, layer_idx)
@@ -930,7 +808,7 @@ class BSTGSSLayer(BSTLayer):
         h = hidden_states + self.dropout(self.o_proj(self.y_proj(y.to(v.dtype)) * v))
         return h, None, None
 
-    def sequence(self, hidden_states, layer_cache, inputs: SequencePass, weights: bool):
+    def sequence(self, hidden_states, layer_cache, inputs: SequencePass):
         u, v = self.gates(hidden_states)
         lengths = inputs.lengths
         state0 = layer_cache.ssm_state if layer_cache is not None and inputs.positions is not None else None
@@ -945,7 +823,7 @@ class BSTGSSLayer(BSTLayer):
             layer_cache.set_ssm(self.ssm.final_state(u_right.detach(), state0).detach())
         return self.output(hidden_states, y, v)
 
-    def step(self, hidden_states, layer_cache, plan: StepPlan, weights: bool):
+    def step(self, hidden_states, layer_cache, plan: StepPlan):
         u, v = self.gates(hidden_states)
         constants = step_memo(plan.memo, (id(self), "ssm"), (), self.ssm.parameters(), self.ssm.step_constants)
         y, state = self.ssm.step(u[:, 0], layer_cache.ssm_state, constants)  # y (B, 1, Ds)
@@ -1019,6 +897,8 @@ class BSTPreTrainedModel(PreTrainedModel):
     # (the same modules; transformers wants the two lists disjoint).
     _keep_in_fp32_modules_strict = ["ssm"]
     _keep_in_fp32_modules = [r"(.*\.)?ssm"]
+    # Each layer's output, in the caller's columns (BSTModel.chunk_forward); the attention weights are collected there.
+    _can_record_outputs = {"hidden_states": BSTLayer}
 
     def post_init(self):
         # A model without SSM kernels (Slide, Transformer-XL, BRecT) has nothing to keep in float32.
@@ -1087,17 +967,9 @@ class BSTPreTrainedModel(PreTrainedModel):
         return embeddings
 
     def ssm_parameter_names(self) -> list[str]:
-        """Parameters that train with their own learning rate (``config.ssm_lr``) and no weight decay (S4 practice;
-        docs/paper-mapping.md, "Optimiser"), in ``named_parameters`` order. Per SSM kernel (every ``S4DKernel`` and
-        ``UnstructFilter``: BST context states, GSS layers, classification S4 layers):
-
-        * S4D: the state matrix Lambda (``A_log_real``, ``A_imag``), ``B`` and ``log_dt`` (S4's ``_optim`` set);
-        * unstruct: the whole implicit filter, as safari's Hyena filter: ``pos_emb`` (the trainable positional
-          features), ``sin.freq``, ``mlp.{i}.weight`` and ``mlp.{i}.bias``, ``out.weight`` (the decay envelope is
-          fixed, not a parameter).
-
-        The read-outs train with the other parameters: S4D's ``C``, ``C_backward`` and ``D``, and unstruct's D-term
-        ``bias`` (like Hyena's). No parameter outside an SSM kernel is an SSM parameter."""
+        """Parameters of the SSM kernels that train with ``config.ssm_lr`` and no weight decay (docs/paper-mapping.md,
+        "Optimiser"): S4D's ``A_log_real``, ``A_imag``, ``B``, ``log_dt``; the unstruct filter's parameters but its
+        ``bias``. In ``named_parameters`` order."""
         ssm = set()
         for prefix, module in self.named_modules():
             if isinstance(module, S4DKernel):
@@ -1108,18 +980,13 @@ class BSTPreTrainedModel(PreTrainedModel):
 
 
 class BSTModel(BSTPreTrainedModel):
-    """The BST decoder stack: ``embed_tokens`` -> ``layers`` -> ``norm`` (no absolute positions).
-
-    One output contract for its three forms (full sequence; block-aligned chunk continuing a cache; recurrent steps):
-    ``last_hidden_state`` `(B, T, D)` in the caller's columns (zero at padding); ``hidden_states`` (when asked):
-    ``num_hidden_layers + 1`` tensors `(B, T, D)`: the embeddings, each later layer's input and the normed output,
-    each the very tensor the next computation reads (gradients reach them); ``attentions`` (eager
-    attention only): per layer the self-attention weights, `(B, H, T, K)` over K key positions (full-sequence form:
-    K = T, or W + T continuing a cache; recurrent steps: K = processed positions + 1, by column); ``cross_attentions``:
-    per BST/BRecT layer the cross-attention weights `(B, H, T, S_c)` over the context states of the query's block
-    (SH/MH: S_c = W, state j = the block's j-th token; MF: the S filters; BRecT: the recurrent states). Padded inputs
-    report weights in the packed (aligned) order of real tokens. GSS layers report ``None``.
-    """
+    """The BST decoder stack: ``embed_tokens`` -> ``layers`` -> ``norm`` (no absolute positions). Outputs, in the
+    caller's columns (zero at padding): ``hidden_states``, the embeddings, each later layer's input and the normed
+    output (the tensors the next computation reads); ``attentions`` (eager attention), per layer the self-attention
+    weights `(B, H, T, K)` by key column (K = T, or W + T continuing a cache; steps: the positions so far);
+    ``cross_attentions``, per layer the second attention's weights `(B, H, T, S)` over the states of the query's
+    block (None for a block layer). GSS layers report None; a padded input reports weights in the packed order of its
+    real tokens."""
 
     def __init__(self, config: BSTConfig):
         super().__init__(config)
@@ -1203,93 +1070,98 @@ class BSTModel(BSTPreTrainedModel):
         output_attentions: bool | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPastAndCrossAttentions:
-        """``cache`` (or ``past_key_values``, [`cache_argument`]): a [`BSTCache`] to continue. The output holds the
-        cache under the installed transformers' name ([`CACHE_NAME`]).
-
-        Every input is a chunk that continues the cache, which is empty for a fresh sequence ([`_Chunk`]). A packed
-        row (several documents: ``position_ids`` that restart, or ``cu_seq_lens_q/k``, in ``kwargs``) runs each
-        document as a row of its own and equals the documents run apart ([`_Documents`]); it takes no cache."""
+        """``cache`` (or ``past_key_values``): a [`BSTCache`] to continue; the output holds it under the installed
+        transformers' name ([`CACHE_NAME`]). A packed row (``position_ids`` restarting, or ``cu_seq_lens_q/k``, in
+        ``kwargs``) runs each document as a row of its own ([`_Documents`])."""
         cfg = self.config
-        cache = given = None if cfg.bidirectional else cache
-        asked_cache = use_cache
-        use_cache = (
-            use_cache if use_cache is not None else cfg.use_cache and not self.training
-        ) and not cfg.bidirectional
-        output_hidden_states = output_hidden_states if output_hidden_states is not None else cfg.output_hidden_states
-        output_attentions = self._attention_weights(output_attentions)
+        cache = None if cfg.bidirectional else cache
         if cache is not None:
             own_layers(cache, cfg)  # a BSTCache, or a DynamicCache / StaticCache of BST layers (made by generate)
-        bsz, seq_len = self._check_inputs(input_ids, inputs_embeds, attention_mask, cache)
+        shape = self._check_inputs(input_ids, inputs_embeds, attention_mask, cache)
+        hidden_states = output_hidden_states if output_hidden_states is not None else cfg.output_hidden_states
         # (the causal LM head finds the documents once for itself and the model: ``_document_starts``)
         if "_document_starts" in kwargs:
             starts = kwargs["_document_starts"]
         else:
-            starts = _Documents.starts(kwargs, attention_mask, (bsz, seq_len))
-        if starts is not None:
-            if given is not None or asked_cache:
-                raise ValueError(
-                    "A packed row (position_ids restarting inside a row, or cu_seq_lens_q/k) cannot fill or continue "
-                    "a cache: its documents are separate sequences. Pass use_cache=False; generate from one row per "
-                    "sequence."
-                )
-            if output_attentions:
-                raise ValueError("A packed row returns no attention weights: pass output_attentions=False.")
-            docs = _Documents(starts, cfg.block_len)
-            inner = [
-                self.forward(
-                    input_ids=ids,
-                    inputs_embeds=embeds,
-                    attention_mask=mask,
-                    use_cache=False,
-                    output_hidden_states=output_hidden_states,
-                    return_dict=True,
-                )
-                for ids, embeds, mask in zip(docs.rows(input_ids), docs.rows(inputs_embeds), docs.masks)
-            ]
-            all_hidden = [out.hidden_states for out in inner] if output_hidden_states else None
-            return BaseModelOutputWithPastAndCrossAttentions(
-                last_hidden_state=docs.columns([out.last_hidden_state for out in inner]),
-                hidden_states=None if all_hidden is None else tuple(map(docs.columns, zip(*all_hidden))),
+            starts = _Documents.starts(kwargs, attention_mask, shape)
+        if starts is None:
+            return self.chunk_forward(
+                input_ids,
+                attention_mask,
+                cache,
+                inputs_embeds,
+                use_cache,
+                output_hidden_states=hidden_states,
+                output_attentions=self._attention_weights(output_attentions),
+                return_dict=True,
             )
+        if cache is not None or use_cache:
+            raise ValueError(
+                "A packed row (position_ids restarting inside a row, or cu_seq_lens_q/k) cannot fill or continue "
+                "a cache: its documents are separate sequences. Pass use_cache=False; generate from one row per "
+                "sequence."
+            )
+        if self._attention_weights(output_attentions):
+            raise ValueError("A packed row returns no attention weights: pass output_attentions=False.")
+        docs = _Documents(starts, cfg.block_len)
+        inner = [
+            self.chunk_forward(ids, mask, None, embeds, False, output_hidden_states=hidden_states, return_dict=True)
+            for ids, embeds, mask in zip(docs.rows(input_ids), docs.rows(inputs_embeds), docs.masks)
+        ]
+        hidden = None
+        if inner[0].hidden_states is not None:
+            per_layer = zip(*(out.hidden_states for out in inner))
+            hidden = tuple(None if h[0] is None else docs.columns(h) for h in per_layer)
+        return BaseModelOutputWithPastAndCrossAttentions(
+            last_hidden_state=docs.columns([out.last_hidden_state for out in inner]), hidden_states=hidden
+        )
+
+    @capture_outputs
+    def chunk_forward(
+        self, input_ids, attention_mask, cache, inputs_embeds, use_cache, output_attentions=False, **kwargs
+    ):
+        """One chunk continuing ``cache`` ([`_Chunk`]); [`forward`] without packed rows. Hidden states are recorded by
+        transformers' hooks on the layers (``_can_record_outputs``); the attention weights are collected here: a
+        layer without them (a block layer's cross-attention, a GSS layer) reports None, which a hook skips."""
+        cfg = self.config
+        given = cache
+        use_cache = (
+            use_cache if use_cache is not None else cfg.use_cache and not self.training
+        ) and not cfg.bidirectional
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        bsz, seq_len = hidden.shape[:2]
         if use_cache and cache is None:
             cache = BSTCache(cfg, bsz)
         # Constants derived from parameters, kept for one decoding run (from the prefill of a cache on).
         memo = self.__dict__.setdefault("step_memo", {})
         if cache is not None and cache.layers[0].is_empty:
             memo.clear()
-        chunk = _Chunk(cache, attention_mask, (bsz, seq_len), cfg, hidden.device, host_can_branch(hidden), memo)
+        chunk = _Chunk(
+            cache, attention_mask, (bsz, seq_len), cfg, hidden.device, host_can_branch(hidden), memo,
+            output_attentions, bool(kwargs.get("output_hidden_states")),
+        )  # fmt: skip
         self._check_unstruct_length(seq_len, cache, not chunk.fresh)
         if not (self.gradient_checkpointing and self.training):  # (a checkpointed layer recomputes its own)
             chunk.ssm_tables = ChunkTables(layer.ssm for layer in self.layers if isinstance(layer, BSTContextLayer))
-        all_hidden = [hidden] if output_hidden_states else None
-        all_attn, all_cross = ([], []) if output_attentions else (None, None)
-        state = chunk.enter(hidden)
         if not cfg.meliad_dropout:  # embedding dropout, on every chunk (a streamed segment continuing a cache too)
-            state = (self.dropout(state[0]), self.dropout(state[1]))
+            hidden = self.dropout(hidden)
+        hidden = chunk.into_layers(hidden)
+        all_attn, all_cross = [], []
         for layer_idx, layer in enumerate(self.layers):
-            if all_hidden is not None and layer_idx > 0:
-                # The recorded tensor is the one the next layer reads (gradients reach it).
-                all_hidden.append(chunk.columns(state))
-                state = chunk.enter(all_hidden[-1])
-            layer_cache = cache.layers[layer_idx] if cache is not None else None
-            state, attn, cross = chunk.run(layer, layer_cache, state, output_attentions)
-            if all_attn is not None:
-                all_attn.append(attn)
-                all_cross.append(cross)
+            out = layer(hidden, cache.layers[layer_idx] if cache is not None else None, chunk)
+            hidden, attn, cross = out if output_attentions else (out, None, None)
+            all_attn.append(attn)
+            all_cross.append(cross)
         chunk.finish()
-        hidden = self.norm(chunk.columns(state))
-        if all_hidden is not None:
-            all_hidden.append(hidden)
+        hidden = self.norm(chunk.out_of_layers(hidden))
         if cache is not None and self.training:
             for layer_cache in cache.layers:
                 layer_cache.detach()
         return BaseModelOutputWithPastAndCrossAttentions(
             last_hidden_state=hidden,
             **{CACHE_NAME: cache if use_cache or given is not None else None},
-            hidden_states=tuple(all_hidden) if all_hidden is not None else None,
-            attentions=tuple(all_attn) if all_attn is not None else None,
-            cross_attentions=tuple(all_cross) if all_cross is not None else None,
+            attentions=tuple(all_attn) if output_attentions else None,
+            cross_attentions=tuple(all_cross) if output_attentions else None,
         )
 
     def _attention_weights(self, output_attentions: bool | None) -> bool:

@@ -77,7 +77,7 @@ def reference(attn, q, k, v, previous=None, lengths=None):
     return out, weights
 
 
-def run(attn, q, k, v, previous=None, lengths=None, weights=False, monkeypatch=None):
+def run(attn, q, k, v, previous=None, lengths=None, weights=0, monkeypatch=None):
     layer_cache = positions = None
     if previous is not None:
         monkeypatch.setattr(attn, "previous_block", lambda layer_cache, positions: previous)
@@ -129,7 +129,7 @@ def test_weights_by_key_column_equal_the_reference(overrides, held, monkeypatch)
     q, k, v = inputs(attn)
     previous = None if held is None else previous_block(attn, held)
     expected_out, expected_weights = reference(attn, q, k, v, previous)
-    out, probs = run(attn, q, k, v, previous, weights=True, monkeypatch=monkeypatch)
+    out, probs = run(attn, q, k, v, previous, weights=T, monkeypatch=monkeypatch)
     assert probs.shape == (B, attn.config.num_attention_heads, T, T + (0 if previous is None else W))
     torch.testing.assert_close(probs, expected_weights, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(out, expected_out, rtol=1e-10, atol=1e-10)
@@ -141,7 +141,7 @@ def test_weights_cover_the_leading_positions():
     attn = self_attention("eager")
     q, k, v = inputs(attn)
     with torch.no_grad():
-        _, full = attn(q, k, v, weights=True)
-        _, leading = attn(q, k, v, num_positions=T - 3, weights=True)
+        _, full = attn(q, k, v, weights=T)
+        _, leading = attn(q, k, v, weights=T - 3)
     assert leading.shape[-2:] == (T - 3, T - 3)
     torch.testing.assert_close(leading, full[:, :, : T - 3, : T - 3], rtol=0, atol=0)
