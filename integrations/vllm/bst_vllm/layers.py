@@ -317,6 +317,7 @@ class BSTLayerMath(nn.Module):
         self.input_norm = _Norm(d)
         self.mode = config.context_mode
         self._constants = None
+        self._decode_bias = None
         if kind == "gss":
             ds, width = d // 4, config.gss_expansion * d
             self.u_proj = nn.Linear(d, ds, bias=False)
@@ -793,21 +794,19 @@ class BSTLayerMath(nn.Module):
         q, k, v = self.project(xn)  # (B, H, d)
         attn_k, attn_v = self.part(state, "attn_k"), self.part(state, "attn_v")
         ring = attn_k.shape[1]
-        ring_k, ring_v = attn_k[slots], attn_v[slots]  # (B, R, H, d)
         write = positions % ring
-        rows = torch.arange(bsz, device=x.device)
+        # Only the token's own slot is written (not the whole ring back): before the read with attend_self (the
+        # token is one of its keys), after it otherwise.
         if cfg.attend_self:
-            ring_k[rows, write], ring_v[rows, write] = k, v
-        # Slot j holds the newest token at a position = j (mod R) before (or, with attend_self, at) the query.
-        j = torch.arange(ring, device=x.device)
-        newest = positions[:, None] - (0 if cfg.attend_self else 1)
-        kpos = newest - (newest - j[None]) % ring  # (B, R)
-        rel = torch.where(kpos >= 0, kpos - positions[:, None], -(10**9))
-        bias = self.self_bias(rel).to(q.dtype).permute(1, 0, 2)[:, :, None]  # (B, H, 1, R)
+            attn_k[slots, write], attn_v[slots, write] = k, v
+        ring_k, ring_v = attn_k[slots], attn_v[slots]  # (B, R, H, d)
+        bias = self.decode_bias(positions, ring).to(q.dtype)[:, :, None]  # (B, H, 1, R)
         a_self = attend(q[:, :, None], ring_k.transpose(1, 2), ring_v.transpose(1, 2), bias).flatten(1)
         if not cfg.attend_self:
-            ring_k[rows, write], ring_v[rows, write] = k, v
-        attn_k[slots], attn_v[slots] = ring_k, ring_v
+            attn_k[slots, write], attn_v[slots, write] = k, v
+            if self.kind == "recurrent":  # its state update reads the ring after the write
+                rows = torch.arange(bsz, device=x.device)
+                ring_k[rows, write], ring_v[rows, write] = k, v
         if self.kind == "bst":
             a_second = self.context_decode(x, xn, positions, state, slots)
         elif self.kind == "recurrent":
@@ -815,6 +814,25 @@ class BSTLayerMath(nn.Module):
         else:
             a_second = None
         return self.finish(x, a_self, a_second)
+
+    def _ring_positions(self, positions: torch.Tensor, ring: int) -> torch.Tensor:
+        """The position each ring slot holds for a decode query at ``positions`` `(B,)`: slot j the newest token at
+        a position = j (mod R) before the query (or at it, with ``attend_self``); negative: none. `(B, R)`."""
+        j = torch.arange(ring, device=positions.device)
+        newest = positions[:, None] - (0 if self.config.attend_self else 1)
+        return newest - (newest - j[None]) % ring
+
+    def decode_bias(self, positions: torch.Tensor, ring: int) -> torch.Tensor:
+        """The scaled T5 bias of decode queries at ``positions`` `(B,)` over the ring's slots, masked outside the
+        window and where a slot holds no token yet: `(B, H, R)`. The relative positions depend on the position mod
+        R only, so the bias is one table of R rows, computed once."""
+        if self._decode_bias is None:
+            phase = torch.arange(ring, device=positions.device) + ring  # positions where every slot holds a token
+            rel = self._ring_positions(phase, ring) - phase[:, None]
+            self._decode_bias = self.self_bias(rel).permute(1, 0, 2)  # (R, H, R)
+        table = self._decode_bias[positions % ring]
+        held = (self._ring_positions(positions, ring) >= 0)[:, None]
+        return torch.where(held, table, fb.masked_fill_value(table.dtype))
 
     @staticmethod
     def _gather_new(all_slots: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -827,8 +845,6 @@ class BSTLayerMath(nn.Module):
 
     def context_decode(self, x, xn, positions, state, slots):
         w, cfg = self.block_len, self.config
-        bsz = x.shape[0]
-        rows = torch.arange(bsz, device=x.device)
         src = x if cfg.ssm_input == "raw" else xn
         z = self.context.down_proj(src)
         ssm_state = self.ssm_state(state)
@@ -849,14 +865,12 @@ class BSTLayerMath(nn.Module):
             return out
         ck, cv = self.lift_tokens(y)  # (B, H, d)
         ctx_k_all, ctx_v_all = self.part(state, "ctx_k"), self.part(state, "ctx_v")
+        ctx_k_all[slots, positions % w], ctx_v_all[slots, positions % w] = ck, cv  # the token's slot only
         ctx_k, ctx_v = ctx_k_all[slots], ctx_v_all[slots]  # (B, W, H, d)
-        ctx_k[rows, positions % w], ctx_v[rows, positions % w] = ck, cv
         j = torch.arange(w, device=x.device)[None]
         offset = (positions % w)[:, None]
         mask = fb.additive_mask(fb.context_valid(j, offset, cfg.cross_mask), qc.dtype)
-        out = attend(qc, ctx_k.transpose(1, 2), ctx_v.transpose(1, 2), mask[:, None, None]).flatten(1)
-        ctx_k_all[slots], ctx_v_all[slots] = ctx_k, ctx_v
-        return out
+        return attend(qc, ctx_k.transpose(1, 2), ctx_v.transpose(1, 2), mask[:, None, None]).flatten(1)
 
     def recurrent_decode(self, xn, positions, state, slots, ring_k, ring_v):
         """A Block-Recurrent layer's step: the token reads the state's keys/values (a new request: the learned
