@@ -113,17 +113,17 @@ class PluginStack:
             out.append(h)
         return self.outputs(out)
 
-    def packed(self, requests) -> list[list[torch.Tensor]]:
-        """The chunks ``requests`` = ``[(ids, p0, slot), ...]`` in one packed prefill call ([`layers.Prefill`]);
-        each request's layer outputs."""
+    def packed(self, requests, padding=float("inf")) -> list[list[torch.Tensor]]:
+        """The chunks ``requests`` = ``[(ids, p0, slot), ...]`` in packed prefill calls, one per run of
+        ``layers.Prefill.groups`` (``padding`` inf: one call for all); each request's layer outputs."""
         lengths = torch.tensor([len(ids) for ids, _, _ in requests])
         starts = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
         positions = torch.cat([torch.arange(p0, p0 + len(ids)) for ids, p0, _ in requests])
         slots = torch.tensor([slot for _, _, slot in requests])
-        batch = layers.Prefill.from_query_starts(starts, positions, slots, self.config.block_len)
+        runs = layers.Prefill.groups(starts, positions, slots, self.config.block_len, padding)
         h, out = self.embed_weight[torch.tensor([t for ids, _, _ in requests for t in ids])], []
         for layer, states in zip(self.layers, self.states):
-            h = layer.prefill(h, batch, states)
+            h = torch.cat([layer.prefill(h[a:b], batch, states) for a, b, batch in runs])
             out.append(h)
         out = self.outputs(out)
         return [[o[s:e] for o in out] for s, e in zip(starts[:-1].tolist(), starts[1:].tolist())]
@@ -187,8 +187,8 @@ def test_packed_prefill_equals_modeling_bst_per_position(name, tmp_path):
         [(2, c1, lengths[2] - 1, 3), (0, a2, lengths[0] - 3, 2)],
     ]
     slot_of = {0: 2, 1: 0, 2: 3}
-    for chunks in schedule:
-        outs = stack.packed([(prompts[r][s:e], s, slot) for r, s, e, slot in chunks])
+    for i, chunks in enumerate(schedule):  # the last step split into runs of one chunk each (unequal lengths)
+        outs = stack.packed([(prompts[r][s:e], s, slot) for r, s, e, slot in chunks], 1.0 if i == 2 else float("inf"))
         for (r, *_), out in zip(chunks, outs):
             got[r].append(out)
     # Then the last tokens of all three as batched decode steps (positions differ per request).
@@ -206,6 +206,19 @@ def test_packed_prefill_equals_modeling_bst_per_position(name, tmp_path):
             torch.testing.assert_close(
                 have, want[0], atol=1e-10, rtol=1e-10, msg=f"{name}: request {r}, layer {layer}"
             )
+
+
+def test_prefill_runs_bound_the_padding():
+    """``Prefill.groups`` keeps consecutive chunks together while the padded layout stays within ``padding`` times
+    their tokens, and every run's tokens and requests are its own."""
+    lengths = [100, 100, 90, 4000, 3900, 10, 10]
+    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    positions = torch.cat([torch.arange(7 * i, 7 * i + n) for i, n in enumerate(lengths)])
+    runs = layers.Prefill.groups(starts, positions, torch.arange(7) + 10, 16)
+    assert [(a, b) for a, b, _ in runs] == [(0, 290), (290, 8190), (8190, 8210)]
+    assert [r.lengths.tolist() for _, _, r in runs] == [[100, 100, 90], [4000, 3900], [10, 10]]
+    assert [r.slots.tolist() for _, _, r in runs] == [[10, 11, 12], [13, 14], [15, 16]]
+    assert runs[1][2].p0.tolist() == [21, 28] and runs[1][2].max_len == 4000
 
 
 def test_plugin_loads_the_models_maths_file():

@@ -63,7 +63,16 @@ def load_functional():
 
 
 fb = load_functional()
-rms_norm = fb.rms_norm
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``functional_bst.rms_norm`` (``x * rsqrt(mean(x^2) + eps) * weight``) as torch's one fused op, for the
+    float32 / float64 tensors the plugin runs on (fewer ops per decode step)."""
+    if x.dtype not in (torch.float32, torch.float64):
+        return fb.rms_norm(x, weight, eps)
+    return F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps)
+
+
 # S4D outputs of a prefill chunk are computed in pieces of this many tokens (the model's chunk length).
 S4D_CHUNK_LEN = 64
 
@@ -132,6 +141,28 @@ class Prefill:
         starts = query_start_loc[:-1]
         lengths = query_start_loc[1:] - starts
         return cls(starts, positions[starts], lengths, slots, positions.shape[0], int(lengths.max()), block_len)
+
+    @classmethod
+    def groups(cls, query_start_loc, positions, slots, block_len: int, padding: float = 1.25):
+        """The step's chunks in runs of consecutive requests whose padded layouts waste little: a run grows while
+        its requests times its longest chunk stays within ``padding`` times its tokens (chunks of equal length:
+        one run; a long chunk beside short ones: separate runs). ``[(first token, end token, Prefill), ...]``. Reads
+        the chunk lengths on the host (``query_start_loc`` is a host tensor on the CPU)."""
+        bounds = query_start_loc.tolist()
+        lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+        runs, first = [], 0
+        for i in range(1, len(lengths)):
+            run = lengths[first : i + 1]
+            if max(run) * len(run) > padding * sum(run):  # request i starts a new run
+                runs.append((first, i))
+                first = i
+        runs.append((first, len(lengths)))
+        out = []
+        for a, b in runs:
+            starts = query_start_loc[a : b + 1] - bounds[a]
+            tokens = positions[bounds[a] : bounds[b]]
+            out.append((bounds[a], bounds[b], cls.from_query_starts(starts, tokens, slots[a:b], block_len)))
+        return out
 
     def by_token(self, x: torch.Tensor) -> torch.Tensor:
         """Packed ``x`` `(N, ...)` -> `(P, max_len, ...)`, token t of request i at ``[i, t]``, zeros after."""
@@ -318,6 +349,7 @@ class BSTLayerMath(nn.Module):
         self.mode = config.context_mode
         self._constants = None
         self._decode_bias = None
+        self._stacked = None
         if kind == "gss":
             ds, width = d // 4, config.gss_expansion * d
             self.u_proj = nn.Linear(d, ds, bias=False)
@@ -422,18 +454,35 @@ class BSTLayerMath(nn.Module):
     def _heads(self, x):
         return x.unflatten(-1, (self.heads, self.head_dim))
 
+    def _input_weight(self) -> torch.Tensor:
+        """The projections of the normed input stacked (queries, keys, values; the cross-attention queries of BST
+        and Block-Recurrent layers): one matmul instead of three or four. Rebuilt when a weight changes."""
+        weights = [self.self_attn.q_proj.weight, self.self_attn.k_proj.weight, self.self_attn.v_proj.weight]
+        if self.kind != "block":
+            weights.append(self.cross_attn.q_proj.weight)
+        key = tuple((w.data_ptr(), w._version, w.dtype) for w in weights)
+        if self._stacked is None or self._stacked[0] != key:
+            self._stacked = key, torch.cat([w.detach() for w in weights])
+        return self._stacked[1]
+
     def project(self, xn):
+        """Self-attention queries (scaled), keys, values `(..., H, d_h)`, and the cross-attention queries (None in a
+        block layer), from one matmul."""
         a = self.self_attn
-        q, k, v = self._heads(a.q_proj(xn)), self._heads(a.k_proj(xn)), self._heads(a.v_proj(xn))
+        parts = F.linear(xn, self._input_weight()).unflatten(-1, (-1, self.heads, self.head_dim)).unbind(-3)
+        q, k, v = parts[:3]
         if self.config.qk_norm:
             q, k = fb.l2_normalize(q), fb.l2_normalize(k)
-        return q * a.scale[:, None], k, v
+        qc = self._scale_cross_query(parts[3]) if len(parts) > 3 else None
+        return q * a.scale[:, None], k, v, qc
 
-    def cross_query(self, xn):
-        q = self._heads(self.cross_attn.q_proj(xn))
+    def _scale_cross_query(self, q):
         if self.config.qk_norm:
             q = fb.l2_normalize(q)
         return q * self.cross_attn.scale[:, None]
+
+    def cross_query(self, xn):
+        return self._scale_cross_query(self._heads(self.cross_attn.q_proj(xn)))
 
     def self_bias(self, rel):
         """Scaled T5 bias where the window lets a query see a key, a large negative number elsewhere: `(H, ...)`."""
@@ -527,9 +576,9 @@ class BSTLayerMath(nn.Module):
         xn = rms_norm(x, self.input_norm.weight, self.eps)
         if self.kind == "gss":
             return self.gss(x, xn, lambda u: self._ssm_packed(u, batch, state))
-        q, k, v = self.project(xn)  # (N, H, d)
+        q, k, v, qc = self.project(xn)  # (N, H, d)
         a_self = self._self_attention_packed(q, k, v, batch, state).flatten(1)
-        a_second = self._context_packed(x, xn, batch, state) if self.kind == "bst" else None
+        a_second = self._context_packed(x, xn, qc, batch, state) if self.kind == "bst" else None
         return self.finish(x, a_self, a_second)
 
     def _prefill_per_request(self, x, batch: Prefill, state):
@@ -591,12 +640,11 @@ class BSTLayerMath(nn.Module):
         attn_k[slots], attn_v[slots] = torch.where(new, k[take], old_k), torch.where(new, v[take], old_v)
         return out
 
-    def _context_packed(self, x, xn, batch: Prefill, state):
+    def _context_packed(self, x, xn, qc, batch: Prefill, state):
         """The SSM, context states and cross-attention of a BST layer over the packed chunks: `(N, H d_h)`."""
         w, cfg, nb, rows, slots = self.block_len, self.config, batch.num_blocks, batch.rows, batch.slots
         z = self.context.down_proj(x if cfg.ssm_input == "raw" else xn)  # (N, Ds)
         y = self._ssm_packed(z, batch, state)  # (N, C, Ds)
-        qc = self.cross_query(xn)
         queries = batch.canvas(qc).view(batch.num, nb, w, *qc.shape[1:]).transpose(2, 3)  # (P, nb, H, W, d)
         if self.mode == "mf":
             mf_last = self.part(state, "mf_last")
@@ -650,7 +698,7 @@ class BSTLayerMath(nn.Module):
                 return y
 
             return self.gss(x, xn, scan)
-        q, k, v = self.project(xn)  # (T, H, d)
+        q, k, v, _ = self.project(xn)  # (T, H, d)
         attn_k, attn_v = self.part(state, "attn_k"), self.part(state, "attn_v")
         ring = attn_k.shape[0]  # W, or 2W (Block-Recurrent)
         # The cached tokens before p0 (those of the ring), then the chunk's.
@@ -791,7 +839,7 @@ class BSTLayerMath(nn.Module):
                 return y
 
             return self.gss(x, xn, step)
-        q, k, v = self.project(xn)  # (B, H, d)
+        q, k, v, qc = self.project(xn)  # (B, H, d)
         attn_k, attn_v = self.part(state, "attn_k"), self.part(state, "attn_v")
         ring = attn_k.shape[1]
         write = positions % ring
@@ -808,9 +856,9 @@ class BSTLayerMath(nn.Module):
                 rows = torch.arange(bsz, device=x.device)
                 ring_k[rows, write], ring_v[rows, write] = k, v
         if self.kind == "bst":
-            a_second = self.context_decode(x, xn, positions, state, slots)
+            a_second = self.context_decode(x, xn, qc, positions, state, slots)
         elif self.kind == "recurrent":
-            a_second = self.recurrent_decode(xn, positions, state, slots, ring_k, ring_v)
+            a_second = self.recurrent_decode(qc, positions, state, slots, ring_k, ring_v)
         else:
             a_second = None
         return self.finish(x, a_self, a_second)
@@ -843,14 +891,14 @@ class BSTLayerMath(nn.Module):
         rows = all_slots[slots]
         return torch.where((positions == 0).view(-1, *[1] * (rows.dim() - 1)), 0, rows)
 
-    def context_decode(self, x, xn, positions, state, slots):
+    def context_decode(self, x, xn, qc, positions, state, slots):
         w, cfg = self.block_len, self.config
         src = x if cfg.ssm_input == "raw" else xn
         z = self.context.down_proj(src)
         ssm_state = self.ssm_state(state)
         y, new_state = self.ssm_math().step(z, self._gather_new(ssm_state, slots, positions))  # (B, C, Ds)
         ssm_state[slots] = new_state.to(ssm_state.dtype)
-        qc = self.cross_query(xn)[:, :, None]  # (B, H, 1, d)
+        qc = qc[:, :, None]  # (B, H, 1, d)
         if self.mode == "mf":
             mf_last = self.part(state, "mf_last")
             last = mf_last[slots]  # (B, S, Ds)
@@ -872,7 +920,7 @@ class BSTLayerMath(nn.Module):
         mask = fb.additive_mask(fb.context_valid(j, offset, cfg.cross_mask), qc.dtype)
         return attend(qc, ctx_k.transpose(1, 2), ctx_v.transpose(1, 2), mask[:, None, None]).flatten(1)
 
-    def recurrent_decode(self, xn, positions, state, slots, ring_k, ring_v):
+    def recurrent_decode(self, qc, positions, state, slots, ring_k, ring_v):
         """A Block-Recurrent layer's step: the token reads the state's keys/values (a new request: the learned
         initial state's); at a block end the state absorbs the ring's 2W tokens (``ring_k``/``ring_v`` `(B, 2W, H,
         d_h)` after the token's write)."""
@@ -887,15 +935,15 @@ class BSTLayerMath(nn.Module):
         rec = torch.where(fresh[:, None, None], init, rec)
         rec_k = torch.where(fresh[:, None, None, None], init_k, rec_k)
         rec_v = torch.where(fresh[:, None, None, None], init_v, rec_v)
-        qc = self.cross_query(xn)[:, :, None]  # (B, H, 1, d)
-        zero = torch.zeros((), dtype=qc.dtype, device=xn.device)
+        qc = qc[:, :, None]  # (B, H, 1, d)
+        zero = torch.zeros((), dtype=qc.dtype, device=qc.device)
         out = attend(qc, rec_k.transpose(1, 2), rec_v.transpose(1, 2), zero).flatten(1)
         # At a block end the state absorbs the ring; computed for every request and kept where a block ends (no
         # host read of which ones do).
         end = ((positions + 1) % w == 0)[:, None, None]
         ring = ring_k.shape[1]
         p = positions[:, None]
-        kpos = p - (p - torch.arange(ring, device=xn.device)[None]) % ring  # the ring's positions after the write
+        kpos = p - (p - torch.arange(ring, device=qc.device)[None]) % ring  # the ring's positions after the write
         new = self.recurrent_update(rec, (rec_k, rec_v), ring_k, ring_v, kpos >= 0)
         new_k, new_v = self.recurrent_keys_values(new)
         rec = torch.where(end, new, rec)

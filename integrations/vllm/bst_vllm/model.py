@@ -83,23 +83,25 @@ class BSTServingLayer(BSTLayerMath, MambaBase):
         if step is None:
             # vLLM's profiling / warm-up run: no state slots; one sequence on a scratch state.
             scratch = tuple(torch.zeros(1, *s, dtype=torch.float32, device=hidden.device) for s in self.shapes)
-            return self.prefill(hidden, Step.scratch(positions, self.block_len).prefill, scratch)
+            return self.prefill(hidden, Step.scratch(positions, self.block_len).prefill[0][2], scratch)
         outs = []
         if step.num_decodes:
             nd = step.num_decodes
             outs.append(self.decode(hidden[:nd], positions[:nd], self.kv_cache, step.decode_slots))
-        if step.prefill is not None:
-            outs.append(self.prefill(hidden[step.num_decodes :], step.prefill, self.kv_cache))
+        prefill = hidden[step.num_decodes :]
+        for start, end, run in step.prefill:
+            outs.append(self.prefill(prefill[start:end], run, self.kv_cache))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 class Step:
     """What every layer reads of one engine step, from vLLM's Mamba metadata (built once per step, not per layer):
     the decodes (first in the batch, one token each) and their state slots, and the prefill chunks packed
-    ([`Prefill`]). Nothing here reads the device: the decode path has no host sync, the prefill path reads the
-    longest chunk from ``query_start_loc_p`` (a host tensor on the CPU)."""
+    ([`Prefill`], in runs of chunks of similar lengths: ``[(first token, end token, Prefill), ...]`` counted from
+    the first prefill token). Nothing here reads the device for the decodes (their path has no host sync); the
+    prefill runs come from the chunk lengths of ``query_start_loc_p`` (a host tensor on the CPU)."""
 
-    def __init__(self, num_decodes: int, decode_slots, prefill: Prefill | None):
+    def __init__(self, num_decodes: int, decode_slots, prefill: list):
         self.num_decodes, self.decode_slots, self.prefill = num_decodes, decode_slots, prefill
 
     @staticmethod
@@ -110,13 +112,12 @@ class Step:
     def from_metadata(cls, metadata, positions: torch.Tensor, block_len: int) -> "Step":
         nd = metadata.num_decodes
         decode_slots = cls._column(metadata.state_indices_tensor_d)[:nd].long() if nd else None
-        prefill = None
+        prefill = []
         if metadata.num_prefills:
             slots = cls._column(metadata.state_indices_tensor_p)[: metadata.num_prefills].long()
             end = metadata.num_decode_tokens + metadata.num_prefill_tokens
-            prefill = Prefill.from_query_starts(
-                metadata.query_start_loc_p, positions[metadata.num_decode_tokens : end], slots, block_len
-            )
+            tokens = positions[metadata.num_decode_tokens : end]
+            prefill = Prefill.groups(metadata.query_start_loc_p, tokens, slots, block_len)
         return cls(nd, decode_slots, prefill)
 
     @classmethod
@@ -126,7 +127,7 @@ class Step:
         device = positions.device
         starts = torch.tensor([0, n], device=device)
         zero = torch.zeros(1, dtype=torch.long, device=device)
-        return cls(0, None, Prefill(starts[:1], zero, starts[1:], zero, n, n, block_len))
+        return cls(0, None, [(0, n, Prefill(starts[:1], zero, starts[1:], zero, n, n, block_len))])
 
 
 class BSTModel(nn.Module):

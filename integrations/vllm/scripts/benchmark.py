@@ -374,7 +374,7 @@ def run_engine(kind: str, folder: Path, args, pythonpath: Path | None = None) ->
     if child.wait():
         raise RuntimeError(f"{kind}: the engine's process failed (exit {child.returncode}); its log is above.")
     rows = json.loads(out.strip().splitlines()[-1])
-    found = CONCURRENCY_LOG.findall("".join(log))
+    found = CONCURRENCY_LOG.findall("".join(log) + out)  # vLLM logs to stdout
     for row in rows:
         row["max_concurrency"] = f"{float(found[-1][1]):.1f} @ {found[-1][0]}" if found else None
     return rows
@@ -410,9 +410,9 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         runs = [(kind, kind, None) for kind in args.models]
-        if args.baseline:
+        if args.baseline:  # served first, then the plugin being measured
             (Path(tmp) / "baseline").mkdir()
-            runs.insert(1, (f"bst@{args.baseline}", "bst", export_plugin(args.baseline, Path(tmp) / "baseline")))
+            runs.insert(0, (f"bst@{args.baseline}", "bst", export_plugin(args.baseline, Path(tmp) / "baseline")))
         for label, kind, pythonpath in runs:
             folder = Path(tmp) / kind
             if not folder.exists():
