@@ -113,6 +113,21 @@ class PluginStack:
             out.append(h)
         return self.outputs(out)
 
+    def packed(self, requests, padding=float("inf")) -> list[list[torch.Tensor]]:
+        """The chunks ``requests`` = ``[(ids, p0, slot), ...]`` in packed prefill calls, one per run of
+        ``layers.Prefill.groups`` (``padding`` inf: one call for all); each request's layer outputs."""
+        lengths = torch.tensor([len(ids) for ids, _, _ in requests])
+        starts = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+        positions = torch.cat([torch.arange(p0, p0 + len(ids)) for ids, p0, _ in requests])
+        slots = torch.tensor([slot for _, _, slot in requests])
+        runs = layers.Prefill.groups(starts, positions, slots, self.config.block_len, padding)
+        h, out = self.embed_weight[torch.tensor([t for ids, _, _ in requests for t in ids])], []
+        for layer, states in zip(self.layers, self.states):
+            h = torch.cat([layer.prefill(h[a:b], batch, states) for a, b, batch in runs])
+            out.append(h)
+        out = self.outputs(out)
+        return [[o[s:e] for o in out] for s, e in zip(starts[:-1].tolist(), starts[1:].tolist())]
+
     def step(self, ids, positions, slots) -> list[torch.Tensor]:
         h, out = self.embed_weight[torch.as_tensor(ids)], []
         for layer, states in zip(self.layers, self.states):
@@ -144,6 +159,66 @@ def test_plugin_layers_equal_modeling_bst_per_position(name, tmp_path):
     for layer, want in enumerate(expected):
         have = torch.cat([g[layer] for g in got])
         torch.testing.assert_close(have, want[0], atol=1e-10, rtol=1e-10, msg=f"{name}: layer {layer}")
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES + sorted(BUILT))
+@torch.no_grad()
+def test_packed_prefill_equals_modeling_bst_per_position(name, tmp_path):
+    """Several requests' chunks in one prefill call (``BSTLayerMath.prefill``): new requests (in slots holding
+    another request's state) beside chunks continuing saved states from inside a block, of unequal lengths, then
+    batched decode steps; every layer's output at every position of every request equals ``modeling_bst``'s."""
+    folder = checkpoint(name, tmp_path)
+    model = BSTForCausalLM.from_pretrained(folder).double().eval()
+    stack = PluginStack(folder, slots=4)
+    w = stack.config.block_len
+    g = torch.Generator().manual_seed(11)
+    lengths = (5 * w + 3, 4 * w + 1, 2 * w + 5)
+    prompts = [torch.randint(1, stack.config.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    for states in stack.states:  # stale states of earlier requests in every slot: new requests must not read them
+        for s in states:
+            s.normal_(generator=g)
+    got = [[] for _ in prompts]
+    # Step 1: A's first chunk, B whole up to 1.5 blocks (new requests). Step 2: A from inside its first block
+    # across 3 blocks, B from inside a block, C new. Step 3: A and C to their ends (mid-block starts).
+    a1, a2, b1, c1 = w // 2 + 1, 3 * w + 2, w + w // 2, w + 3
+    schedule = [
+        [(0, 0, a1, 2), (1, 0, b1, 0)],
+        [(0, a1, a2, 2), (1, b1, lengths[1] - 2, 0), (2, 0, c1, 3)],
+        [(2, c1, lengths[2] - 1, 3), (0, a2, lengths[0] - 3, 2)],
+    ]
+    slot_of = {0: 2, 1: 0, 2: 3}
+    for i, chunks in enumerate(schedule):  # the last step split into runs of one chunk each (unequal lengths)
+        outs = stack.packed([(prompts[r][s:e], s, slot) for r, s, e, slot in chunks], 1.0 if i == 2 else float("inf"))
+        for (r, *_), out in zip(chunks, outs):
+            got[r].append(out)
+    # Then the last tokens of all three as batched decode steps (positions differ per request).
+    ends = [lengths[0] - 3, lengths[1] - 2, lengths[2] - 1]
+    while any(e < n for e, n in zip(ends, lengths)):
+        live = [r for r in range(3) if ends[r] < lengths[r]]
+        out = stack.step([prompts[r][ends[r]] for r in live], [ends[r] for r in live], [slot_of[r] for r in live])
+        for i, r in enumerate(live):
+            got[r].append([h[i : i + 1] for h in out])
+            ends[r] += 1
+    for r, ids in enumerate(prompts):
+        expected = model(torch.tensor([ids]), output_hidden_states=True, use_cache=False).hidden_states[1:]
+        for layer, want in enumerate(expected):
+            have = torch.cat([g[layer] for g in got[r]])
+            torch.testing.assert_close(
+                have, want[0], atol=1e-10, rtol=1e-10, msg=f"{name}: request {r}, layer {layer}"
+            )
+
+
+def test_prefill_runs_bound_the_padding():
+    """``Prefill.groups`` keeps consecutive chunks together while the padded layout stays within ``padding`` times
+    their tokens, and every run's tokens and requests are its own."""
+    lengths = [100, 100, 90, 4000, 3900, 10, 10]
+    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    positions = torch.cat([torch.arange(7 * i, 7 * i + n) for i, n in enumerate(lengths)])
+    runs = layers.Prefill.groups(starts, positions, torch.arange(7) + 10, 16)
+    assert [(a, b) for a, b, _ in runs] == [(0, 290), (290, 8190), (8190, 8210)]
+    assert [r.lengths.tolist() for _, _, r in runs] == [[100, 100, 90], [4000, 3900], [10, 10]]
+    assert [r.slots.tolist() for _, _, r in runs] == [[10, 11, 12], [13, 14], [15, 16]]
+    assert runs[1][2].p0.tolist() == [21, 28] and runs[1][2].max_len == 4000
 
 
 def test_plugin_loads_the_models_maths_file():

@@ -63,7 +63,16 @@ def load_functional():
 
 
 fb = load_functional()
-rms_norm = fb.rms_norm
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``functional_bst.rms_norm`` (``x * rsqrt(mean(x^2) + eps) * weight``) as torch's one fused op, for the
+    float32 / float64 tensors the plugin runs on (fewer ops per decode step)."""
+    if x.dtype not in (torch.float32, torch.float64):
+        return fb.rms_norm(x, weight, eps)
+    return F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps)
+
+
 # S4D outputs of a prefill chunk are computed in pieces of this many tokens (the model's chunk length).
 S4D_CHUNK_LEN = 64
 
@@ -95,6 +104,84 @@ def state_layout(config) -> dict[str, tuple[int, ...]]:
     if "gss" in kinds:
         layout["gss"] = (config.hidden_size // 4, config.ssm_state_size // 2, 2)
     return layout
+
+
+class Prefill:
+    """The prefill chunks of one engine step, packed: request i's ``lengths[i]`` tokens at positions ``p0[i] ..``
+    follow each other in the ``num_tokens`` packed tokens from ``starts[i]``, its state in row ``slots[i]`` of every
+    state tensor. Built once per step (every layer reads it); index tensors only, no Python loop over requests.
+
+    ``max_len`` (a host int, the longest chunk) sizes the padded layouts the layers use per request: ``by_token``
+    `(P, max_len)` (token t of the chunk at column t) and the block canvas `(P, num_blocks * W)` (position p at
+    column ``p - W * (p0 // W)``: the canvas's blocks are the model's blocks)."""
+
+    def __init__(self, starts, p0, lengths, slots, num_tokens: int, max_len: int, block_len: int):
+        self.starts, self.p0, self.lengths, self.slots = starts, p0, lengths, slots
+        self.num_tokens, self.max_len, self.block_len = num_tokens, max_len, block_len
+        self.num = starts.shape[0]
+        device = starts.device
+        self.rows = torch.arange(self.num, device=device)
+        # The request of every packed token and the token's offset in the request's chunk.
+        idx = torch.arange(num_tokens, device=device)
+        self.req = torch.searchsorted(starts, idx, right=True) - 1
+        self.offset = idx - starts[self.req]
+        self.fresh = p0 == 0  # a new request: its slot may hold an earlier request's state
+        self.first_block = torch.div(p0, block_len, rounding_mode="floor")
+        first_col = p0 - self.first_block * block_len  # canvas column of each chunk's first token
+        self.first_col = first_col
+        self.col = first_col[self.req] + self.offset  # canvas column of every packed token
+        self.last = p0 + lengths - 1  # position of each chunk's last token
+        self.num_blocks = -(-(block_len - 1 + max_len) // block_len)  # canvas blocks (enough for every chunk)
+
+    @classmethod
+    def from_query_starts(cls, query_start_loc, positions, slots, block_len: int):
+        """From vLLM's ``query_start_loc`` `(P + 1,)` (packed offsets from 0), the packed tokens' ``positions`` and
+        the requests' state ``slots``. ``max_len`` is read from ``query_start_loc`` (a host read; on the CPU the
+        tensor is a host tensor)."""
+        starts = query_start_loc[:-1]
+        lengths = query_start_loc[1:] - starts
+        return cls(starts, positions[starts], lengths, slots, positions.shape[0], int(lengths.max()), block_len)
+
+    @classmethod
+    def groups(cls, query_start_loc, positions, slots, block_len: int, padding: float = 1.25):
+        """The step's chunks in runs of consecutive requests whose padded layouts waste little: a run grows while
+        its requests times its longest chunk stays within ``padding`` times its tokens (chunks of equal length:
+        one run; a long chunk beside short ones: separate runs). ``[(first token, end token, Prefill), ...]``. Reads
+        the chunk lengths on the host (``query_start_loc`` is a host tensor on the CPU)."""
+        bounds = query_start_loc.tolist()
+        lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+        runs, first = [], 0
+        for i in range(1, len(lengths)):
+            run = lengths[first : i + 1]
+            if max(run) * len(run) > padding * sum(run):  # request i starts a new run
+                runs.append((first, i))
+                first = i
+        runs.append((first, len(lengths)))
+        out = []
+        for a, b in runs:
+            starts = query_start_loc[a : b + 1] - bounds[a]
+            tokens = positions[bounds[a] : bounds[b]]
+            out.append((bounds[a], bounds[b], cls.from_query_starts(starts, tokens, slots[a:b], block_len)))
+        return out
+
+    def by_token(self, x: torch.Tensor) -> torch.Tensor:
+        """Packed ``x`` `(N, ...)` -> `(P, max_len, ...)`, token t of request i at ``[i, t]``, zeros after."""
+        out = x.new_zeros(self.num, self.max_len, *x.shape[1:])
+        out[self.req, self.offset] = x
+        return out
+
+    def left_aligned(self, x: torch.Tensor) -> torch.Tensor:
+        """Packed ``x`` `(N, ...)` -> `(P, max_len, ...)`, each chunk ending at the last column, zeros before."""
+        out = x.new_zeros(self.num, self.max_len, *x.shape[1:])
+        out[self.req, self.max_len - self.lengths[self.req] + self.offset] = x
+        return out
+
+    def canvas(self, x: torch.Tensor, before: int = 0) -> torch.Tensor:
+        """Packed ``x`` `(N, ...)` -> the block canvas `(P, before + num_blocks * W, ...)`, token at ``before +
+        col``, zeros elsewhere."""
+        out = x.new_zeros(self.num, before + self.num_blocks * self.block_len, *x.shape[1:])
+        out[self.req, before + self.col] = x
+        return out
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -143,6 +230,22 @@ class S4D:
         y = fb.s4d_chunked_forward(z, chunk, tables, state[None])
         return y[0], fb.s4d_final_state(z, *self.discrete, state[None])[0]
 
+    def scan_packed(self, z: torch.Tensor, state: torch.Tensor, batch: Prefill):
+        """The chunks of many requests: ``z`` `(N, Ds)` packed as in ``batch``, ``state`` `(P, Ds, N2, 2)` the
+        requests' states -> ``y`` `(N, C, Ds)` and the states after each chunk. The outputs come from one chunked
+        form over the chunks padded at their ends (zeros after a chunk change none of its outputs); the end states
+        from the zero-state end state of the chunks aligned at their ends (zeros before a chunk add nothing) plus
+        each entering state carried over its chunk, ``Abar^T x0``."""
+        z, state = z.to(self.dtype), state.to(self.dtype)
+        padded = batch.by_token(z)  # (P, max_len, Ds)
+        chunk = min(S4D_CHUNK_LEN, batch.max_len)
+        y = fb.s4d_chunked_forward(padded, chunk, self.tables(chunk, -(-batch.max_len // chunk)), state)
+        dt_a, b_bar = self.discrete
+        final = fb.s4d_final_state(batch.left_aligned(z), dt_a, b_bar)  # (P, Ds, N2, 2)
+        decay = fb.pair_powers(dt_a, batch.lengths)  # (Ds, N2, P)
+        carried = fb.pair_mul((decay[0].permute(2, 0, 1), decay[1].permute(2, 0, 1)), fb.complex_pair(state))
+        return y[batch.req, batch.offset], final + torch.stack(carried, -1)
+
     def step(self, z: torch.Tensor, state: torch.Tensor):
         """One token of many requests: ``z`` `(B, Ds)`, ``state`` `(B, Ds, N2, 2)` -> ``y`` `(B, C, Ds)` and the new
         state."""
@@ -161,6 +264,10 @@ class PerFilterS4D:
 
     def scan(self, z, state, p0: int = 0):
         y, state = self.inner.scan(z.repeat(1, self.filters), state)
+        return self._split(y), state
+
+    def scan_packed(self, z, state, batch: Prefill):
+        y, state = self.inner.scan_packed(z.repeat(1, self.filters), state, batch)
         return self._split(y), state
 
     def step(self, z, state):
@@ -202,6 +309,17 @@ class Unstruct:
         y = fb.spectrum_conv(u[None], fb.causal_spectrum(k))[0, ..., n_prev:]  # (C, Ds, T)
         return y.permute(2, 0, 1), torch.cat([history.to(self.dtype), z[:, -self.max_len :]], -1)[:, -self.max_len :]
 
+    def scan_packed(self, z: torch.Tensor, history: torch.Tensor, batch: Prefill):
+        """The chunks of many requests: ``z`` `(N, Ds)` packed as in ``batch``, ``history`` `(P, Ds, L)` ->
+        `(N, C, Ds)` and the new histories, by one FFT convolution of [history ; chunk] per request (the history
+        holds zeros before a sequence's start, and the filter has L taps: it is all a chunk reaches)."""
+        length = self.max_len
+        u = torch.cat([history.to(self.dtype), batch.by_token(z.to(self.dtype)).transpose(1, 2)], -1)  # (P, Ds, n)
+        k = F.pad(self.taps, (0, u.shape[-1] - length))
+        y = fb.spectrum_conv(u, fb.causal_spectrum(k))[..., length:]  # (P, C, Ds, max_len)
+        keep = (batch.lengths[:, None] + torch.arange(length, device=u.device))[:, None].expand(-1, u.shape[1], -1)
+        return y.permute(0, 3, 1, 2)[batch.req, batch.offset], u.gather(-1, keep)
+
     def step(self, z: torch.Tensor, history: torch.Tensor):
         """One token of many requests: ``z`` `(B, Ds)`, ``history`` `(B, Ds, L)` -> `(B, C, Ds)` and the history
         with ``z`` appended (the oldest input dropped)."""
@@ -230,6 +348,8 @@ class BSTLayerMath(nn.Module):
         self.input_norm = _Norm(d)
         self.mode = config.context_mode
         self._constants = None
+        self._decode_bias = None
+        self._stacked = None
         if kind == "gss":
             ds, width = d // 4, config.gss_expansion * d
             self.u_proj = nn.Linear(d, ds, bias=False)
@@ -334,18 +454,35 @@ class BSTLayerMath(nn.Module):
     def _heads(self, x):
         return x.unflatten(-1, (self.heads, self.head_dim))
 
+    def _input_weight(self) -> torch.Tensor:
+        """The projections of the normed input stacked (queries, keys, values; the cross-attention queries of BST
+        and Block-Recurrent layers): one matmul instead of three or four. Rebuilt when a weight changes."""
+        weights = [self.self_attn.q_proj.weight, self.self_attn.k_proj.weight, self.self_attn.v_proj.weight]
+        if self.kind != "block":
+            weights.append(self.cross_attn.q_proj.weight)
+        key = tuple((w.data_ptr(), w._version, w.dtype) for w in weights)
+        if self._stacked is None or self._stacked[0] != key:
+            self._stacked = key, torch.cat([w.detach() for w in weights])
+        return self._stacked[1]
+
     def project(self, xn):
+        """Self-attention queries (scaled), keys, values `(..., H, d_h)`, and the cross-attention queries (None in a
+        block layer), from one matmul."""
         a = self.self_attn
-        q, k, v = self._heads(a.q_proj(xn)), self._heads(a.k_proj(xn)), self._heads(a.v_proj(xn))
+        parts = F.linear(xn, self._input_weight()).unflatten(-1, (-1, self.heads, self.head_dim)).unbind(-3)
+        q, k, v = parts[:3]
         if self.config.qk_norm:
             q, k = fb.l2_normalize(q), fb.l2_normalize(k)
-        return q * a.scale[:, None], k, v
+        qc = self._scale_cross_query(parts[3]) if len(parts) > 3 else None
+        return q * a.scale[:, None], k, v, qc
 
-    def cross_query(self, xn):
-        q = self._heads(self.cross_attn.q_proj(xn))
+    def _scale_cross_query(self, q):
         if self.config.qk_norm:
             q = fb.l2_normalize(q)
         return q * self.cross_attn.scale[:, None]
+
+    def cross_query(self, xn):
+        return self._scale_cross_query(self._heads(self.cross_attn.q_proj(xn)))
 
     def self_bias(self, rel):
         """Scaled T5 bias where the window lets a query see a key, a large negative number elsewhere: `(H, ...)`."""
@@ -426,6 +563,125 @@ class BSTLayerMath(nn.Module):
         y = y_of(u)[..., 0, :]
         return x + self.o_proj(self.y_proj(y.to(v.dtype)) * v)
 
+    # -- the prefill chunks of many requests --------------------------------------------------------------------
+    def prefill(self, x: torch.Tensor, batch: Prefill, state: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """``x`` `(N, D)`: the layer input of the packed chunks of ``batch``; ``state``: the state tensors of all
+        slots `(num_slots, ...)`, the rows ``batch.slots`` read and advanced (a new request's from zeros). The
+        projections and MLP run over all tokens at once, the block self-attention and SH / MH / MF context
+        attention over the requests' blocks at once (the block canvas of [`Prefill`]), the SSM over the padded
+        chunks. Block-Recurrent layers run request by request ([`forward_chunk`]: their state changes block by
+        block). Returns `(N, D)`."""
+        if self.kind == "recurrent":
+            return self._prefill_per_request(x, batch, state)
+        xn = rms_norm(x, self.input_norm.weight, self.eps)
+        if self.kind == "gss":
+            return self.gss(x, xn, lambda u: self._ssm_packed(u, batch, state))
+        q, k, v, qc = self.project(xn)  # (N, H, d)
+        a_self = self._self_attention_packed(q, k, v, batch, state).flatten(1)
+        a_second = self._context_packed(x, xn, qc, batch, state) if self.kind == "bst" else None
+        return self.finish(x, a_self, a_second)
+
+    def _prefill_per_request(self, x, batch: Prefill, state):
+        out = torch.empty_like(x)
+        starts, p0s, lengths, slots = (t.tolist() for t in (batch.starts, batch.p0, batch.lengths, batch.slots))
+        for s, p0, n, slot in zip(starts, p0s, lengths, slots):
+            request_state = tuple(t[slot] for t in state)
+            if p0 == 0:
+                for t in request_state:
+                    t.zero_()
+            out[s : s + n] = self.forward_chunk(x[s : s + n], p0, request_state)
+        return out
+
+    def _gather_fresh(self, all_slots: torch.Tensor, batch: Prefill) -> torch.Tensor:
+        """Rows ``batch.slots`` of a state tensor, zeros for new requests."""
+        rows = all_slots[batch.slots]
+        return torch.where(batch.fresh.view(-1, *[1] * (rows.dim() - 1)), 0, rows)
+
+    def _ssm_packed(self, z, batch: Prefill, state):
+        """The SSM over the packed chunks: `(N, C, Ds)`; the requests' SSM states advanced."""
+        all_states = self.ssm_state(state)
+        y, new_state = self.ssm_math().scan_packed(z, self._gather_fresh(all_states, batch), batch)
+        all_states[batch.slots] = new_state.to(all_states.dtype)
+        return y
+
+    def _self_attention_packed(self, q, k, v, batch: Prefill, state):
+        """Block self-attention of the packed chunks, block by block of the canvas at once: the queries of a block
+        see the keys of that block and the one before (from the ring before the chunk's first token), through one
+        relative-position bias shared by all blocks. `(N, H, d)`; the rings advanced."""
+        w, rows, slots = self.block_len, batch.rows[:, None], batch.slots
+        attn_k, attn_v = self.part(state, "attn_k"), self.part(state, "attn_v")
+        ring = attn_k.shape[1]  # W, or 2W with Block-Recurrent layers
+        old_k, old_v = attn_k[slots], attn_v[slots]  # (P, R, H, d)
+        # Key canvas: one block (the W positions before the chunk's first block) + the query canvas; the ring's
+        # tokens at positions p0 - W .. p0 - 1 sit at columns first_col .. first_col + W - 1.
+        j = torch.arange(w, device=q.device)
+        ring_pos = batch.p0[:, None] - w + j  # (P, W)
+        exists = (ring_pos >= 0)[..., None, None]
+        keys, values = batch.canvas(k, before=w), batch.canvas(v, before=w)  # (P, W + Lq, H, d)
+        cols = batch.first_col[:, None] + j
+        keys[rows, cols] = torch.where(exists, old_k[rows, ring_pos % ring], 0)
+        values[rows, cols] = torch.where(exists, old_v[rows, ring_pos % ring], 0)
+        nb = batch.num_blocks
+        queries = batch.canvas(q).view(batch.num, nb, w, *q.shape[1:]).transpose(2, 3)  # (P, nb, H, W, d)
+        keys = keys.unfold(1, 2 * w, w).transpose(-1, -2)  # (P, nb, H, 2W, d): blocks m - 1 and m
+        values = values.unfold(1, 2 * w, w).transpose(-1, -2)
+        c = torch.arange(2 * w, device=q.device)
+        bias = self.self_bias(c[None] - w - j[:, None]).to(q.dtype)  # (H, W, 2W): key c - W - query r
+        key_pos = (batch.first_block[:, None, None] + torch.arange(nb, device=q.device)[:, None] - 1) * w + c
+        mask = torch.where((key_pos >= 0)[:, :, None, None], bias, fb.masked_fill_value(q.dtype))
+        out = attend(queries, keys, values, mask)  # (P, nb, H, W, d)
+        out = out.transpose(2, 3).flatten(1, 2)[batch.req, batch.col]
+        # The ring keeps the last R tokens: slot s holds the latest position = s (mod R) up to the chunk's end.
+        s = torch.arange(ring, device=q.device)
+        last = batch.last[:, None]
+        pos = last - (last - s) % ring  # (P, R)
+        new = (pos >= batch.p0[:, None])[..., None, None]
+        take = (batch.starts[:, None] + pos - batch.p0[:, None]).clamp(0, k.shape[0] - 1)
+        attn_k[slots], attn_v[slots] = torch.where(new, k[take], old_k), torch.where(new, v[take], old_v)
+        return out
+
+    def _context_packed(self, x, xn, qc, batch: Prefill, state):
+        """The SSM, context states and cross-attention of a BST layer over the packed chunks: `(N, H d_h)`."""
+        w, cfg, nb, rows, slots = self.block_len, self.config, batch.num_blocks, batch.rows, batch.slots
+        z = self.context.down_proj(x if cfg.ssm_input == "raw" else xn)  # (N, Ds)
+        y = self._ssm_packed(z, batch, state)  # (N, C, Ds)
+        queries = batch.canvas(qc).view(batch.num, nb, w, *qc.shape[1:]).transpose(2, 3)  # (P, nb, H, W, d)
+        if self.mode == "mf":
+            mf_last = self.part(state, "mf_last")
+            last = mf_last[slots]  # (P, S, Ds)
+            ys = batch.canvas(y)  # (P, Lq, S, Ds)
+            # Block m's context comes from the SSM outputs at the end of block m - 1: for m = 0 the saved read-outs
+            # (the chunk starts inside or at that block), the learned initial context in a sequence's first block.
+            prev = torch.cat([last[:, None].to(ys.dtype), ys[:, w - 1 : nb * w - 1 : w]], 1)  # (P, nb, S, Ds)
+            ck, cv = self.mf_context(prev)  # (P, nb, S, H, d)
+            k0, v0 = self.mf_context(None)
+            first = (batch.first_block == 0)[:, None] & (torch.arange(nb, device=x.device) == 0)  # (P, nb)
+            first = first[..., None, None, None]
+            ck, cv = torch.where(first, k0, ck), torch.where(first, v0, cv)
+            zero = torch.zeros((), dtype=qc.dtype, device=x.device)
+            out = attend(queries, ck.permute(0, 1, 3, 2, 4), cv.permute(0, 1, 3, 2, 4), zero)  # (P, nb, H, W, d)
+            # The read-outs at the chunk's last block end, if it has one.
+            end = torch.div(batch.last + 1, w, rounding_mode="floor") * w - 1
+            at_end = ys[batch.rows, (end - batch.first_block * w).clamp(min=0)]
+            mf_last[slots] = torch.where((end >= batch.p0)[:, None, None], at_end.to(last.dtype), last)
+            return out.transpose(2, 3).flatten(1, 2)[batch.req, batch.col].flatten(1)
+        ck, cv = self.lift_tokens(y)  # (N, H, d)
+        ctx_k, ctx_v = self.part(state, "ctx_k"), self.part(state, "ctx_v")
+        # Context canvas aligned with the queries; the first block's tokens before the chunk from the state.
+        keys, values = batch.canvas(ck), batch.canvas(cv)  # (P, Lq, H, d)
+        j = torch.arange(w, device=x.device)
+        before = (j[None] < batch.first_col[:, None])[..., None, None]
+        keys[:, :w] = torch.where(before, ctx_k[slots], keys[:, :w])
+        values[:, :w] = torch.where(before, ctx_v[slots], values[:, :w])
+        mask = fb.additive_mask(fb.context_valid(j[None], j[:, None], cfg.cross_mask), qc.dtype)  # (W, W)
+        kb = keys.view(batch.num, nb, w, *ck.shape[1:]).transpose(2, 3)  # (P, nb, H, W, d)
+        vb = values.view(batch.num, nb, w, *cv.shape[1:]).transpose(2, 3)
+        out = attend(queries, kb, vb, mask)
+        # Keep the context states of the last block's tokens (slot p % W).
+        cols = (torch.div(batch.last, w, rounding_mode="floor") - batch.first_block)[:, None] * w + j
+        ctx_k[slots], ctx_v[slots] = keys[rows[:, None], cols], values[rows[:, None], cols]
+        return out.transpose(2, 3).flatten(1, 2)[batch.req, batch.col].flatten(1)
+
     # -- one request's chunk --------------------------------------------------------------------------------------
     def forward_chunk(self, x: torch.Tensor, p0: int, state: tuple[torch.Tensor, ...], query_block: int = 256):
         """``x`` `(T, D)`: the layer input of one request's tokens at positions ``p0 .. p0 + T - 1``; ``state``:
@@ -442,7 +698,7 @@ class BSTLayerMath(nn.Module):
                 return y
 
             return self.gss(x, xn, scan)
-        q, k, v = self.project(xn)  # (T, H, d)
+        q, k, v, _ = self.project(xn)  # (T, H, d)
         attn_k, attn_v = self.part(state, "attn_k"), self.part(state, "attn_v")
         ring = attn_k.shape[0]  # W, or 2W (Block-Recurrent)
         # The cached tokens before p0 (those of the ring), then the chunk's.
@@ -578,47 +834,71 @@ class BSTLayerMath(nn.Module):
             ssm_state = self.part(state, "gss")
 
             def step(u):
-                y, new_state = self.ssm_math().step(u, ssm_state[slots])
+                y, new_state = self.ssm_math().step(u, self._gather_new(ssm_state, slots, positions))
                 ssm_state[slots] = new_state.to(ssm_state.dtype)
                 return y
 
             return self.gss(x, xn, step)
-        q, k, v = self.project(xn)  # (B, H, d)
+        q, k, v, qc = self.project(xn)  # (B, H, d)
         attn_k, attn_v = self.part(state, "attn_k"), self.part(state, "attn_v")
         ring = attn_k.shape[1]
-        ring_k, ring_v = attn_k[slots], attn_v[slots]  # (B, R, H, d)
         write = positions % ring
-        rows = torch.arange(bsz, device=x.device)
+        # Only the token's own slot is written (not the whole ring back): before the read with attend_self (the
+        # token is one of its keys), after it otherwise.
         if cfg.attend_self:
-            ring_k[rows, write], ring_v[rows, write] = k, v
-        # Slot j holds the newest token at a position = j (mod R) before (or, with attend_self, at) the query.
-        j = torch.arange(ring, device=x.device)
-        newest = positions[:, None] - (0 if cfg.attend_self else 1)
-        kpos = newest - (newest - j[None]) % ring  # (B, R)
-        rel = torch.where(kpos >= 0, kpos - positions[:, None], -(10**9))
-        bias = self.self_bias(rel).to(q.dtype).permute(1, 0, 2)[:, :, None]  # (B, H, 1, R)
+            attn_k[slots, write], attn_v[slots, write] = k, v
+        ring_k, ring_v = attn_k[slots], attn_v[slots]  # (B, R, H, d)
+        bias = self.decode_bias(positions, ring).to(q.dtype)[:, :, None]  # (B, H, 1, R)
         a_self = attend(q[:, :, None], ring_k.transpose(1, 2), ring_v.transpose(1, 2), bias).flatten(1)
         if not cfg.attend_self:
-            ring_k[rows, write], ring_v[rows, write] = k, v
-        attn_k[slots], attn_v[slots] = ring_k, ring_v
+            attn_k[slots, write], attn_v[slots, write] = k, v
+            if self.kind == "recurrent":  # its state update reads the ring after the write
+                rows = torch.arange(bsz, device=x.device)
+                ring_k[rows, write], ring_v[rows, write] = k, v
         if self.kind == "bst":
-            a_second = self.context_decode(x, xn, positions, state, slots)
+            a_second = self.context_decode(x, xn, qc, positions, state, slots)
         elif self.kind == "recurrent":
-            a_second = self.recurrent_decode(xn, positions, state, slots, ring_k, ring_v)
+            a_second = self.recurrent_decode(qc, positions, state, slots, ring_k, ring_v)
         else:
             a_second = None
         return self.finish(x, a_self, a_second)
 
-    def context_decode(self, x, xn, positions, state, slots):
+    def _ring_positions(self, positions: torch.Tensor, ring: int) -> torch.Tensor:
+        """The position each ring slot holds for a decode query at ``positions`` `(B,)`: slot j the newest token at
+        a position = j (mod R) before the query (or at it, with ``attend_self``); negative: none. `(B, R)`."""
+        j = torch.arange(ring, device=positions.device)
+        newest = positions[:, None] - (0 if self.config.attend_self else 1)
+        return newest - (newest - j[None]) % ring
+
+    def decode_bias(self, positions: torch.Tensor, ring: int) -> torch.Tensor:
+        """The scaled T5 bias of decode queries at ``positions`` `(B,)` over the ring's slots, masked outside the
+        window and where a slot holds no token yet: `(B, H, R)`. The relative positions depend on the position mod
+        R only, so the bias is one table of R rows, computed once."""
+        if self._decode_bias is None:
+            phase = torch.arange(ring, device=positions.device) + ring  # positions where every slot holds a token
+            rel = self._ring_positions(phase, ring) - phase[:, None]
+            self._decode_bias = self.self_bias(rel).permute(1, 0, 2)  # (R, H, R)
+        table = self._decode_bias[positions % ring]
+        held = (self._ring_positions(positions, ring) >= 0)[:, None]
+        return torch.where(held, table, fb.masked_fill_value(table.dtype))
+
+    @staticmethod
+    def _gather_new(all_slots: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rows ``slots`` of an SSM state tensor, zeros for a request at position 0 (a one-token prompt is scheduled
+        as a decode; its slot may hold an earlier request's state). The other parts of the state need no reset:
+        the ring and context keys a step reads are masked by position, MF and Block-Recurrent layers pick their
+        initial contexts by position."""
+        rows = all_slots[slots]
+        return torch.where((positions == 0).view(-1, *[1] * (rows.dim() - 1)), 0, rows)
+
+    def context_decode(self, x, xn, qc, positions, state, slots):
         w, cfg = self.block_len, self.config
-        bsz = x.shape[0]
-        rows = torch.arange(bsz, device=x.device)
         src = x if cfg.ssm_input == "raw" else xn
         z = self.context.down_proj(src)
         ssm_state = self.ssm_state(state)
-        y, new_state = self.ssm_math().step(z, ssm_state[slots])  # (B, C, Ds)
+        y, new_state = self.ssm_math().step(z, self._gather_new(ssm_state, slots, positions))  # (B, C, Ds)
         ssm_state[slots] = new_state.to(ssm_state.dtype)
-        qc = self.cross_query(xn)[:, :, None]  # (B, H, 1, d)
+        qc = qc[:, :, None]  # (B, H, 1, d)
         if self.mode == "mf":
             mf_last = self.part(state, "mf_last")
             last = mf_last[slots]  # (B, S, Ds)
@@ -633,16 +913,14 @@ class BSTLayerMath(nn.Module):
             return out
         ck, cv = self.lift_tokens(y)  # (B, H, d)
         ctx_k_all, ctx_v_all = self.part(state, "ctx_k"), self.part(state, "ctx_v")
+        ctx_k_all[slots, positions % w], ctx_v_all[slots, positions % w] = ck, cv  # the token's slot only
         ctx_k, ctx_v = ctx_k_all[slots], ctx_v_all[slots]  # (B, W, H, d)
-        ctx_k[rows, positions % w], ctx_v[rows, positions % w] = ck, cv
         j = torch.arange(w, device=x.device)[None]
         offset = (positions % w)[:, None]
         mask = fb.additive_mask(fb.context_valid(j, offset, cfg.cross_mask), qc.dtype)
-        out = attend(qc, ctx_k.transpose(1, 2), ctx_v.transpose(1, 2), mask[:, None, None]).flatten(1)
-        ctx_k_all[slots], ctx_v_all[slots] = ctx_k, ctx_v
-        return out
+        return attend(qc, ctx_k.transpose(1, 2), ctx_v.transpose(1, 2), mask[:, None, None]).flatten(1)
 
-    def recurrent_decode(self, xn, positions, state, slots, ring_k, ring_v):
+    def recurrent_decode(self, qc, positions, state, slots, ring_k, ring_v):
         """A Block-Recurrent layer's step: the token reads the state's keys/values (a new request: the learned
         initial state's); at a block end the state absorbs the ring's 2W tokens (``ring_k``/``ring_v`` `(B, 2W, H,
         d_h)` after the token's write)."""
@@ -657,17 +935,19 @@ class BSTLayerMath(nn.Module):
         rec = torch.where(fresh[:, None, None], init, rec)
         rec_k = torch.where(fresh[:, None, None, None], init_k, rec_k)
         rec_v = torch.where(fresh[:, None, None, None], init_v, rec_v)
-        qc = self.cross_query(xn)[:, :, None]  # (B, H, 1, d)
-        zero = torch.zeros((), dtype=qc.dtype, device=xn.device)
+        qc = qc[:, :, None]  # (B, H, 1, d)
+        zero = torch.zeros((), dtype=qc.dtype, device=qc.device)
         out = attend(qc, rec_k.transpose(1, 2), rec_v.transpose(1, 2), zero).flatten(1)
-        end = (positions + 1) % w == 0
-        if bool(end.any()):
-            ring = ring_k.shape[1]
-            p = positions[end][:, None]
-            kpos = p - (p - torch.arange(ring, device=xn.device)[None]) % ring  # the ring's positions after the write
-            new = self.recurrent_update(rec[end], (rec_k[end], rec_v[end]), ring_k[end], ring_v[end], kpos >= 0)
-            new_k, new_v = self.recurrent_keys_values(new)
-            rec[end], rec_k[end], rec_v[end] = new, new_k, new_v
+        # At a block end the state absorbs the ring; computed for every request and kept where a block ends (no
+        # host read of which ones do).
+        end = ((positions + 1) % w == 0)[:, None, None]
+        ring = ring_k.shape[1]
+        p = positions[:, None]
+        kpos = p - (p - torch.arange(ring, device=qc.device)[None]) % ring  # the ring's positions after the write
+        new = self.recurrent_update(rec, (rec_k, rec_v), ring_k, ring_v, kpos >= 0)
+        new_k, new_v = self.recurrent_keys_values(new)
+        rec = torch.where(end, new, rec)
+        rec_k, rec_v = torch.where(end[..., None], new_k, rec_k), torch.where(end[..., None], new_v, rec_v)
         rec_all[slots], rk_all[slots], rv_all[slots] = rec, rec_k, rec_v
         return out
 

@@ -32,7 +32,7 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from .config import check_supported
-from .layers import BSTLayerMath, rms_norm
+from .layers import BSTLayerMath, Prefill, rms_norm
 
 
 def copy_whole_state(state: torch.Tensor, block_ids: list[int], cur_block_idx: int, num_accepted_tokens: int):
@@ -79,37 +79,55 @@ class BSTServingLayer(BSTLayerMath, MambaBase):
         return MambaAttentionBackendEnum.SHORT_CONV
 
     # -- forward --------------------------------------------------------------------------------------------------
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        metadata = get_forward_context().attn_metadata
-        metadata = metadata.get(self.prefix) if isinstance(metadata, dict) else None
-        if metadata is None:
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, step: "Step | None") -> torch.Tensor:
+        if step is None:
             # vLLM's profiling / warm-up run: no state slots; one sequence on a scratch state.
-            scratch = tuple(torch.zeros(s, dtype=torch.float32, device=hidden.device) for s in self.shapes)
-            return self.forward_chunk(hidden, 0, scratch)
-        out = hidden.clone()
-        nd = metadata.num_decode_tokens
-        if metadata.num_decodes:
-            slots = metadata.state_indices_tensor_d
-            slots = (slots[:, 0] if slots.dim() > 1 else slots)[: metadata.num_decodes].long()
-            pos = positions[:nd]
-            fresh = pos == 0  # a one-token prompt is scheduled as a decode
-            if bool(fresh.any()):
-                for state in self.kv_cache:
-                    state[slots[fresh]] = 0
-            out[:nd] = self.decode(hidden[:nd], pos, self.kv_cache, slots)
+            scratch = tuple(torch.zeros(1, *s, dtype=torch.float32, device=hidden.device) for s in self.shapes)
+            return self.prefill(hidden, Step.scratch(positions, self.block_len).prefill[0][2], scratch)
+        outs = []
+        if step.num_decodes:
+            nd = step.num_decodes
+            outs.append(self.decode(hidden[:nd], positions[:nd], self.kv_cache, step.decode_slots))
+        prefill = hidden[step.num_decodes :]
+        for start, end, run in step.prefill:
+            outs.append(self.prefill(prefill[start:end], run, self.kv_cache))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+class Step:
+    """What every layer reads of one engine step, from vLLM's Mamba metadata (built once per step, not per layer):
+    the decodes (first in the batch, one token each) and their state slots, and the prefill chunks packed
+    ([`Prefill`], in runs of chunks of similar lengths: ``[(first token, end token, Prefill), ...]`` counted from
+    the first prefill token). Nothing here reads the device for the decodes (their path has no host sync); the
+    prefill runs come from the chunk lengths of ``query_start_loc_p`` (a host tensor on the CPU)."""
+
+    def __init__(self, num_decodes: int, decode_slots, prefill: list):
+        self.num_decodes, self.decode_slots, self.prefill = num_decodes, decode_slots, prefill
+
+    @staticmethod
+    def _column(slots):
+        return slots[:, 0] if slots.dim() > 1 else slots
+
+    @classmethod
+    def from_metadata(cls, metadata, positions: torch.Tensor, block_len: int) -> "Step":
+        nd = metadata.num_decodes
+        decode_slots = cls._column(metadata.state_indices_tensor_d)[:nd].long() if nd else None
+        prefill = []
         if metadata.num_prefills:
-            starts = metadata.query_start_loc_p.tolist()
-            slots = metadata.state_indices_tensor_p
-            slots = (slots[:, 0] if slots.dim() > 1 else slots).tolist()
-            for i in range(metadata.num_prefills):
-                s, e = nd + starts[i], nd + starts[i + 1]
-                p0 = int(positions[s])
-                state = tuple(t[slots[i]] for t in self.kv_cache)
-                if p0 == 0:  # a new request: its slot may hold an earlier request's state
-                    for t in state:
-                        t.zero_()
-                out[s:e] = self.forward_chunk(hidden[s:e], p0, state)
-        return out
+            slots = cls._column(metadata.state_indices_tensor_p)[: metadata.num_prefills].long()
+            end = metadata.num_decode_tokens + metadata.num_prefill_tokens
+            tokens = positions[metadata.num_decode_tokens : end]
+            prefill = Prefill.groups(metadata.query_start_loc_p, tokens, slots, block_len)
+        return cls(nd, decode_slots, prefill)
+
+    @classmethod
+    def scratch(cls, positions: torch.Tensor, block_len: int) -> "Step":
+        """One sequence of all the tokens, in slot 0 (the profiling run)."""
+        n = positions.shape[0]
+        device = positions.device
+        starts = torch.tensor([0, n], device=device)
+        zero = torch.zeros(1, dtype=torch.long, device=device)
+        return cls(0, None, [(0, n, Prefill(starts[:1], zero, starts[1:], zero, n, n, block_len))])
 
 
 class BSTModel(nn.Module):
@@ -125,8 +143,13 @@ class BSTModel(nn.Module):
 
     def forward(self, input_ids, positions, inputs_embeds=None):
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds.float()
+        metadata = get_forward_context().attn_metadata
+        steps = {}  # layers of one state group share their metadata: the step is read once per group
         for layer in self.layers:
-            hidden = layer(hidden, positions)
+            m = metadata.get(layer.prefix) if isinstance(metadata, dict) else None
+            if m is not None and id(m) not in steps:
+                steps[id(m)] = Step.from_metadata(m, positions, layer.block_len)
+            hidden = layer(hidden, positions, None if m is None else steps[id(m)])
         return rms_norm(hidden, self.norm.weight, self.eps)
 
 

@@ -1,17 +1,29 @@
-"""Throughput of vLLM serving a BST model vs vLLM serving a Llama of the same size, on the CPU, in one run.
+"""Throughput of vLLM serving a BST model against vLLM's own models of the same width, on the CPU, in one run.
 
 Runs in the plugin's venv (``scripts/setup.sh``):
 
-    VLLM_CPU_KVCACHE_SPACE=2 .venv-vllm/bin/python integrations/vllm/scripts/benchmark.py \
-        [--prompt-lens 1024 2048] [--concurrency 1 4 16] [--output-len 64] [--table out.md]
+    VLLM_CPU_KVCACHE_SPACE=4 .venv-vllm/bin/python integrations/vllm/scripts/benchmark.py \
+        [--models bst llama mamba2 nemotronh swa] [--baseline REV] [--prompt-lens 1024 4096 16384 32768] \
+        [--concurrency 1 4 16 64] [--output-len 32] [--table out.md]
 
-Both models are random-initialised (throughput does not depend on the weights) with the same width, depth, heads,
-MLP width and vocabulary; the BST model is BST:SH:S4 with every other layer a BST layer and W = 128. For every
-prompt length and concurrency c, c requests of that prompt length decode ``--output-len`` tokens each (greedy,
-``ignore_eos``) in one ``LLM.generate`` call; the table gives the wall time, the generated and total (prompt +
-generated) tokens per second, the peak resident memory of the engine's processes, and the per-sequence state:
-a BST sequence keeps a fixed-size state (W-token attention ring, S4D state, context states) whatever its length,
-a Llama sequence keeps its keys/values for every token. Each model runs in its own process (its own engine).
+Every model is random-initialised (throughput does not depend on the weights) with width 256, vocabulary 4096,
+float32, and runs in its own process (its own engine, the same ``VLLM_CPU_KVCACHE_SPACE``, prefix caching off):
+
+* ``bst``: BST:SH:S4, 4 layers (BST layers 0 and 2, block layers 1 and 3), W = 128, 4 heads of 64, MLP 1024, the
+  plugin on ``PYTHONPATH`` (or installed); ``--baseline REV`` adds ``bst@REV``, the same checkpoint served by the
+  plugin of git revision REV (exported with ``git archive``), for before / after ratios in one run;
+* ``llama``: vLLM's Llama, 4 layers, 4 heads of 64, MLP 1024 (full attention: keys/values of every token);
+* ``mamba2``: vLLM's native Mamba2, 4 Mamba2 mixers (expand 2: 8 heads of 64, state 128, one group);
+* ``nemotronh``: vLLM's NemotronH, a hybrid of Mamba2 mixers (as above) and full attention (4 heads of 64):
+  mamba, MLP, attention, MLP, mamba, MLP, attention, MLP (relu^2 MLPs of 1024);
+* ``swa``: a sliding-window Transformer, vLLM's Mistral with ``sliding_window`` = W = 128, otherwise as ``llama``.
+
+For every prompt length and concurrency c, c requests of random prompts of that length: one ``LLM.generate`` call
+decoding ``--output-len`` tokens each (greedy, ``ignore_eos``) gives the generated and total tokens per second
+over the call (prefill included) and the mean / max time to first token of its requests (vLLM's request metrics).
+Each engine also reports vLLM's own count of how many requests of its ``max_model_len`` (longest prompt + output)
+its state pool holds ("Maximum concurrency" of the engine's start-up log): fixed-size states for BST and Mamba2,
+keys/values of every token for Llama and NemotronH's attention layers, of the window for ``swa``.
 
 ``--prefix-ttft N`` measures prefix caching instead: the BST model served with prefix caching on, the time to first
 token (a one-token ``LLM.generate``) of an N-token prompt, of the same prompt again, and of the prompt extended by
@@ -23,6 +35,7 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -37,6 +50,10 @@ SIZE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, head_di
 VOCAB = 4096
 BLOCK_LEN = 128
 MAX_LEN = 8192
+MODELS = ("bst", "llama", "mamba2", "nemotronh", "swa")
+# Mamba2 mixers of the peers: expand 2 (inner width 512), heads of 64, state 128, one group, kernel 4.
+MAMBA = dict(expand=2, n_groups=1, conv_kernel=4)
+MAMBA_HEADS, MAMBA_HEAD_DIM, MAMBA_STATE = 8, 64, 128
 
 
 def write_tokenizer(folder: Path):
@@ -61,6 +78,66 @@ def write_llama(folder: Path):
         **SIZE,
     )
     LlamaForCausalLM(config).save_pretrained(folder)
+    write_tokenizer(folder)
+
+
+def write_mistral_swa(folder: Path):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=VOCAB,
+        num_key_value_heads=SIZE["num_attention_heads"],
+        max_position_embeddings=MAX_LEN,
+        sliding_window=BLOCK_LEN,
+        tie_word_embeddings=True,
+        dtype="float32",
+        **SIZE,
+    )
+    MistralForCausalLM(config).save_pretrained(folder)
+    write_tokenizer(folder)
+
+
+def write_mamba2(folder: Path):
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Mamba2Config(
+        vocab_size=VOCAB,
+        hidden_size=SIZE["hidden_size"],
+        num_hidden_layers=SIZE["num_hidden_layers"],
+        num_heads=MAMBA_HEADS,
+        head_dim=MAMBA_HEAD_DIM,
+        state_size=MAMBA_STATE,
+        tie_word_embeddings=True,
+        dtype="float32",
+        **MAMBA,
+    )
+    Mamba2ForCausalLM(config).save_pretrained(folder)
+    write_tokenizer(folder)
+
+
+def write_nemotronh(folder: Path):
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    torch.manual_seed(0)
+    config = NemotronHConfig(
+        vocab_size=VOCAB,
+        hidden_size=SIZE["hidden_size"],
+        layers_block_type=["mamba", "mlp", "attention", "mlp"] * 2,
+        num_attention_heads=SIZE["num_attention_heads"],
+        num_key_value_heads=SIZE["num_attention_heads"],
+        head_dim=SIZE["head_dim"],
+        intermediate_size=SIZE["intermediate_size"],
+        max_position_embeddings=MAX_LEN,
+        mamba_num_heads=MAMBA_HEADS,
+        mamba_head_dim=MAMBA_HEAD_DIM,
+        ssm_state_size=MAMBA_STATE,
+        tie_word_embeddings=True,
+        dtype="float32",
+        **MAMBA,
+    )
+    NemotronHForCausalLM(config).save_pretrained(folder)
     write_tokenizer(folder)
 
 
@@ -109,13 +186,23 @@ def write_bst(folder: Path):
 
 
 def state_bytes_per_sequence(kind: str, length: int) -> int:
-    """Bytes of per-sequence state (float32) a sequence of ``length`` tokens holds."""
+    """Bytes of per-sequence state (float32) a sequence of ``length`` tokens holds (the model's arithmetic; vLLM
+    rounds attention to whole blocks and gives every layer of a hybrid the same page)."""
     layers, heads, hd, d = (SIZE[k] for k in ("num_hidden_layers", "num_attention_heads", "head_dim", "hidden_size"))
-    if kind == "llama":
-        return 2 * layers * heads * hd * 4 * length
-    ring = 2 * BLOCK_LEN * heads * hd  # attention keys/values of the last W tokens
-    bst = ring + (d // 4) * 8 * 2 + 2 * BLOCK_LEN * heads * hd  # + S4D state (N/2 complex modes) + SH context
-    return layers * bst * 4  # every layer declares the BST layout (one page size)
+    kv = 2 * heads * hd  # one token's keys and values in one attention layer
+    inner = MAMBA["expand"] * d
+    mamba = (inner + 2 * MAMBA["n_groups"] * MAMBA_STATE) * (MAMBA["conv_kernel"] - 1)
+    mamba += MAMBA_HEADS * MAMBA_HEAD_DIM * MAMBA_STATE  # conv state + SSM state of one Mamba2 layer
+    floats = {
+        "llama": layers * kv * length,
+        "swa": layers * kv * min(length, BLOCK_LEN),
+        "mamba2": layers * mamba,
+        "nemotronh": 2 * mamba + 2 * kv * length,
+    }.get(kind)
+    if floats is None:  # BST: every layer declares the BST layout (one page size)
+        ring = kv * BLOCK_LEN  # attention keys/values of the last W tokens
+        floats = layers * (ring + (d // 4) * 8 * 2 + kv * BLOCK_LEN)  # + S4D state (N/2 complex modes) + SH context
+    return floats * 4
 
 
 def tree_rss(pid: int) -> int:
@@ -142,12 +229,15 @@ def run_one(kind: str, folder: Path, prompt_lens, concurrency, output_len) -> li
             time.sleep(0.2)
 
     start = time.time()
+    if max(prompt_lens) + output_len > MAX_LEN:
+        os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"  # the random checkpoints say MAX_LEN
     llm = LLM(
         model=str(folder),
         dtype="float32",
         max_model_len=max(prompt_lens) + output_len,
         max_num_seqs=max(concurrency),
         enable_prefix_caching=False,
+        disable_log_stats=False,  # per-request metrics (time to first token)
         seed=0,
     )
     startup = time.time() - start
@@ -167,6 +257,7 @@ def run_one(kind: str, folder: Path, prompt_lens, concurrency, output_len) -> li
             outs = llm.generate(prompts, params, use_tqdm=False)
             seconds = time.time() - t0
             generated = sum(len(o.outputs[0].token_ids) for o in outs)
+            ttft = [o.metrics.first_token_latency for o in outs if getattr(o, "metrics", None) is not None]
             rows.append(
                 dict(
                     model=kind,
@@ -175,6 +266,8 @@ def run_one(kind: str, folder: Path, prompt_lens, concurrency, output_len) -> li
                     seconds=round(seconds, 2),
                     generated_tok_s=round(generated / seconds, 1),
                     total_tok_s=round((generated + c * length) / seconds, 1),
+                    ttft_mean_s=round(sum(ttft) / len(ttft), 2) if ttft else None,
+                    ttft_max_s=round(max(ttft), 2) if ttft else None,
                     peak_rss_gib=round(peak[0] / 2**30, 2),
                     state_mib_per_seq=round(state_bytes_per_sequence(kind, length + output_len) / 2**20, 2),
                     engine_start_s=round(startup, 1),
@@ -241,24 +334,64 @@ def table(rows: list[dict]) -> str:
         "seconds",
         "generated_tok_s",
         "total_tok_s",
-        "peak_rss_gib",
+        "ttft_mean_s",
+        "ttft_max_s",
         "state_mib_per_seq",
+        "max_concurrency",
+        "peak_rss_gib",
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(str(r[h]) for h in head) + " |" for r in rows]
     return "\n".join(lines)
 
 
+WRITERS = dict(bst=write_bst, llama=write_llama, mamba2=write_mamba2, nemotronh=write_nemotronh, swa=write_mistral_swa)
+CONCURRENCY_LOG = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
+
+
+def export_plugin(rev: str, into: Path) -> Path:
+    """The plugin of git revision ``rev`` (and the maths file it loads) under ``into``: its import path."""
+    root = Path(__file__).resolve().parents[3]
+    paths = ["integrations/vllm/bst_vllm", "modeling_bst/functional_bst.py"]
+    archive = subprocess.run(["git", "-C", str(root), "archive", rev, *paths], stdout=subprocess.PIPE, check=True)
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
+    return into / "integrations" / "vllm"
+
+
+def run_engine(kind: str, folder: Path, args, pythonpath: Path | None = None) -> list[dict]:
+    """One engine in a child process (``--run``): its rows, with vLLM's "Maximum concurrency" from its log."""
+    command = [sys.executable, __file__, "--run", kind, "--folder", str(folder), "--output-len", str(args.output_len)]
+    command += ["--prompt-lens", *map(str, args.prompt_lens), "--concurrency", *map(str, args.concurrency)]
+    env = dict(os.environ)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), env.get("PYTHONPATH", "")])
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    log = []
+    for line in child.stderr:  # the engine's log, passed on as it comes
+        sys.stderr.write(line)
+        log.append(line)
+    out = child.stdout.read()
+    if child.wait():
+        raise RuntimeError(f"{kind}: the engine's process failed (exit {child.returncode}); its log is above.")
+    rows = json.loads(out.strip().splitlines()[-1])
+    found = CONCURRENCY_LOG.findall("".join(log) + out)  # vLLM logs to stdout
+    for row in rows:
+        row["max_concurrency"] = f"{float(found[-1][1]):.1f} @ {found[-1][0]}" if found else None
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompt-lens", type=int, nargs="+", default=[1024, 2048])
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--baseline", metavar="REV", help="also serve the BST model with the plugin of git REV")
+    parser.add_argument("--prompt-lens", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--table", type=Path, help="also write the Markdown table here")
     parser.add_argument(
         "--prefix-ttft", type=int, metavar="N", help="time to first token of a repeated N-token prompt"
     )
-    parser.add_argument("--run", choices=["llama", "bst", "prefix-on", "prefix-off"], help=argparse.SUPPRESS)
+    parser.add_argument("--run", choices=[*MODELS, "prefix-on", "prefix-off"], help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)  # --run: one engine, in a child process
     args = parser.parse_args(argv)
     if args.run in ("prefix-on", "prefix-off"):
@@ -276,23 +409,17 @@ def main(argv=None) -> int:
         return 0
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for kind, write in (("llama", write_llama), ("bst", write_bst)):
+        runs = [(kind, kind, None) for kind in args.models]
+        if args.baseline:  # served first, then the plugin being measured
+            (Path(tmp) / "baseline").mkdir()
+            runs.insert(0, (f"bst@{args.baseline}", "bst", export_plugin(args.baseline, Path(tmp) / "baseline")))
+        for label, kind, pythonpath in runs:
             folder = Path(tmp) / kind
-            write(folder)
-            command = [
-                sys.executable,
-                __file__,
-                "--run",
-                kind,
-                "--folder",
-                str(folder),
-                "--output-len",
-                str(args.output_len),
-            ]
-            command += ["--prompt-lens", *map(str, args.prompt_lens), "--concurrency", *map(str, args.concurrency)]
-            out = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True).stdout
-            rows += json.loads(out.strip().splitlines()[-1])
-    order = sorted(rows, key=lambda r: (r["prompt_len"], r["concurrency"], r["model"]))
+            if not folder.exists():
+                WRITERS[kind](folder)
+            for row in run_engine(kind, folder, args, pythonpath):
+                rows.append({**row, "model": label})
+    order = sorted(rows, key=lambda r: (r["prompt_len"], r["concurrency"]))
     text = table(order)
     starts = {r["model"]: r["engine_start_s"] for r in rows}
     text += f"\n\nEngine start (s): {starts}; {os.cpu_count()} CPUs; torch {torch.__version__}.\n"

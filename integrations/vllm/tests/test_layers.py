@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from bst_vllm.config import BSTServingConfig
-from bst_vllm.layers import BSTLayerMath, rms_norm
+from bst_vllm.layers import BSTLayerMath, Prefill, rms_norm
 from safetensors.torch import load_file
 
 
@@ -44,6 +44,18 @@ class Stack:
         for layer, states in zip(self.layers, self.states):
             h = layer.forward_chunk(h, p0, tuple(s[slot] for s in states))
         return h
+
+    def packed(self, prompts, slots):
+        """Every prompt of ``prompts`` prefilled from position 0 in one packed call ([`Prefill`]): the hidden
+        states of each prompt's last token `(P, D)`."""
+        lengths = torch.tensor([len(p) for p in prompts])
+        starts = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+        positions = torch.cat([torch.arange(len(p)) for p in prompts])
+        batch = Prefill.from_query_starts(starts, positions, torch.as_tensor(slots), self.config.block_len)
+        h = self.embed([t for p in prompts for t in p])
+        for layer, states in zip(self.layers, self.states):
+            h = layer.prefill(h, batch, states)
+        return h[starts[1:] - 1]
 
     def step(self, ids, positions, slots):
         h = self.embed(ids)
@@ -83,14 +95,16 @@ def test_chunks_and_steps_agree(name):
 @pytest.mark.parametrize("name", list(EXPECTED["models"]))
 @torch.no_grad()
 def test_greedy_tokens_equal_generate(name):
-    """Prefill every prompt, then decode all 8 requests together: the stored ``generate()`` tokens."""
+    """Prefill all 8 prompts in one packed call (into slots in another order), then decode all 8 requests
+    together: the stored ``generate()`` tokens."""
     stack = Stack(name, slots=8)
     prompts = EXPECTED["prompts"]
-    last = [stack.logits(stack.chunk(p, 0, i)[-1:])[0].argmax().item() for i, p in enumerate(prompts)]
+    slots = [5, 2, 7, 0, 1, 6, 3, 4]
+    last = stack.logits(stack.packed(prompts, slots)).argmax(-1).tolist()
     got = [[t] for t in last]
     for step in range(1, EXPECTED["max_new_tokens"]):
         positions = [len(p) + step - 1 for p in prompts]
-        logits = stack.logits(stack.step(last, positions, list(range(8))))
+        logits = stack.logits(stack.step(last, positions, slots))
         last = logits.argmax(-1).tolist()
         for g, t in zip(got, last):
             g.append(t)
