@@ -65,80 +65,48 @@ def write_tokenizer(folder: Path):
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(folder)
 
 
-def write_llama(folder: Path):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def write_hf(folder: Path, family: str, **fields):
+    """A random float32 checkpoint of transformers' ``<family>Config`` / ``<family>ForCausalLM`` with ``fields``."""
+    import transformers
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        num_key_value_heads=SIZE["num_attention_heads"],
-        max_position_embeddings=MAX_LEN,
-        tie_word_embeddings=True,
-        dtype="float32",
-        **SIZE,
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=VOCAB, tie_word_embeddings=True, dtype="float32", **fields
     )
-    LlamaForCausalLM(config).save_pretrained(folder)
+    getattr(transformers, f"{family}ForCausalLM")(config).save_pretrained(folder)
     write_tokenizer(folder)
+
+
+ATTENTION = dict(num_key_value_heads=SIZE["num_attention_heads"], max_position_embeddings=MAX_LEN, **SIZE)
+MAMBA2 = dict(hidden_size=SIZE["hidden_size"], num_heads=MAMBA_HEADS, head_dim=MAMBA_HEAD_DIM, state_size=MAMBA_STATE)
+NEMOTRONH = dict(
+    hidden_size=SIZE["hidden_size"],
+    layers_block_type=["mamba", "mlp", "attention", "mlp"] * 2,
+    num_attention_heads=SIZE["num_attention_heads"],
+    num_key_value_heads=SIZE["num_attention_heads"],
+    head_dim=SIZE["head_dim"],
+    intermediate_size=SIZE["intermediate_size"],
+    max_position_embeddings=MAX_LEN,
+    mamba_num_heads=MAMBA_HEADS,
+    mamba_head_dim=MAMBA_HEAD_DIM,
+    ssm_state_size=MAMBA_STATE,
+)
+
+
+def write_llama(folder: Path):
+    write_hf(folder, "Llama", **ATTENTION)
 
 
 def write_mistral_swa(folder: Path):
-    from transformers import MistralConfig, MistralForCausalLM
-
-    torch.manual_seed(0)
-    config = MistralConfig(
-        vocab_size=VOCAB,
-        num_key_value_heads=SIZE["num_attention_heads"],
-        max_position_embeddings=MAX_LEN,
-        sliding_window=BLOCK_LEN,
-        tie_word_embeddings=True,
-        dtype="float32",
-        **SIZE,
-    )
-    MistralForCausalLM(config).save_pretrained(folder)
-    write_tokenizer(folder)
+    write_hf(folder, "Mistral", sliding_window=BLOCK_LEN, **ATTENTION)
 
 
 def write_mamba2(folder: Path):
-    from transformers import Mamba2Config, Mamba2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Mamba2Config(
-        vocab_size=VOCAB,
-        hidden_size=SIZE["hidden_size"],
-        num_hidden_layers=SIZE["num_hidden_layers"],
-        num_heads=MAMBA_HEADS,
-        head_dim=MAMBA_HEAD_DIM,
-        state_size=MAMBA_STATE,
-        tie_word_embeddings=True,
-        dtype="float32",
-        **MAMBA,
-    )
-    Mamba2ForCausalLM(config).save_pretrained(folder)
-    write_tokenizer(folder)
+    write_hf(folder, "Mamba2", num_hidden_layers=SIZE["num_hidden_layers"], **MAMBA2, **MAMBA)
 
 
 def write_nemotronh(folder: Path):
-    from transformers import NemotronHConfig, NemotronHForCausalLM
-
-    torch.manual_seed(0)
-    config = NemotronHConfig(
-        vocab_size=VOCAB,
-        hidden_size=SIZE["hidden_size"],
-        layers_block_type=["mamba", "mlp", "attention", "mlp"] * 2,
-        num_attention_heads=SIZE["num_attention_heads"],
-        num_key_value_heads=SIZE["num_attention_heads"],
-        head_dim=SIZE["head_dim"],
-        intermediate_size=SIZE["intermediate_size"],
-        max_position_embeddings=MAX_LEN,
-        mamba_num_heads=MAMBA_HEADS,
-        mamba_head_dim=MAMBA_HEAD_DIM,
-        ssm_state_size=MAMBA_STATE,
-        tie_word_embeddings=True,
-        dtype="float32",
-        **MAMBA,
-    )
-    NemotronHForCausalLM(config).save_pretrained(folder)
-    write_tokenizer(folder)
+    write_hf(folder, "NemotronH", **NEMOTRONH, **MAMBA)
 
 
 def write_bst(folder: Path):
