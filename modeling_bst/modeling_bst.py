@@ -1,6 +1,5 @@
 """PyTorch Block-State Transformer (Fathi, Pilault et al., NeurIPS 2023), Hugging Face compatible: the attention
-modules, the four layer types of ``config.layer_types`` (``DECODER_LAYER_CLASSES``) and the models. The code layout
-and the departures from the paper are in docs/architecture.md and docs/paper-mapping.md."""
+modules, the four layer types of ``config.layer_types`` and the models (docs/architecture.md)."""
 
 import functools
 import math
@@ -41,18 +40,14 @@ from .utils_bst import constant_memo, gather_rows, host_can_branch, maybe_any, o
 
 logger = logging.get_logger(__name__)
 
-# The name of a model's cache among ``forward``'s arguments, ``generate``'s model kwargs and the outputs in the
-# installed transformers: ``cache`` from transformers 5.24 on (which reads ``past_key_values`` as a deprecated alias),
-# ``past_key_values`` in 5.23. The outputs are built under this name; [`cache_argument`] takes either on input.
+# The cache's name in the installed transformers' outputs: ``cache`` from 5.24 on, ``past_key_values`` in 5.23.
 CACHE_NAME = (
     "cache" if "cache" in {f.name for f in fields(BaseModelOutputWithPastAndCrossAttentions)} else "past_key_values"
 )
 
 
 def cache_argument(forward):
-    """Decorates a ``forward(..., cache=None, ...)`` so that it also takes the cache as ``past_key_values`` (the name
-    of every supported transformers version), as transformers' ``deprecate_kwarg`` renames an argument. The same cache
-    under both names is one cache; two different ones raise."""
+    """Lets ``forward(..., cache=None)`` also take the cache as ``past_key_values`` (as ``deprecate_kwarg`` would)."""
 
     @functools.wraps(forward)
     def wrapper(*args, **kwargs):
@@ -79,21 +74,16 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling=1
 
 
 def attention(module, q, k, v, mask, dropout, return_weights: bool = False, absent=None):
-    """The attention backend of ``config._attn_implementation`` (eager or SDPA; ``flex_attention`` here means SDPA: the
-    full-sequence forms call FlexAttention themselves), unscaled. ``q`` `(N, H, Lq, d)`, ``k``/``v`` `(N, H, Lk, d)`,
-    additive ``mask``, ``absent`` (bool) keys masked besides -> `(N, Lq, H, d)`, and the weights `(N, H, Lq, Lk)`
-    with ``return_weights`` (eager only)."""
+    """Unscaled attention on ``config._attn_implementation`` (flex: SDPA here). ``q`` `(N, H, Lq, d)`, ``k``/``v``
+    `(N, H, Lk, d)`, additive ``mask``, bool ``absent`` keys -> `(N, Lq, H, d)` (and the eager weights)."""
     implementation = module.config._attn_implementation
-    if implementation == "flex_attention":
-        implementation = "sdpa"
+    implementation = "sdpa" if implementation == "flex_attention" else implementation
     if not return_weights and mask is not None and learned_mask_path(module, mask):
         return learned_mask_attention(q, k, v, mask, dropout, absent)
     if absent is not None:
         mask = mask.masked_fill(absent, masked_fill_value(mask.dtype))
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-    if torch.compiler.is_compiling():
-        # Inductor may hand the CPU flash-attention kernel a key whose last dimension is strided (it only keeps the
-        # stride order), for which that kernel returns wrong values; dense inputs cost eager nothing.
+    if torch.compiler.is_compiling():  # inductor may hand CPU flash attention a strided key: wrong values
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out, weights = interface(module, q, k, v, mask, dropout=dropout, scaling=1.0, is_causal=False)
     return (out, weights) if return_weights else out
@@ -106,48 +96,41 @@ def _input_shape(input_ids, inputs_embeds) -> tuple[int, int]:
 
 
 def query_chunk(config: BSTConfig, q: torch.Tensor) -> int:
-    """Queries per window of the sliding-window and cross attentions' full-sequence forms:
-    ``config.attention_query_chunk`` if set; else W on an accelerator (one attention call per layer: launches cost
-    more than the masked work), and ``resolved_attention_query_chunk`` on the CPU (the work skipped is time there)."""
+    """Queries per window of the full-sequence attentions: ``attention_query_chunk``, else W on an accelerator and
+    ``resolved_attention_query_chunk`` on the CPU."""
     if config.attention_query_chunk is not None:
         return config.attention_query_chunk
     return config.block_len if on_accelerator(q) else config.resolved_attention_query_chunk
 
 
+def _plain(m) -> bool:
+    return not (m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__)
+
+
 def plain_linears(*modules) -> bool:
-    """Whether ``modules`` are plain ``nn.Linear`` layers without a bias, hooks or a replaced ``forward`` (nothing
-    that calling the module would run besides ``F.linear``), with plain weights (not a quantized tensor subclass, as
-    torchao's) in one dtype and device: their weights may then be stacked into one matmul."""
+    """Whether ``modules`` are bias-free ``nn.Linear`` layers with plain weights of one dtype and device, nothing run
+    besides ``F.linear`` (no hooks, LoRA or quantized tensor): their weights may be stacked into one matmul."""
     first = modules[0].weight if isinstance(modules[0], nn.Linear) else None
     return first is not None and all(
-        type(m) is nn.Linear
-        and type(m.weight) is nn.Parameter
-        and m.bias is None
-        and not (m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__)
-        and m.weight.dtype == first.dtype
-        and m.weight.device == first.device
+        type(m) is nn.Linear and type(m.weight) is nn.Parameter and m.bias is None and _plain(m)
+        and m.weight.dtype == first.dtype and m.weight.device == first.device
         for m in modules
-    )
+    )  # fmt: skip
 
 
 def plain_embedding(module) -> bool:
-    """Whether ``module`` is a plain ``nn.Embedding`` (no max_norm, hooks or replaced ``forward``): its weight may be
-    used directly."""
-    return (
-        type(module) is nn.Embedding
-        and module.max_norm is None
-        and not (module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
-    )
+    """Whether ``module`` is a plain ``nn.Embedding`` (no max_norm or hooks): its weight may be used directly."""
+    return type(module) is nn.Embedding and module.max_norm is None and _plain(module)
 
 
 def learned_mask_path(module, mask) -> bool:
-    """Whether [`attention`] sends ``mask`` to [`learned_mask_attention`]: SDPA (or flex's fallbacks) on the CPU, eager
-    (not compiling), a mask that needs a gradient."""
+    """Whether [`attention`] takes [`learned_mask_attention`]: SDPA on the CPU, eager, a mask that needs a gradient
+    (CUDA's memory-efficient SDPA returns it itself)."""
     return (
         module.config._attn_implementation in ("sdpa", "flex_attention")
         and mask.requires_grad
         and torch.is_grad_enabled()
-        and not on_accelerator(mask)  # CUDA's memory-efficient SDPA kernel returns the mask's gradient itself
+        and not on_accelerator(mask)
         and not torch.compiler.is_compiling()
     )
 
@@ -158,16 +141,13 @@ def _contiguous_as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def learned_mask_attention(q, k, v, mask, dropout: float, absent=None) -> torch.Tensor:
-    """SDPA's math path written out for an additive mask that needs a gradient on the CPU (the learned T5 bias while
-    training; the fused CPU kernel returns no gradient for a mask): the same numbers (half precision upcast to
-    float32) without the path's extra copies and checks. Arguments as [`attention`]; returns `(N, Lq, H, d)`."""
+    """SDPA's math path for a mask that needs a gradient on the CPU (whose fused kernel gives none), without its
+    extra copies; arguments as [`attention`]."""
     dtype = q.dtype
     with torch.autocast(q.device.type, enabled=False):
-        # Each cast writes the layout the matmuls read (heads before tokens), so that no further copy is made: a
-        # cast keeps its input's strides, and the matmuls would copy the (token, head)-ordered inputs once more.
         compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-        q, k, v = (_contiguous_as(x, compute) for x in (q, k, v))
-        scores = torch.matmul(q, k.transpose(-1, -2)).add_(mask.to(q.dtype))  # in place: a fresh tensor
+        q, k, v = (_contiguous_as(x, compute) for x in (q, k, v))  # the layout the matmuls read: no further copy
+        scores = torch.matmul(q, k.transpose(-1, -2)).add_(mask.to(q.dtype))
         if absent is not None:
             scores.masked_fill_(absent, masked_fill_value(scores.dtype))
         weights = torch.softmax(scores, dim=-1)
@@ -176,10 +156,13 @@ def learned_mask_attention(q, k, v, mask, dropout: float, absent=None) -> torch.
         return _contiguous_as(torch.matmul(weights, v).transpose(1, 2), dtype)
 
 
+def _split_heads(config, x):
+    return x.unflatten(-1, (config.num_attention_heads, config.head_dim))
+
+
 class BSTRecurrentState(nn.Module):
-    """BRecT:fixed:skip recurrent cell (meliad's bias gate, skip FFN): per block ``z = [attn(Qr, Kr, Vr) ; attn(Q2r,
-    K_tokens, V_tokens)] Wo_r``, ``s' = g * s + (1 - g) * z`` with ``g = sigmoid(b)``. ``forward``: full-sequence
-    form; ``step_keys_values`` / ``step_update``: one token."""
+    """BRecT:fixed:skip recurrent cell: per block ``z = [attn(Qr, Kr, Vr) ; attn(Q2r, K_tok, V_tok)] Wo_r``,
+    ``s' = g * s + (1 - g) * z``, ``g = sigmoid(b)``."""
 
     def __init__(self, config: BSTConfig):
         super().__init__()
@@ -198,24 +181,17 @@ class BSTRecurrentState(nn.Module):
         self.gate_bias = nn.Parameter(torch.empty(d))
         self.is_causal = False
 
-    def _heads(self, x):
-        return x.unflatten(-1, (self.config.num_attention_heads, self.config.head_dim))
-
     def keys_values(self, state: torch.Tensor):
         """Keys/values the tokens read from the state: `(B, S, D)` -> 2 x `(B, S, H, d_h)`."""
         sn = self.norm(state) + self.state_pos.to(state.dtype)
-        k = self._heads(self.k_proj(sn))
-        if self.config.qk_norm:
-            k = l2_normalize(k)
-        return k, self._heads(self.v_proj(sn))
+        k = _split_heads(self.config, self.k_proj(sn))
+        return l2_normalize(k) if self.config.qk_norm else k, _split_heads(self.config, self.v_proj(sn))
 
     def update(self, state, token_k, token_v, token_valid, state_kv=None):
-        """Next state. ``token_k``/``token_v`` `(B, 2W, H, d_h)` (already normalised), ``token_valid`` `(B, 2W)`;
-        ``state_kv``: the state's keys/values if already computed (``keys_values(state)``)."""
+        """Next state from the token keys/values `(B, 2W, H, d_h)` and their validity `(B, 2W)`."""
         cfg = self.config
         sn = self.norm(state) + self.state_pos.to(state.dtype)
-        q = self._heads(self.q_proj(sn))
-        q2 = self._heads(self.q2_proj(sn))
+        q, q2 = _split_heads(cfg, self.q_proj(sn)), _split_heads(cfg, self.q2_proj(sn))
         k, v = state_kv if state_kv is not None else self.keys_values(state)
         if cfg.qk_norm:
             q, q2 = l2_normalize(q), l2_normalize(q2)
@@ -228,65 +204,48 @@ class BSTRecurrentState(nn.Module):
         z = self.o_proj(torch.cat([r_self.flatten(-2), r_cross.flatten(-2)], -1))
         return gated_state_update(state, z, self.gate_bias)
 
-    def sequence(self, state, kb, vb, previous):
-        """The recurrence over the blocks (the package's only sequential loop). ``state`` `(B, S, D)`, ``kb``/``vb``
-        `(B, nb, W, H, d_h)`, ``previous`` the block before block 0 ``(k, v, valid)``. Returns the states `(B, nb +
-        1, S, D)` and the state keys/values each block reads, `(B, nb, S, H, d_h)` x 2."""
-        bsz, nb, w = kb.shape[:3]
-        prev_k, prev_v, prev_valid = previous
-        cur_valid = torch.ones(bsz, w, dtype=torch.bool, device=kb.device)
-        states, state_keys, state_values = [state], [], []
-        for b in range(nb):
-            kcat = torch.cat([prev_k if b == 0 else kb[:, b - 1], kb[:, b]], 1)
-            vcat = torch.cat([prev_v if b == 0 else vb[:, b - 1], vb[:, b]], 1)
-            valid = torch.cat([prev_valid if b == 0 else cur_valid, cur_valid], 1)
-            # The state's keys/values serve both its own update and the tokens of block b: computed once.
-            state_kv = self.keys_values(states[-1])
-            state_keys.append(state_kv[0])
-            state_values.append(state_kv[1])
-            states.append(self.update(states[-1], kcat, vcat, valid, state_kv))
-        return torch.stack(states, 1), torch.stack(state_keys, 1), torch.stack(state_values, 1)
-
-    def forward(
-        self, k, v, previous, lengths=None, layer_cache=None, positions=None, doc_start=None, fill_cache=False
-    ):
-        """Full-sequence form: the state keys/values each block's tokens read, `(B, nb, S, H, d_h)` x 2, from the
-        tokens' keys/values `(B, T, H, d_h)`; ``previous`` (a continued sequence, state from ``layer_cache``) or None
-        (the learned initial state); ``fill_cache`` stores the state after each row's real tokens."""
+    def forward(self, k, v, previous, lengths=None, layer_cache=None, positions=None, doc_start=None, fill=False):
+        """The state keys/values each block reads, `(B, nb, S, H, d_h)` x 2, from the token keys/values `(B, T, H,
+        d_h)`, block by block (the package's only sequential loop); ``previous``: the cached block, or None."""
         bsz, seq_len, heads, hd = k.shape
         w = self.config.block_len
         nb = seq_len // w
         kb, vb = k.view(bsz, nb, w, heads, hd), v.view(bsz, nb, w, heads, hd)
         if previous is not None:
-            state = layer_cache.rec_state.to(kb.dtype)
             fresh = (positions == doc_start)[:, None, None]
-            state = torch.where(fresh, self.initial_state.to(kb.dtype), state)
+            state = torch.where(fresh, self.initial_state.to(kb.dtype), layer_cache.rec_state.to(kb.dtype))
         else:
             state = self.initial_state.to(kb.dtype).expand(bsz, -1, -1)
             zeros = torch.zeros_like(kb[:, 0])
             previous = (zeros, zeros, torch.zeros(bsz, w, dtype=torch.bool, device=kb.device))
-        all_states, keys, values = self.sequence(state, kb, vb, previous)
-        if fill_cache:
+        prev_k, prev_v, prev_valid = previous
+        cur_valid = torch.ones(bsz, w, dtype=torch.bool, device=kb.device)
+        states, keys, values = [state], [], []
+        for b in range(nb):
+            kcat = torch.cat([prev_k if b == 0 else kb[:, b - 1], kb[:, b]], 1)
+            vcat = torch.cat([prev_v if b == 0 else vb[:, b - 1], vb[:, b]], 1)
+            valid = torch.cat([prev_valid if b == 0 else cur_valid, cur_valid], 1)
+            state_kv = self.keys_values(states[-1])  # read by block b's tokens and by the update
+            keys.append(state_kv[0])
+            values.append(state_kv[1])
+            states.append(self.update(states[-1], kcat, vcat, valid, state_kv))
+        if fill:  # the state after each row's real tokens
             lens = lengths if lengths is not None else torch.full((bsz,), nb * w, device=kb.device)
-            rows = torch.arange(bsz, device=kb.device)
-            new_state = all_states[rows, lens // w].detach()
+            new_state = torch.stack(states, 1)[torch.arange(bsz, device=kb.device), lens // w].detach()
             rec_k, rec_v = (t.detach() for t in self.keys_values(new_state))
             layer_cache.set(rec_state=new_state, rec_k=rec_k, rec_v=rec_v)
-        return keys, values
+        return torch.stack(keys, 1), torch.stack(values, 1)
 
     def step_keys_values(self, layer_cache: BSTLayerCache, plan: StepPlan):
-        """Recurrent form, before the token's attention: the state keys/values `(B, S, H, d_h)` it reads; a row
-        whose document starts here starts from the learned initial state."""
+        """One token: the state keys/values `(B, S, H, d_h)` it reads (a fresh document's: the initial state's)."""
         if maybe_any(plan.fresh):
-            state = layer_cache.rec_state
-            init_state = self.initial_state.to(state.dtype).expand_as(state)
+            init_state = self.initial_state.to(layer_cache.rec_state.dtype).expand_as(layer_cache.rec_state)
             rec_k, rec_v = self.keys_values(init_state)
             layer_cache.set(plan.fresh, rec_state=init_state, rec_k=rec_k, rec_v=rec_v)
         return layer_cache.rec_k, layer_cache.rec_v
 
     def step_update(self, ring, layer_cache: BSTLayerCache, plan: StepPlan):
-        """Recurrent form, after the token's attention: at the last token of a block the state absorbs the previous
-        and current block (``ring``: the self-attention ring after this token's write, ``(keys, values, positions)``)."""
+        """One token: at a block's last token the state absorbs the ring ``(keys, values, positions)``."""
         if maybe_any(plan.block_end):
             ring_k, ring_v, kpos = ring
             new_state = self.update(layer_cache.rec_state, ring_k, ring_v, kpos >= 0)
@@ -295,10 +254,9 @@ class BSTRecurrentState(nn.Module):
 
 
 class BSTBlockSelfAttention(nn.Module):
-    """Block self-attention (paper Sec. 3.1, meliad): each token attends over exactly the W previous tokens (the W most
-    recent with ``attend_self``), T5 relative bias, L2-normalised queries/keys, a learned per-head scale. ``forward``
-    picks one full-sequence form: FlexAttention ([`flex_block_attention`]), the weights by key column ([`dense`]) or
-    windows of queries ([`windowed`]); ``step``: one token over the cache's ring."""
+    """Block self-attention (paper Sec. 3.1): each token over exactly the W previous tokens (the W most recent with
+    ``attend_self``), T5 relative bias, L2-normalised queries/keys, a learned per-head scale. Full-sequence forms:
+    FlexAttention, [`dense`] (the weights) or [`windowed`]; ``step``: one token over the cache's ring."""
 
     def __init__(self, config: BSTConfig, ring: int):
         super().__init__()
@@ -313,58 +271,44 @@ class BSTBlockSelfAttention(nn.Module):
         self.relative_bias = nn.Embedding(config.relative_attention_num_buckets, heads)
         self.is_causal = False
 
-    def _heads(self, x):
-        return x.unflatten(-1, (self.config.num_attention_heads, self.config.head_dim))
-
     def project(self, xn):
-        """Scaled queries, keys, values `(B, T, H, d_h)` of ``xn`` `(B, T, D)`; plain ``nn.Linear`` projections run as
-        one matmul (a wrapped or hooked one, LoRA or quantised, is called as a module)."""
+        """Scaled queries, keys, values `(B, T, H, d_h)` of ``xn`` `(B, T, D)` (plain projections: one matmul)."""
         heads, hd = self.config.num_attention_heads, self.config.head_dim
         if plain_linears(self.q_proj, self.k_proj, self.v_proj):
             weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
             qk, v = F.linear(xn, weight).unflatten(-1, (3 * heads, hd)).split([2 * heads, heads], -2)
-            if self.config.qk_norm:
-                qk = l2_normalize(qk)
-            q, k = qk.chunk(2, -2)
+            q, k = (l2_normalize(qk) if self.config.qk_norm else qk).chunk(2, -2)
         else:
-            q = self._heads(self.q_proj(xn))
-            k = self._heads(self.k_proj(xn))
-            v = self._heads(self.v_proj(xn))
+            q, k, v = (_split_heads(self.config, proj(xn)) for proj in (self.q_proj, self.k_proj, self.v_proj))
             if self.config.qk_norm:
                 q, k = l2_normalize(q), l2_normalize(k)
         return q * self.scale.to(q.dtype)[:, None], k, v
 
-    def bias(self, relative_position):
-        """T5 bias for relative positions `(...)` -> `(..., H)`."""
+    def buckets(self, relative_position):
         cfg = self.config
-        bucket = t5_relative_bucket(
+        return t5_relative_bucket(
             relative_position,
             cfg.bidirectional,
             cfg.relative_attention_num_buckets,
             cfg.relative_attention_max_distance,
         )
-        return self.relative_bias(bucket)
+
+    def bias(self, relative_position):
+        """T5 bias for relative positions `(...)` -> `(..., H)`."""
+        return self.relative_bias(self.buckets(relative_position))
 
     def window_valid(self, relative_position):
-        """Causal sliding window on ``key_pos - query_pos``: exactly W previous tokens (or W most recent with self)."""
+        """The causal window on ``key_pos - query_pos``."""
         return window_valid(relative_position, self.block_len, self.config.attend_self)
 
     def previous_block(self, layer_cache: BSTLayerCache, positions):
-        """The cached block before ``positions``: keys, values `(B, W, H, d)`, which are held (else masked)."""
+        """The cached block before ``positions``: keys, values `(B, W, H, d)` and which are held."""
         return layer_cache.window(positions, self.block_len)
 
-    def write_cache(self, layer_cache: BSTLayerCache, k, v, lengths, positions):
-        """Keep the keys/values `(B, T, H, d)` of each row's real tokens in the attention ring."""
-        bsz, seq_len = k.shape[:2]
-        lens = lengths if lengths is not None else torch.full((bsz,), seq_len, device=k.device)
-        layer_cache.fill_ring(ATTENTION_RING, k.detach(), v.detach(), lens, self.ring, positions)
-
-    # -- full-sequence form --------------------------------------------------------------------------------------
     def forward(self, q, k, v, lengths=None, layer_cache=None, positions=None, weights=False):
-        """Full-sequence form over ``q``/``k``/``v`` `(B, T, H, d_h)` (T a multiple of W; ``lengths`` real tokens per
-        row; ``layer_cache`` and ``positions``: the cached previous block of a continued sequence). Returns `(B, T, H
-        * d_h)` and, when ``weights`` = n > 0 (eager), the weights of the first n queries `(B, H, n, K)` by key
-        column (K = n, or W + n after a cached block)."""
+        """``q``/``k``/``v`` `(B, T, H, d_h)` (T a multiple of W), after the cached block of ``layer_cache`` at
+        ``positions`` if given -> `(B, T, H * d_h)` and (``weights`` = n > 0, eager) the first n queries' weights
+        `(B, H, n, K)` by key column."""
         bsz, seq_len, heads, hd = q.shape
         drop = self.config.attention_dropout if self.training else 0.0
         previous = None
@@ -380,11 +324,9 @@ class BSTBlockSelfAttention(nn.Module):
         return out.reshape(bsz, seq_len, heads * hd), probs
 
     def dense(self, q, k, v, previous, lengths, n: int, dropout):
-        """The form that returns the weights: every query over every key (the cached block's W first) in one eager call
-        under one mask. Returns the output `(B, T, H, d)` of the first n queries (zeros after) and the weights `(B,
-        H, n, K)` it is made of (gradients reach them)."""
-        bsz, seq_len = q.shape[:2]
-        w = self.block_len
+        """Every query over every key under one mask (eager): the output of the first n queries (zeros after) and the
+        weights `(B, H, n, K)` it is made of."""
+        seq_len, w = q.shape[1], self.block_len
         first = 0 if previous is None else -w
         if previous is not None:
             k, v = torch.cat([previous[0].to(k.dtype), k], 1), torch.cat([previous[1].to(v.dtype), v], 1)
@@ -392,39 +334,30 @@ class BSTBlockSelfAttention(nn.Module):
         rel = key_pos[None] - q_pos[:, None]  # (T, K)
         if self.config.bidirectional:
             ok = ((torch.div(key_pos, w, rounding_mode="floor")[None] - q_pos[:, None] // w).abs() <= 1)[None]
-            if lengths is not None:
-                ok = ok & (key_pos < lengths[:, None, None])
+            ok = ok if lengths is None else ok & (key_pos < lengths[:, None, None])
         else:
             ok = self.window_valid(rel)[None]
-            if previous is not None:
-                ok = ok & F.pad(previous[2], (0, seq_len), value=True)[:, None, :]
+            ok = ok if previous is None else ok & F.pad(previous[2], (0, seq_len), value=True)[:, None, :]
         bias = (self.bias(rel).to(q.dtype) * self.scale.to(q.dtype)).permute(2, 0, 1)  # (H, T, K)
         mask = bias[None].masked_fill(~ok[:, None], masked_fill_value(q.dtype))
-        _, probs = eager_attention_forward(
-            self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, 1.0, dropout
-        )
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        probs = eager_attention_forward(self, qt, kt, vt, mask, 1.0, dropout)[1]
         probs = (probs * ok.any(-1)[:, None, :, None].to(probs.dtype))[:, :, :n, : n - first]  # no key: zeros
-        out = torch.matmul(probs, v[:, : n - first].transpose(1, 2)).transpose(1, 2)
+        out = torch.matmul(probs, vt[:, :, : n - first]).transpose(1, 2)
         return F.pad(out, (0, 0, 0, 0, 0, seq_len - n)), probs
 
-    def window_constants(self, chunk: int, span: int, device):
-        """The parameter-free parts of [`window_bias`], built once per shape and device ([`constant_memo`]): the T5
-        bucket of every distance a window spans, and which distances are outside the causal window."""
-        cfg, w = self.config, self.block_len
-
-        def build():
-            distances = torch.arange(-w - chunk + 1, span - w, device=device)  # key - query in a window
-            buckets = t5_relative_bucket(
-                distances, cfg.bidirectional, cfg.relative_attention_num_buckets, cfg.relative_attention_max_distance
-            )
-            return buckets, None if cfg.bidirectional else ~self.window_valid(distances)[:, None]
-
-        return constant_memo(self, ("window", chunk, span, str(device)), build)
-
     def window_bias(self, chunk: int, span: int, dtype, device) -> torch.Tensor:
-        """Additive mask `(H, c, K)` of a window: the scaled T5 bias, and the causal window, of c queries at
-        positions 0 .. c-1 over the K = ``span`` keys from -W on."""
-        buckets, outside = self.window_constants(chunk, span, device)
+        """Additive mask `(H, c, K)` of a window (scaled T5 bias, causal window): c queries at 0 .. c-1 over the
+        K = ``span`` keys from -W on (a Toeplitz skew of the per-distance table; docs/architecture.md)."""
+        w = self.block_len
+
+        def build():  # parameter-free: the bucket of every distance a window spans, which are outside the window
+            distances = torch.arange(-w - chunk + 1, span - w, device=device)
+            return self.buckets(distances), None if self.config.bidirectional else ~self.window_valid(distances)[
+                :, None
+            ]
+
+        buckets, outside = constant_memo(self, ("window", chunk, span, str(device)), build)
         if plain_embedding(self.relative_bias):  # scale the (buckets, H) table once, then look it up
             per_distance = F.embedding(buckets, self.relative_bias.weight * self.scale).to(dtype)  # (n, H)
         else:
@@ -432,19 +365,15 @@ class BSTBlockSelfAttention(nn.Module):
         if outside is not None:
             per_distance = per_distance.masked_fill(outside, masked_fill_value(dtype))
         per_distance = per_distance.t()  # (H, n), n = K + c - 1
-        # Query i's row is distances -W - i .. K - W - 1 - i, a Toeplitz layout, made by a skew: rolled so that its
-        # row i starts at i (mod n), tiled c times, cut to rows of n - 1. Roll, tile and slices have plain backwards
-        # (a shifted sum); a gather by a (c, K) index map has a sort-based scatter as its CUDA backward (a quarter
-        # of a Slide step on the H200), and an unfold's backward, compiled by inductor, was 80% of a compiled step.
-        n = per_distance.shape[1]
-        if chunk == 1:  # one query: its row is the whole table
+        if chunk == 1:
             return per_distance.unsqueeze(1)
+        n = per_distance.shape[1]
         tiled = torch.roll(per_distance, -(chunk - 1), dims=1).repeat(1, chunk)  # (H, c n)
         return tiled[:, : chunk * (n - 1)].view(-1, chunk, n - 1)[:, :, :span]
 
-    def window_keys_absent(self, previous, lengths, bsz: int, seq_len: int, chunk: int, span: int, device):
-        """Which of each window's keys are not held, `(B * T / c, 1, 1, K)` bool: those before the sequence (none
-        held in a fresh sequence; the cached previous block's that are not held), and bidirectional the padding."""
+    def keys_absent(self, previous, lengths, bsz: int, seq_len: int, chunk: int, span: int, device):
+        """Which of each window's keys are not held, `(B * T / c, 1, 1, K)`: before the sequence (or not held in the
+        cached block), bidirectional: the padding."""
         w = self.block_len
         if previous is not None:
             absent = F.pad(~previous[2], (0, seq_len))
@@ -462,9 +391,8 @@ class BSTBlockSelfAttention(nn.Module):
         return absent.unfold(1, span, chunk).reshape(-1, 1, 1, span)
 
     def windowed(self, q, k, v, previous, lengths, dropout):
-        """The full-sequence form as one attention call: queries in windows of c ([`query_chunk`]; bidirectional W) over
-        the keys each window reaches, under one mask (T5 bias, window, held keys). `(B, T, H, d)` x 3 -> `(B, T, H,
-        d)`; a query without any key gets zeros (meliad's safe softmax)."""
+        """Queries in windows of c ([`query_chunk`]; bidirectional W) over the keys each reaches, under one mask, in
+        one attention call; a query without any key gets zeros."""
         bsz, seq_len, heads, hd = q.shape
         w, bidirectional = self.block_len, self.config.bidirectional
         chunk = w if bidirectional else query_chunk(self.config, q)
@@ -476,20 +404,17 @@ class BSTBlockSelfAttention(nn.Module):
         else:
             kp, vp = torch.cat([previous[0].to(k.dtype), k], 1), torch.cat([previous[1].to(v.dtype), v], 1)
         # window i holds the keys at padded positions i c .. i c + K - 1
-        keys = kp.unfold(1, span, chunk).permute(0, 1, 2, 4, 3).reshape(n, heads, span, hd)
-        values = vp.unfold(1, span, chunk).permute(0, 1, 2, 4, 3).reshape(n, heads, span, hd)
+        keys, values = (x.unfold(1, span, chunk).permute(0, 1, 2, 4, 3).reshape(n, heads, span, hd) for x in (kp, vp))
         queries = q.reshape(n, chunk, heads, hd).transpose(1, 2)  # (n, H, c, d)
-        absent = self.window_keys_absent(previous, lengths, bsz, seq_len, chunk, span, q.device)
+        absent = self.keys_absent(previous, lengths, bsz, seq_len, chunk, span, q.device)
         bias = self.window_bias(chunk, span, q.dtype, q.device)  # (H, c, K)
         if bidirectional or on_accelerator(q) or learned_mask_path(self, bias):
-            # one call; the absent keys masked per window (in the scores where the mask needs a gradient on the CPU)
             out = attention(self, queries, keys, values, bias, dropout, absent=absent)
             if bidirectional:
                 out = out * (~absent).any(-1)[..., None].to(out.dtype)
             return self.first_query(out.view(bsz, seq_len, heads, hd), previous)
-        # CPU inference: every window under the one shared bias through SDPA's fused kernel, then block 0's windows
-        # again with their absent keys masked (a per-window mask over W / c windows a row)
-        # (a 4-D mask: SDPA on CPU takes its fused path only for 4-D masks; 3-D falls back to ~4x slower math)
+        # CPU inference: every window under the shared 4-D bias (SDPA's fused kernel), then block 0's windows again
+        # with their absent keys masked
         out = attention(self, queries, keys, values, bias[None], dropout).view(bsz, seq_len, heads, hd)
         first, per_row = w // chunk, seq_len // chunk
 
@@ -500,8 +425,7 @@ class BSTBlockSelfAttention(nn.Module):
         return self.first_query(torch.cat([head.reshape(bsz, w, heads, hd), out[:, w:]], 1), previous)
 
     def first_query(self, out, previous):
-        """Without ``attend_self`` the sequence's first query sees only the previous block: zeros where none of it
-        is held."""
+        """Without ``attend_self`` the first query sees only the cached block: zeros where none of it is held."""
         if self.config.attend_self or self.config.bidirectional:
             return out
         if previous is None:
@@ -509,49 +433,44 @@ class BSTBlockSelfAttention(nn.Module):
         keep = previous[2].any(-1).to(out.dtype)[:, None, None, None]
         return torch.cat([out[:, :1] * keep, out[:, 1:]], 1)
 
-    # -- recurrent form ------------------------------------------------------------------------------------------
     def step(self, q, k, v, layer_cache: BSTLayerCache, plan: StepPlan):
-        """One token per row at ``plan.positions``: writes its key/value into the ring, then attends over the window.
-        Returns `(B, 1, H * d_h)`, the weights over the ring `(B, H, 1, R)` (with ``plan.weights``) and the ring
-        ``(keys, values, key positions)`` after the write."""
+        """One token per row: writes its key/value into the ring, attends over the window. Returns `(B, 1, H *
+        d_h)`, the weights over the ring (with ``plan.weights``) and the ring ``(keys, values, key positions)``."""
         bsz, _, heads, hd = q.shape
         p = plan.positions
         ring_k, ring_v, kpos = layer_cache.write_ring(
             ATTENTION_RING, plan.rows, plan.slot(self.ring), p, k[:, 0], v[:, 0]
         )
-        column, any_key = plan.get(("window", self.ring), lambda: self.step_window(kpos, p))
-        # Scaled T5 bias per distance, and a masked column R for keys outside the window.
+
+        def window():  # each ring key's column of the bias table (R: outside the window), rows with any key
+            rel = kpos - p[:, None]
+            valid = (kpos >= 0) & self.window_valid(rel)
+            return torch.where(valid, -rel, self.ring), valid.any(-1)[:, None, None, None]
+
+        column, any_key = plan.get(("window", self.ring), window)
         bias = self.step_bias_table(plan.memo, q.dtype)[:, column].transpose(0, 1)[:, :, None, :]  # (B, H, 1, R)
         out, probs = attention(
             self, q.transpose(1, 2), ring_k.transpose(1, 2), ring_v.transpose(1, 2), bias, 0.0, True
         )
-        out = out * any_key
         probs = probs * any_key if plan.weights else None
-        return out.reshape(bsz, 1, heads * hd), probs, (ring_k, ring_v, kpos)
-
-    def step_window(self, kpos, positions):
-        """For the ring's key positions ``kpos`` `(B, R)` after a step's write: each key's column of
-        [`step_bias_table`] (its distance, or R outside the window) and which rows see any key `(B, 1, 1, 1)`."""
-        rel = kpos - positions[:, None]
-        valid = (kpos >= 0) & self.window_valid(rel)
-        return torch.where(valid, -rel, self.ring), valid.any(-1)[:, None, None, None]
+        return (out * any_key).reshape(bsz, 1, heads * hd), probs, (ring_k, ring_v, kpos)
 
     def step_bias_table(self, memo, dtype):
-        """Scaled T5 bias per distance 0 .. R-1 and a masked column R, `(H, R + 1)`; kept in ``memo`` (a decoding
-        run's) while the parameters are unchanged."""
+        """Scaled T5 bias per distance 0 .. R-1 and a masked column R, `(H, R + 1)`, kept in a decoding run's
+        ``memo`` while the parameters are unchanged."""
 
         def compute():
-            distances = -torch.arange(self.ring, device=self.scale.device)
-            table = (self.bias(distances).to(dtype) * self.scale.to(dtype)).t()
+            table = (
+                self.bias(-torch.arange(self.ring, device=self.scale.device)).to(dtype) * self.scale.to(dtype)
+            ).t()
             return F.pad(table, (0, 1), value=masked_fill_value(dtype)).contiguous()
 
         return step_memo(memo, (id(self), "bias"), (dtype,), (self.relative_bias.weight, self.scale), compute)
 
 
 class BSTCrossAttention(nn.Module):
-    """The second attention of a BST or BRecT layer: its own queries over keys/values per block (a BST layer's context
-    states, a BRecT layer's recurrent state); block b's queries see only block b's. ``forward``: all blocks in one
-    call; ``step``: one token."""
+    """The second attention of a BST or BRecT layer: block b's queries over block b's keys/values (context states or
+    the recurrent state)."""
 
     def __init__(self, config: BSTConfig):
         super().__init__()
@@ -564,16 +483,13 @@ class BSTCrossAttention(nn.Module):
 
     def query(self, xn):
         """Scaled queries `(B, T, H, d_h)` of the normalised input ``xn`` `(B, T, D)`."""
-        cfg = self.config
-        q = self.q_proj(xn).unflatten(-1, (cfg.num_attention_heads, cfg.head_dim))
-        if cfg.qk_norm:
-            q = l2_normalize(q)
+        q = _split_heads(self.config, self.q_proj(xn))
+        q = l2_normalize(q) if self.config.qk_norm else q
         return q * self.scale.to(q.dtype)[:, None]
 
     def forward(self, xn, keys, values, mask=None, zero_first=False, weights=False):
-        """Full-sequence form: ``xn`` `(B, T, D)` (T a multiple of W) over ``keys``/``values`` `(B, nb, S, H, d_h)`,
-        additive ``mask`` `(W, S)` within a block, ``zero_first``: each block's first query gets zeros. Returns `(B,
-        T, H * d_h)` and, when ``weights`` = n > 0 (eager), the weights `(B, H, n, S)`."""
+        """``xn`` `(B, T, D)` over ``keys``/``values`` `(B, nb, S, H, d_h)`, additive ``mask`` `(W, S)` within a
+        block, ``zero_first``: each block's first query gets zeros -> `(B, T, H * d_h)`, weights `(B, H, n, S)`."""
         cfg = self.config
         bsz, seq_len, _ = xn.shape
         w, heads, hd = self.block_len, cfg.num_attention_heads, cfg.head_dim
@@ -581,7 +497,6 @@ class BSTCrossAttention(nn.Module):
         drop = cfg.attention_dropout if self.training else 0.0
         q = self.query(xn)
         if not weights and use_flex(self, q, drop, keys, values):
-            # Block-diagonal (SH/MH: triangular within the block; strict: a block's first query gets zeros).
             within = None if mask is None else cfg.cross_mask
             out = grouped_flex(self, q, keys.flatten(1, 2), values.flatten(1, 2), w, s, within)
             return out.reshape(bsz, seq_len, heads * hd), None
@@ -590,15 +505,15 @@ class BSTCrossAttention(nn.Module):
         chunk = w if weights or mask is None else query_chunk(cfg, q)
         if chunk == w:
             result = attention(self, qb, kb, vb, mask, drop, weights)
-        else:  # triangular mask: the queries of a chunk see only the states up to the chunk's end
+            out, probs = result if weights else (result, None)
+        else:  # triangular mask: a chunk's queries see the states up to the chunk's end
             parts = [
                 attention(self, qb[:, :, i : i + chunk], kb[:, :, : i + chunk], vb[:, :, : i + chunk],
                           mask[i : i + chunk, : i + chunk], drop)
                 for i in range(0, w, chunk)
             ]  # fmt: skip
-            result = torch.cat(parts, 1)
-        out, probs = result if weights else (result, None)
-        if zero_first:  # the first query of every block sees nothing
+            out, probs = torch.cat(parts, 1), None
+        if zero_first:
             out = torch.cat([torch.zeros_like(out[:, :1]), out[:, 1:]], 1)
         if weights:  # (B nb, H, W, S) -> (B, H, T, S)
             if zero_first:
@@ -607,15 +522,13 @@ class BSTCrossAttention(nn.Module):
         return out.reshape(bsz, seq_len, heads * hd), probs
 
     def step(self, xn, keys, values, mask=None, any_valid=None, weights=False):
-        """One token per row: ``xn`` `(B, 1, D)` over ``keys``/``values`` `(B, S, H, d_h)` with an additive ``mask``
-        `(B, 1, 1, S)`; rows where ``any_valid`` `(B,)` is False see nothing and get zeros. Returns `(B, 1, H * d_h)`
-        and the weights `(B, H, 1, S)` (None unless ``weights``)."""
+        """One token: ``xn`` `(B, 1, D)` over ``keys``/``values`` `(B, S, H, d_h)`, ``mask`` `(B, 1, 1, S)`; rows
+        without ``any_valid`` get zeros -> `(B, 1, H * d_h)` and the weights `(B, H, 1, S)` (with ``weights``)."""
         q = self.query(xn).transpose(1, 2)  # (B, H, 1, d)
         out, probs = attention(self, q, keys.transpose(1, 2), values.transpose(1, 2), mask, 0.0, True)
         if any_valid is not None:
             keep = any_valid.to(out.dtype)[:, None, None, None]
-            out = out * keep
-            probs = probs * keep if weights else None
+            out, probs = out * keep, probs * keep if weights else None
         return out.reshape(xn.shape[0], 1, -1), probs if weights else None
 
 
@@ -628,16 +541,13 @@ class BSTMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x):
-        # In-place ReLU on the fresh up_proj output (its backward needs only the ReLU output).
-        return self.down_proj(F.relu(self.up_proj(x), inplace=True))
+        return self.down_proj(F.relu(self.up_proj(x), inplace=True))  # in place: its backward needs only the output
 
 
 class BSTLayer(GradientCheckpointingLayer):
-    """What every decoder layer shares: its index, the input norm, dropout and the call ``layer(hidden_states,
-    layer_cache, chunk)``: the chunk ([`_Chunk`]) runs the layer's full-sequence form ([`sequence`], a
-    [`SequencePass`]) and recurrent form ([`step`], a [`StepPlan`]), each returning ``(hidden_states,
-    self_attention_weights, second_attention_weights)``. Returns the hidden states (and the weights when the chunk
-    asks for them); without a chunk, ``hidden_states`` (T a multiple of W) runs as one fresh sequence."""
+    """The call every decoder layer shares, ``layer(hidden_states, layer_cache, chunk)``: the [`_Chunk`] runs its
+    ``sequence`` (a [`SequencePass`]) and ``step`` (a [`StepPlan`]) forms, each returning ``(hidden_states,
+    self_attention_weights, second_attention_weights)``; without a chunk, one fresh sequence."""
 
     def __init__(self, config: BSTConfig, layer_idx: int):
         super().__init__()
@@ -653,57 +563,45 @@ class BSTLayer(GradientCheckpointingLayer):
         out = chunk.run(self, layer_cache, hidden_states)
         return out if chunk.weights else out[0]
 
-    def sequence(self, hidden_states, layer_cache, inputs: SequencePass):
-        """The full-sequence form."""
-        raise NotImplementedError
-
-    def step(self, hidden_states, layer_cache, plan: StepPlan):
-        """The recurrent form."""
-        raise NotImplementedError
-
 
 class BSTDecoderLayer(BSTLayer):
     """A block layer (the paper's Slide layer) and the base of the BST and BRecT layers: 1. RMS norm; 2. block
-    self-attention; 3. the layer type's second attention ([`attend_states`] / [`step_states`]: none here); 4. both
-    concatenated, output projection, residual; 5. RMS norm, MLP, residual."""
+    self-attention; 3. the second attention ([`attend_states`] / [`step_states`]: none here); 4. both concatenated,
+    output projection, residual; 5. RMS norm, MLP, residual."""
 
     def __init__(self, config: BSTConfig, layer_idx: int):
         super().__init__(config, layer_idx)
         d, heads, hd = config.hidden_size, config.num_attention_heads, config.head_dim
-        self.self_attn = BSTBlockSelfAttention(config, self.ring_len(config))
+        # The decoding ring: the W-token window and the newest token; BRecT's state update reads two blocks.
+        ring = 2 * config.block_len if self.layer_type == "recurrent" else config.block_len + 1
+        self.self_attn = BSTBlockSelfAttention(config, ring)
+        self.cross_attn = None
         self.build_state_attention(config)
-        width = heads * hd * (1 if self.cross_attn is None else 2)
-        self.o_proj = nn.Linear(width, d, bias=False)
+        self.o_proj = nn.Linear(heads * hd * (1 if self.cross_attn is None else 2), d, bias=False)
         self.post_attention_norm = BSTRMSNorm(d, config.rms_norm_eps)
         self.mlp = BSTMLP(config)
 
-    @staticmethod
-    def ring_len(config: BSTConfig) -> int:
-        """Token keys/values the decoding cache keeps: the W-token window and the newest token."""
-        return config.block_len + 1
-
     def build_state_attention(self, config: BSTConfig):
-        """The modules of step 3 (none in a block layer)."""
-        self.cross_attn = None
+        """The modules of step 3."""
 
     def attend_states(self, hidden_states, xn, k, v, layer_cache, inputs: SequencePass):
-        """Step 3 in the full-sequence form: ``(output (B, T, H d_h), weights)``, or None for a layer without a
-        second attention. ``xn`` the normed input, ``k``/``v`` the self-attention's keys/values."""
+        """Step 3, full sequence: ``(output (B, T, H d_h), weights)`` or None (``k``/``v``: the self-attention's)."""
         return None
 
     def step_states(self, hidden_states, xn, ring, layer_cache, plan: StepPlan):
-        """Step 3 in the recurrent form (``ring``: the self-attention ring after this token's write)."""
+        """Step 3, one token (``ring``: the self-attention ring after this token's write)."""
         return None
 
     def sequence(self, hidden_states, layer_cache, inputs: SequencePass):
-        # 1. Pre-attention norm (meliad's dropout on it). 2. Block self-attention.
-        xn = self.dropout(self.input_norm(hidden_states))
+        xn = self.dropout(self.input_norm(hidden_states))  # meliad's dropout on the norm
         q, k, v = self.self_attn.project(xn)  # (B, T, H, d_h)
         a_self, self_w = self.self_attn(q, k, v, inputs.lengths, layer_cache, inputs.positions, inputs.weights)
-        # 3. The layer type's second attention (context states or recurrent state).
         second = self.attend_states(hidden_states, xn, k, v, layer_cache, inputs)
-        if inputs.fill_cache:
-            self.self_attn.write_cache(layer_cache, k, v, inputs.lengths, inputs.positions)
+        if inputs.fill_cache:  # the keys/values of each row's real tokens
+            lens = (
+                inputs.lengths if inputs.lengths is not None else torch.full(k.shape[:1], k.shape[1], device=k.device)
+            )
+            layer_cache.fill_ring(ATTENTION_RING, k.detach(), v.detach(), lens, self.self_attn.ring, inputs.positions)
         return self.output(hidden_states, a_self, self_w, second, self.dropout)
 
     def step(self, hidden_states, layer_cache, plan: StepPlan):
@@ -726,10 +624,8 @@ class BSTDecoderLayer(BSTLayer):
 
 
 class BSTContextLayer(BSTDecoderLayer):
-    """A BST layer (layer type "bst", paper Sec. 3): step 3 runs the SSM over the whole sequence (``ssm``, the kernel
-    of ``ssm_kind``), builds context states from its outputs (``context``, the SH / MH / MF builder of
-    ``context_mode``) and cross-attends to them block by block (``cross_attn``). The SSM reads the normed input, or
-    with ``ssm_input="raw"`` the layer input itself."""
+    """A BST layer (paper Sec. 3): step 3 runs the SSM (``ssm``) over the sequence (the normed input, or with
+    ``ssm_input="raw"`` the layer input), builds context states (``context``) and cross-attends to them."""
 
     def build_state_attention(self, config: BSTConfig):
         self.ssm = SSM_KERNELS[config.ssm_kind](config.ssm_channels, config.ssm_output_channels, config)
@@ -739,15 +635,9 @@ class BSTContextLayer(BSTDecoderLayer):
     def attend_states(self, hidden_states, xn, k, v, layer_cache, inputs: SequencePass):
         x = self.dropout(hidden_states) if self.config.ssm_input == "raw" else xn
         keys, values, mask, zero_first = self.context(
-            self.ssm,
-            x,
-            layer_cache,
-            inputs.positions,
-            inputs.doc_start,
-            inputs.lengths,
-            inputs.fill_cache,
+            self.ssm, x, layer_cache, inputs.positions, inputs.doc_start, inputs.lengths, inputs.fill_cache,
             tables=inputs.ssm_tables,
-        )
+        )  # fmt: skip
         return self.cross_attn(xn, keys, values, mask, zero_first, inputs.weights)
 
     def step_states(self, hidden_states, xn, ring, layer_cache, plan: StepPlan):
@@ -757,13 +647,8 @@ class BSTContextLayer(BSTDecoderLayer):
 
 
 class BSTRecurrentLayer(BSTDecoderLayer):
-    """A Block-Recurrent Transformer layer (layer type "recurrent", the paper's BRecT:fixed:skip baseline): step 3
-    cross-attends to the recurrent state before each block (``cross_attn``); the state (``recurrent``) absorbs the
-    previous and current block's token keys/values at each block end."""
-
-    @staticmethod
-    def ring_len(config: BSTConfig) -> int:
-        return 2 * config.block_len  # the state update reads the previous and the current block
+    """A Block-Recurrent Transformer layer (the paper's BRecT:fixed:skip baseline): step 3 cross-attends to the
+    recurrent state (``recurrent``), which absorbs the previous and current block at each block end."""
 
     def build_state_attention(self, config: BSTConfig):
         self.recurrent = BSTRecurrentState(config)
@@ -786,8 +671,8 @@ class BSTRecurrentLayer(BSTDecoderLayer):
 
 
 class BSTGSSLayer(BSTLayer):
-    """Gated State Space layer (Mehta et al., 2022), the GSS-Hybrid baseline's SSM layer: ``u = gelu(x_n W_u)``, ``v =
-    gelu(x_n W_v)``, ``out = x + ((S4D(u) W_y) * v) W_o``. No attention weights (None)."""
+    """Gated State Space layer (Mehta et al., 2022), the GSS-Hybrid baseline: ``u = gelu(x_n W_u)``, ``v = gelu(x_n
+    W_v)``, ``out = x + ((S4D(u) W_y) * v) W_o``. No attention weights."""
 
     def __init__(self, config: BSTConfig, layer_idx: int):
         super().__init__(config, layer_idx)
@@ -800,24 +685,22 @@ class BSTGSSLayer(BSTLayer):
         self.o_proj = nn.Linear(width, d, bias=False)
 
     def gates(self, hidden_states):
-        """``u`` `(B, T, D_s)` and ``v`` `(B, T, F)` of the normed input."""
         xn = self.input_norm(hidden_states)
         return F.gelu(self.u_proj(xn)), F.gelu(self.v_proj(xn))
 
     def output(self, hidden_states, y, v):
-        h = hidden_states + self.dropout(self.o_proj(self.y_proj(y.to(v.dtype)) * v))
-        return h, None, None
+        return hidden_states + self.dropout(self.o_proj(self.y_proj(y.to(v.dtype)) * v)), None, None
 
     def sequence(self, hidden_states, layer_cache, inputs: SequencePass):
         u, v = self.gates(hidden_states)
-        lengths = inputs.lengths
+        bsz, seq_len, _ = u.shape
+        lens = inputs.lengths
         state0 = layer_cache.ssm_state if layer_cache is not None and inputs.positions is not None else None
-        if lengths is not None and self.config.bidirectional:
-            u = u * (torch.arange(u.shape[1], device=u.device)[None] < lengths[:, None]).to(u.dtype)[..., None]
+        if lens is not None and self.config.bidirectional:
+            u = u * (torch.arange(seq_len, device=u.device)[None] < lens[:, None]).to(u.dtype)[..., None]
         y = self.ssm(u, state0)[:, :, 0]  # (B, T, Ds)
-        if inputs.fill_cache:
-            bsz, seq_len, _ = u.shape
-            lens = lengths if lengths is not None else torch.full((bsz,), seq_len, device=u.device)
+        if inputs.fill_cache:  # the state after each row's real tokens: the input right-aligned
+            lens = lens if lens is not None else torch.full((bsz,), seq_len, device=u.device)
             idx = torch.arange(seq_len, device=u.device)[None] - (seq_len - lens[:, None])
             u_right = gather_rows(u, idx.clamp(min=0)) * (idx >= 0).to(u.dtype)[..., None]
             layer_cache.set_ssm(self.ssm.final_state(u_right.detach(), state0).detach())
@@ -831,7 +714,6 @@ class BSTGSSLayer(BSTLayer):
         return self.output(hidden_states, y, v)
 
 
-# The module of each layer type (``config.layer_types``).
 DECODER_LAYER_CLASSES = {
     "block": BSTDecoderLayer,
     "bst": BSTContextLayer,
@@ -841,14 +723,10 @@ DECODER_LAYER_CLASSES = {
 
 
 def load_offloaded_layers_whole(model):
-    """Makes every decoder layer (``_no_split_modules``) that a ``device_map`` offloaded load all of its weights when
-    the layer is called. accelerate hooks each offloaded module with direct weights to load them when *that module*
-    is called; BST layers also read their submodules' weights in methods (the SSM kernel's, the attention scale, the
-    T5 table), which would find them on the meta device. This is accelerate's ``preload_module_classes``, which
-    transformers does not pass."""
+    """Makes each decoder layer that a ``device_map`` offloaded load all its weights when called (accelerate's
+    ``preload_module_classes``, which transformers does not pass): BST layers read submodules' weights in methods."""
     for name, layer in model.named_modules():
-        hooks = [getattr(m, "_hf_hook", None) for m in layer.modules()]
-        hooks = [h for h in hooks if getattr(h, "offload", False)]
+        hooks = [h for m in layer.modules() if getattr(h := getattr(m, "_hf_hook", None), "offload", False)]
         if type(layer).__name__ not in model._no_split_modules or not hooks:
             continue
         from accelerate.hooks import attach_align_device_hook, remove_hook_from_submodules
@@ -856,27 +734,16 @@ def load_offloaded_layers_whole(model):
         hook = hooks[0]
         remove_hook_from_submodules(layer)
         attach_align_device_hook(
-            layer,
-            execution_device=hook.execution_device,
-            offload=True,
-            weights_map=hook.weights_map.dataset,
-            offload_buffers=hook.offload_buffers,
-            module_name=name,
-            skip_keys=hook.skip_keys,
-            preload_module_classes=[type(layer).__name__],
-            tied_params_map=hook.tied_params_map,
-        )
-
-
-# Standard deviation of a unit normal truncated at +-2 (meliad's variance_scaling correction).
-TRUNCATED_NORMAL_STD = 0.87962566103423978
+            layer, execution_device=hook.execution_device, offload=True, weights_map=hook.weights_map.dataset,
+            offload_buffers=hook.offload_buffers, module_name=name, skip_keys=hook.skip_keys,
+            preload_module_classes=[type(layer).__name__], tied_params_map=hook.tied_params_map,
+        )  # fmt: skip
 
 
 def fan_in_std(fan_in: int, config) -> float:
-    """The std of the truncated normal that gives variance 1/fan_in (``init_truncation_correction``), else the
-    uncorrected 1/sqrt(fan_in) (variance ~0.77/fan_in)."""
+    """1/sqrt(fan_in), divided by the std of a unit normal truncated at +-2 with ``init_truncation_correction``."""
     std = 1.0 / math.sqrt(fan_in)
-    return std / TRUNCATED_NORMAL_STD if config.init_truncation_correction else std
+    return std / 0.87962566103423978 if config.init_truncation_correction else std
 
 
 class BSTPreTrainedModel(PreTrainedModel):
@@ -887,21 +754,14 @@ class BSTPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["BSTDecoderLayer", "BSTContextLayer", "BSTRecurrentLayer", "BSTGSSLayer"]
     _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_sdpa = True
-    # Full-sequence block / context / recurrent-state attention on FlexAttention (see [`use_flex`]).
     _supports_flex_attn = True
-    # Not "stateful" for generate(): BSTCache.crop takes back drafted positions, so assisted decoding works.
-    _is_stateful = False
-    # SSM kernels (every module named ``ssm``: S4D's state matrix, dt, B, C, D; the unstruct filter's MLP) stay
-    # float32 when the model is loaded in fp16 or bf16 (strict), and are never quantized: transformers' quantizers
-    # (bitsandbytes, torchao, ...) skip ``_keep_in_fp32_modules``, which they match from the start of a module's name
-    # (the same modules; transformers wants the two lists disjoint).
+    _is_stateful = False  # BSTCache.crop takes back drafted positions: assisted decoding works
+    # SSM kernels stay float32 under fp16/bf16 and are never quantized (quantizers skip _keep_in_fp32_modules).
     _keep_in_fp32_modules_strict = ["ssm"]
     _keep_in_fp32_modules = [r"(.*\.)?ssm"]
-    # Each layer's output, in the caller's columns (BSTModel.chunk_forward); the attention weights are collected there.
-    _can_record_outputs = {"hidden_states": BSTLayer}
+    _can_record_outputs = {"hidden_states": BSTLayer}  # the attention weights are collected in chunk_forward
 
     def post_init(self):
-        # A model without SSM kernels (Slide, Transformer-XL, BRecT) has nothing to keep in float32.
         if not any(name.rsplit(".", 1)[-1] == "ssm" for name, _ in self.named_modules()):
             self._keep_in_fp32_modules_strict = self._keep_in_fp32_modules = []
         super().post_init()
@@ -909,19 +769,21 @@ class BSTPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module):
         cfg = self.config
+
+        def trunc_normal(param, fan_in):
+            std = fan_in_std(fan_in, cfg)
+            init.trunc_normal_(param, mean=0.0, std=std, a=-2 * std, b=2 * std)
+
         if isinstance(module, nn.Linear):
-            std = fan_in_std(module.in_features, cfg)
-            init.trunc_normal_(module.weight, mean=0.0, std=std, a=-2 * std, b=2 * std)
+            trunc_normal(module.weight, module.in_features)
             if module.bias is not None:
                 init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
-            if (
-                module.num_embeddings == cfg.relative_attention_num_buckets
-                and module.embedding_dim == cfg.num_attention_heads
-            ):
-                init.normal_(module.weight, 0.0, 0.1)
-            else:
-                init.normal_(module.weight, 0.0, cfg.initializer_range)
+            t5 = (module.num_embeddings, module.embedding_dim) == (
+                cfg.relative_attention_num_buckets,
+                cfg.num_attention_heads,
+            )
+            init.normal_(module.weight, 0.0, 0.1 if t5 else cfg.initializer_range)
         elif isinstance(module, BSTRMSNorm):
             init.ones_(module.weight)
         if isinstance(module, (BSTBlockSelfAttention, BSTCrossAttention)):
@@ -934,12 +796,10 @@ class BSTPreTrainedModel(PreTrainedModel):
             init.normal_(module.bias, 0.0, 1.0)
         elif isinstance(module, BSTContextStates):
             if isinstance(module.up_proj, nn.Parameter):
-                std = fan_in_std(module.up_proj.shape[1], cfg)
-                init.trunc_normal_(module.up_proj, mean=0.0, std=std, a=-2 * std, b=2 * std)
+                trunc_normal(module.up_proj, module.up_proj.shape[1])
             if isinstance(module.k_proj, nn.Parameter):
-                std = fan_in_std(module.k_proj.shape[1], cfg)
-                init.trunc_normal_(module.k_proj, mean=0.0, std=std, a=-2 * std, b=2 * std)
-                init.trunc_normal_(module.v_proj, mean=0.0, std=std, a=-2 * std, b=2 * std)
+                trunc_normal(module.k_proj, module.k_proj.shape[1])
+                trunc_normal(module.v_proj, module.k_proj.shape[1])
             if module.mode == "mf":
                 init.normal_(module.context_ids, 0.0, 1.0)
                 init.normal_(module.initial_context, 0.0, 1.0)
@@ -952,24 +812,21 @@ class BSTPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """[`PreTrainedModel.from_pretrained`], with the layers that a ``device_map`` offloads (to the CPU or disk)
-        loading whole ([`load_offloaded_layers_whole`])."""
+        """[`PreTrainedModel.from_pretrained`]; offloaded layers load whole ([`load_offloaded_layers_whole`])."""
         loaded = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
         load_offloaded_layers_whole(loaded[0] if isinstance(loaded, tuple) else loaded)
         return loaded
 
     def resize_token_embeddings(self, *args, **kwargs):
-        """As transformers' (which sets ``config.vocab_size``), keeping ``config.logit_scale``: a trained model's
-        logits keep their scale when tokens are added."""
+        """As transformers', keeping ``config.logit_scale``."""
         scale = self.config.logit_scale
         embeddings = super().resize_token_embeddings(*args, **kwargs)
         self.config.logit_scale = scale
         return embeddings
 
     def ssm_parameter_names(self) -> list[str]:
-        """Parameters of the SSM kernels that train with ``config.ssm_lr`` and no weight decay (docs/paper-mapping.md,
-        "Optimiser"): S4D's ``A_log_real``, ``A_imag``, ``B``, ``log_dt``; the unstruct filter's parameters but its
-        ``bias``. In ``named_parameters`` order."""
+        """The SSM kernel parameters that train with ``config.ssm_lr`` and no weight decay (S4D's ``A_log_real``,
+        ``A_imag``, ``B``, ``log_dt``; the unstruct filter's but its ``bias``), in ``named_parameters`` order."""
         ssm = set()
         for prefix, module in self.named_modules():
             if isinstance(module, S4DKernel):
@@ -980,13 +837,9 @@ class BSTPreTrainedModel(PreTrainedModel):
 
 
 class BSTModel(BSTPreTrainedModel):
-    """The BST decoder stack: ``embed_tokens`` -> ``layers`` -> ``norm`` (no absolute positions). Outputs, in the
-    caller's columns (zero at padding): ``hidden_states``, the embeddings, each later layer's input and the normed
-    output (the tensors the next computation reads); ``attentions`` (eager attention), per layer the self-attention
-    weights `(B, H, T, K)` by key column (K = T, or W + T continuing a cache; steps: the positions so far);
-    ``cross_attentions``, per layer the second attention's weights `(B, H, T, S)` over the states of the query's
-    block (None for a block layer). GSS layers report None; a padded input reports weights in the packed order of its
-    real tokens."""
+    """The BST decoder stack: ``embed_tokens`` -> ``layers`` -> ``norm``. Outputs in the caller's columns: hidden
+    states, and (eager) per layer the self-attention weights by key column and the second attention's over its block's
+    states (None for a block or GSS layer); docs/architecture.md."""
 
     def __init__(self, config: BSTConfig):
         super().__init__(config)
@@ -1006,7 +859,6 @@ class BSTModel(BSTPreTrainedModel):
         self.embed_tokens = value
 
     def _check_inputs(self, input_ids, inputs_embeds, attention_mask, cache):
-        cfg = self.config
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
         if input_ids is not None:
@@ -1022,35 +874,33 @@ class BSTModel(BSTPreTrainedModel):
                 raise ValueError(
                     f"attention_mask has shape {tuple(attention_mask.shape)} but the input has shape {tuple(shape)}."
                 )
-        rows = None if cache is None else cache.layers[0]
-        if rows is not None and not rows.is_empty and rows.positions.shape[0] != shape[0]:
+        rows = None if cache is None or cache.layers[0].is_empty else cache.layers[0]
+        if rows is not None and rows.positions.shape[0] != shape[0]:
             raise ValueError(
                 f"The cache (`cache`/`past_key_values`) holds {rows.positions.shape[0]} rows but the input has {shape[0]}."
             )
-        decode_step = rows is not None and not rows.is_empty and shape[1] == 1
-        if input_ids is not None and self._validate_ids(input_ids, decode_step):
+        if input_ids is not None and self._validate_ids(input_ids, rows is not None and shape[1] == 1):
             lo, hi = int(input_ids.min()), int(input_ids.max())
-            if lo < 0 or hi >= cfg.vocab_size:
+            if lo < 0 or hi >= self.config.vocab_size:
                 bad = lo if lo < 0 else hi
-                raise ValueError(f"input_ids contains token id {bad} outside [0, vocab_size={cfg.vocab_size}).")
+                raise ValueError(
+                    f"input_ids contains token id {bad} outside [0, vocab_size={self.config.vocab_size})."
+                )
         return shape
 
     def _validate_ids(self, input_ids, decode_step: bool) -> bool:
-        """Token ids are range-checked in eager mode: always on CPU (no device sync), on accelerators only where one
-        sync is cheap (an evaluation or prefill forward), never in training steps or decode steps (hot paths)."""
-        if tracing():
-            return False
-        return not on_accelerator(input_ids) or not (self.training or decode_step)
+        """Whether to range-check token ids: eager, and on accelerators only outside training and decode steps (a
+        device sync)."""
+        return not tracing() and (not on_accelerator(input_ids) or not (self.training or decode_step))
 
     def _check_unstruct_length(self, seq_len, cache, continuing):
         cfg = self.config
         if cfg.ssm_kind != "unstruct" or not cfg.bst_layer_indices or cfg.unstruct_finite_filter:
             return
-        done = 0
-        if continuing and not tracing():
-            # Unstruct decoding reads the longest document length anyway (its O(t) step). A traced step cannot check a
-            # position (its graph serves every position): only the eager calls check.
-            done = int((cache.layers[0].positions - cache.layers[0].doc_start).max())
+        # (a traced step serves every position: only eager calls check a continued sequence)
+        done = (
+            int((cache.layers[0].positions - cache.layers[0].doc_start).max()) if continuing and not tracing() else 0
+        )
         if seq_len + done > cfg.max_position_embeddings:
             raise ValueError(
                 f"unstruct BST models handle at most max_position_embeddings={cfg.max_position_embeddings} "
@@ -1070,38 +920,40 @@ class BSTModel(BSTPreTrainedModel):
         output_attentions: bool | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPastAndCrossAttentions:
-        """``cache`` (or ``past_key_values``): a [`BSTCache`] to continue; the output holds it under the installed
-        transformers' name ([`CACHE_NAME`]). A packed row (``position_ids`` restarting, or ``cu_seq_lens_q/k``, in
-        ``kwargs``) runs each document as a row of its own ([`_Documents`])."""
+        """``cache`` (or ``past_key_values``): a [`BSTCache`] to continue. A packed row (``position_ids`` restarting,
+        or ``cu_seq_lens_q/k``) runs each document as a row of its own ([`_Documents`])."""
         cfg = self.config
         cache = None if cfg.bidirectional else cache
         if cache is not None:
             own_layers(cache, cfg)  # a BSTCache, or a DynamicCache / StaticCache of BST layers (made by generate)
         shape = self._check_inputs(input_ids, inputs_embeds, attention_mask, cache)
         hidden_states = output_hidden_states if output_hidden_states is not None else cfg.output_hidden_states
-        # (the causal LM head finds the documents once for itself and the model: ``_document_starts``)
-        if "_document_starts" in kwargs:
-            starts = kwargs["_document_starts"]
-        else:
-            starts = _Documents.starts(kwargs, attention_mask, shape)
+        weights = output_attentions if output_attentions is not None else cfg.output_attentions
+        if weights and cfg._attn_implementation != "eager":
+            logger.warning_once(
+                f"BST: output_attentions=True needs the eager attention; attn_implementation="
+                f"{cfg._attn_implementation!r} returns no attention weights. Load the model with "
+                "attn_implementation='eager' to get them."
+            )
+            weights = False
+        # (the causal LM head passes the documents it found: ``_document_starts``)
+        starts = (
+            kwargs["_document_starts"]
+            if "_document_starts" in kwargs
+            else _Documents.starts(kwargs, attention_mask, shape)
+        )
         if starts is None:
             return self.chunk_forward(
-                input_ids,
-                attention_mask,
-                cache,
-                inputs_embeds,
-                use_cache,
-                output_hidden_states=hidden_states,
-                output_attentions=self._attention_weights(output_attentions),
-                return_dict=True,
-            )
+                input_ids, attention_mask, cache, inputs_embeds, use_cache, output_hidden_states=hidden_states,
+                output_attentions=bool(weights), return_dict=True,
+            )  # fmt: skip
         if cache is not None or use_cache:
             raise ValueError(
                 "A packed row (position_ids restarting inside a row, or cu_seq_lens_q/k) cannot fill or continue "
                 "a cache: its documents are separate sequences. Pass use_cache=False; generate from one row per "
                 "sequence."
             )
-        if self._attention_weights(output_attentions):
+        if weights:
             raise ValueError("A packed row returns no attention weights: pass output_attentions=False.")
         docs = _Documents(starts, cfg.block_len)
         inner = [
@@ -1120,9 +972,8 @@ class BSTModel(BSTPreTrainedModel):
     def chunk_forward(
         self, input_ids, attention_mask, cache, inputs_embeds, use_cache, output_attentions=False, **kwargs
     ):
-        """One chunk continuing ``cache`` ([`_Chunk`]); [`forward`] without packed rows. Hidden states are recorded by
-        transformers' hooks on the layers (``_can_record_outputs``); the attention weights are collected here: a
-        layer without them (a block layer's cross-attention, a GSS layer) reports None, which a hook skips."""
+        """One chunk continuing ``cache`` ([`_Chunk`]): [`forward`] without packed rows. Hidden states are recorded by
+        transformers' hooks (``_can_record_outputs``), the attention weights collected here."""
         cfg = self.config
         given = cache
         use_cache = (
@@ -1132,8 +983,7 @@ class BSTModel(BSTPreTrainedModel):
         bsz, seq_len = hidden.shape[:2]
         if use_cache and cache is None:
             cache = BSTCache(cfg, bsz)
-        # Constants derived from parameters, kept for one decoding run (from the prefill of a cache on).
-        memo = self.__dict__.setdefault("step_memo", {})
+        memo = self.__dict__.setdefault("step_memo", {})  # parameter-derived constants for one decoding run
         if cache is not None and cache.layers[0].is_empty:
             memo.clear()
         chunk = _Chunk(
@@ -1164,35 +1014,15 @@ class BSTModel(BSTPreTrainedModel):
             cross_attentions=tuple(all_cross) if output_attentions else None,
         )
 
-    def _attention_weights(self, output_attentions: bool | None) -> bool:
-        """Whether this forward returns attention weights (they need the eager attention)."""
-        cfg = self.config
-        wanted = output_attentions if output_attentions is not None else cfg.output_attentions
-        if wanted and cfg._attn_implementation != "eager":
-            logger.warning_once(
-                f"BST: output_attentions=True needs the eager attention; attn_implementation="
-                f"{cfg._attn_implementation!r} returns no attention weights. Load the model with "
-                "attn_implementation='eager' to get them."
-            )
-            return False
-        return bool(wanted)
-
 
 class BSTForCausalLM(BSTPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-
-    def create_masks_for_generate(self, attention_mask=None, is_first_iteration=True, **kwargs):
-        """``generate`` asks for 4-D attention masks when its cache is compileable (a static BST cache). BST builds
-        its block masks itself from the 2-D padding mask, which only the first forward needs: a decoded token is
-        always real, so decode steps get no mask (one compiled step then serves every position)."""
-        return attention_mask if is_first_iteration else None
 
     def __init__(self, config: BSTConfig):
         super().__init__(config)
         self.model = BSTModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        # meliad's final dropout before the logits (``final_dropout``, default ``dropout``).
-        self.final_dropout = nn.Dropout(config.resolved_final_dropout)
+        self.final_dropout = nn.Dropout(config.resolved_final_dropout)  # meliad's, before the logits
         self.post_init()
 
     def get_output_embeddings(self):
@@ -1200,6 +1030,11 @@ class BSTForCausalLM(BSTPreTrainedModel, GenerationMixin):
 
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
+
+    def create_masks_for_generate(self, attention_mask=None, is_first_iteration=True, **kwargs):
+        """BST builds its masks from the 2-D padding mask, which only the first forward needs (decoded tokens are
+        real): decode steps get none, so one compiled step serves every position."""
+        return attention_mask if is_first_iteration else None
 
     @cache_argument
     @can_return_tuple
@@ -1216,8 +1051,7 @@ class BSTForCausalLM(BSTPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ) -> CausalLMOutputWithCrossAttentions:
-        """Causal LM forward. ``labels`` `(B, T)` are the input ids (shifted inside; -100 is ignored). ``cache`` (or
-        ``past_key_values``) as in [`BSTModel.forward`]."""
+        """Causal LM forward; ``labels`` `(B, T)` are the input ids (shifted inside; -100 ignored)."""
         starts = _Documents.starts(kwargs, attention_mask, _input_shape(input_ids, inputs_embeds))
         outputs = self.model(
             input_ids=input_ids,
@@ -1229,13 +1063,10 @@ class BSTForCausalLM(BSTPreTrainedModel, GenerationMixin):
             output_attentions=output_attentions,
             _document_starts=starts,
         )
-        hidden = outputs.last_hidden_state
         slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        hidden = self.final_dropout(hidden[:, slice_indices, :])
+        hidden = self.final_dropout(outputs.last_hidden_state[:, slice_indices, :])
         scale = self.config.logit_scale
-        if getattr(self.lm_head, "bias", None) is None:
-            # meliad scales the logits; scaling the (T, D) input of a bias-free head is the same product and V / D
-            # times less work than scaling the (T, V) logits (5% of a training step at V = 32k, D = 512).
+        if getattr(self.lm_head, "bias", None) is None:  # the same product as scaling the logits, V / D times cheaper
             logits = self.lm_head(hidden * scale)
         else:
             logits = self.lm_head(hidden) * scale
@@ -1255,10 +1086,8 @@ class BSTForCausalLM(BSTPreTrainedModel, GenerationMixin):
 
 
 class BSTS4Layer(nn.Module):
-    """A plain S4 layer (S4 repository block): RMS norm -> S4D over the full width -> GELU -> linear -> residual.
-
-    Used on top of the BST stack in the LRA classifier; bidirectional when ``config.bidirectional``.
-    """
+    """A plain S4 layer (the LRA classifier's head): RMS norm -> S4D over the full width -> GELU -> linear ->
+    residual; bidirectional with ``config.bidirectional``."""
 
     def __init__(self, config: BSTConfig):
         super().__init__()
@@ -1270,17 +1099,14 @@ class BSTS4Layer(nn.Module):
     def forward(self, hidden_states, valid: torch.Tensor | None = None):
         """``hidden_states`` `(B, T, D)`, ``valid`` `(B, T)` bool (padding excluded from the convolution)."""
         x = self.norm(hidden_states)
-        if valid is not None:
-            x = x * valid[..., None].to(x.dtype)
+        x = x if valid is None else x * valid[..., None].to(x.dtype)
         y = self.ssm(x)[:, :, 0].to(hidden_states.dtype)  # (B, T, D)
         return hidden_states + self.dropout(self.out_proj(F.gelu(y)))
 
 
 class BSTForSequenceClassification(BSTPreTrainedModel):
-    """BST encoder (+ ``num_s4_head_layers`` S4 layers) + mean pooling over non-padding tokens + a linear classifier.
-
-    The paper's LRA model is ``bidirectional=True`` with BST layers only, plus two S4 layers on top.
-    """
+    """BST encoder (+ ``num_s4_head_layers`` S4 layers), mean pooling over real tokens, a linear classifier (the
+    paper's LRA model: ``bidirectional=True``, BST layers, two S4 layers)."""
 
     def __init__(self, config: BSTConfig):
         super().__init__(config)
@@ -1321,9 +1147,7 @@ class BSTForSequenceClassification(BSTPreTrainedModel):
             m = attention_mask.to(hidden.dtype)[..., None]
             pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1)
         logits = self.score(pooled)
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(labels, logits, self.config)
+        loss = None if labels is None else self.loss_function(labels, logits, self.config)
         return SequenceClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
