@@ -1,6 +1,5 @@
-"""The RMS norm module and FlexAttention for ``attn_implementation="flex_attention"``: which calls take it
-([`use_flex`]), the kernel, block masks built from a mask's band structure ([`tiled_block_mask`]), the block
-self-attention ([`flex_block_attention`]) and the block-diagonal cross-attentions ([`grouped_flex`]) on it."""
+"""The RMS norm module and the full-sequence attentions on FlexAttention (``attn_implementation="flex_attention"``),
+with block masks built from a mask's band structure (docs/architecture.md)."""
 
 import torch
 import torch.nn.functional as F
@@ -27,20 +26,12 @@ class BSTRMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-# -- FlexAttention (attn_implementation="flex_attention") ----------------------------------------------------------
-# The full-sequence forms of the block self-attention and of both cross-attentions run as one FlexAttention call over
-# the whole sequence: the window / block structure is a ``BlockMask`` whose tiles are derived analytically
-# ([`tiled_block_mask`]), row-dependent masks (cached previous block, padding) and the T5 bias are ``mask_mod`` /
-# ``score_mod`` functions. Everything else (decode steps, the BRecT state update) stays on SDPA; see
-# docs/paper-mapping.md "Attention backends".
-
 FLEX_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def use_flex(module, q: torch.Tensor, dropout: float, *tensors: torch.Tensor) -> bool:
-    """Whether a full-sequence attention of ``module`` runs on FlexAttention: ``attn_implementation="flex_attention"``
-    and none of what flex cannot do here (dropout; a device without an exact kernel, the CPU; float64; a backward on
-    the CPU), else SDPA (same result)."""
+    """Whether a full-sequence attention runs on FlexAttention: ``flex_attention`` without dropout, on a device with an
+    exact kernel, no float64 or backward on the CPU; else SDPA (same result)."""
     if module.config._attn_implementation != "flex_attention" or dropout > 0:
         return False
     if flex_kernel(q.device.type) is None:
@@ -54,8 +45,7 @@ def use_flex(module, q: torch.Tensor, dropout: float, *tensors: torch.Tensor) ->
     if q.dtype not in FLEX_DTYPES:
         return False
     if torch.is_grad_enabled():
-        needs_grad = any(t.requires_grad for t in (q, *tensors)) or any(p.requires_grad for p in module.parameters())
-        if needs_grad:
+        if any(t.requires_grad for t in (q, *tensors)) or any(p.requires_grad for p in module.parameters()):
             logger.warning_once(
                 "BST: flex_attention has no backward on CPU; full-sequence attention with gradients runs on SDPA."
             )
@@ -64,30 +54,21 @@ def use_flex(module, q: torch.Tensor, dropout: float, *tensors: torch.Tensor) ->
 
 
 def flex_kernel(device_type: str):
-    """The FlexAttention kernel for ``device_type``: transformers' ``compile_friendly_flex_attention`` on accelerators;
-    None on the CPU (torch 2.13's compiled CPU kernel is wrong at some lengths, e.g. every length = 8 mod 16
-    measured)."""
+    """transformers' ``compile_friendly_flex_attention``; None on the CPU (torch 2.13's is wrong at lengths = 8 mod 16)."""
     return None if device_type == "cpu" else compile_friendly_flex_attention
 
 
 def flex(module, q, k, v, block_mask, score_mod=None):
-    """FlexAttention ([`flex_kernel`]), unscaled (queries carry the learned scale). ``q`` `(B, H, Lq, d)`,
-    ``k``/``v`` `(B, H, Lk, d)` -> `(B, Lq, H, d)`; a query without any key gets zeros."""
+    """Unscaled FlexAttention, ``q``/``k``/``v`` `(B, L, H, d)` -> `(B, Lq, H, d)`; a query without keys gets zeros."""
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     kernel = flex_kernel(q.device.type)
     out = kernel(q, k, v, training=module.training, score_mod=score_mod, block_mask=block_mask, scale=1.0)
     return out.transpose(1, 2)
 
 
 def tiled_block_mask(mask_mod, q_len: int, kv_len: int, bands, device, keys_partial=None, tile: int = 128):
-    """The ``BlockMask`` of ``mask_mod`` built from its band structure instead of evaluating it on all pairs.
-
-    ``bands``: constraints ``(f, g, lo, hi)`` that ``mask_mod`` implies, each ``lo <= g(kv) - f(q) <= hi`` with
-    ``f``/``g`` non-decreasing integer maps of index tensors (positions, block indices). A `tile x tile` tile is
-    skipped if some band excludes all its pairs and is "full" (no ``mask_mod`` call) if every band includes all its
-    pairs and no key of it is in ``keys_partial`` (a bool tensor `(kv_len,)` of keys that ``mask_mod`` also masks
-    per row: cached-block validity, padding); all other tiles are partial and ``mask_mod`` decides per pair, so the
-    mask is exactly ``mask_mod`` whenever ``mask_mod`` implies the bands. Costs O((q_len / tile) x (kv_len / tile)).
-    """
+    """The ``BlockMask`` of ``mask_mod`` from the ``bands`` ``(f, g, lo, hi)`` it implies, ``lo <= g(kv) - f(q) <=
+    hi`` (``f``/``g`` non-decreasing), and ``keys_partial``, keys it masks per row (docs/architecture.md)."""
     nq, nk = -(-q_len // tile), -(-kv_len // tile)
     q_first = torch.arange(nq, device=device) * tile
     k_first = torch.arange(nk, device=device) * tile
@@ -118,20 +99,16 @@ def tiled_block_mask(mask_mod, q_len: int, kv_len: int, bands, device, keys_part
 
 
 def positions_of(offset: int = 0):
-    """Band map: index -> index - ``offset``."""
     return lambda idx: idx - offset
 
 
 def groups_of(size: int, offset: int = 0):
-    """Band map: index -> (index - ``offset``) // ``size`` (block of a token, group of a context state)."""
     return lambda idx: torch.div(idx - offset, size, rounding_mode="floor")
 
 
 def grouped_flex(module, q, k, v, q_group: int, kv_group: int, causal_within: str | None = None):
-    """Flex attention of query block ``i // q_group`` over key group ``j // kv_group``: every block's queries see only
-    their own block's keys (context states, recurrent state keys). ``q`` `(B, T, H, d)`, ``k``/``v``
-    `(B, S_total, H, d)` -> `(B, T, H, d)`. ``causal_within``: ``"inclusive"`` (key j <= query i) or ``"strict"``
-    (j < i) for one key per token (SH/MH, ``q_group == kv_group``); None: the whole group."""
+    """Query block ``i // q_group`` over key group ``j // kv_group`` (``causal_within``: ``"inclusive"`` j <= i or
+    ``"strict"`` j < i, for ``q_group == kv_group``). ``q`` `(B, T, H, d)`, ``k``/``v`` `(B, S, H, d)`."""
     q_len, kv_len = q.shape[1], k.shape[1]
     bands = [(groups_of(q_group), groups_of(kv_group), 0, 0)]
     if causal_within is None:
@@ -146,15 +123,12 @@ def grouped_flex(module, q, k, v, q_group: int, kv_group: int, causal_within: st
         def mask_mod(b, h, q_idx, kv_idx):
             return (kv_idx // kv_group == q_idx // q_group) & (kv_idx - q_idx <= upper)
 
-    block_mask = tiled_block_mask(mask_mod, q_len, kv_len, bands, q.device)
-    return flex(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask)
+    return flex(module, q, k, v, tiled_block_mask(mask_mod, q_len, kv_len, bands, q.device))
 
 
 def flex_block_attention(module, q, k, v, lengths, previous):
-    """The block self-attention's full-sequence form on FlexAttention: one call over all queries and keys (after the
-    cached block's W keys), the window (bidirectional: the previous / own / next block) as the ``BlockMask``'s band,
-    held keys and padding as ``mask_mod`` terms, the scaled T5 bias as a ``score_mod``. ``q``/``k``/``v`` `(B, T, H,
-    d)`, ``previous`` ``(k, v, valid)`` or None -> `(B, T, H, d)`; a query without any key gets zeros."""
+    """The block self-attention over ``q``/``k``/``v`` `(B, T, H, d)` after the cached block ``previous`` ``(k, v,
+    valid)`` or None: the window as the band, held keys and padding in ``mask_mod``, the T5 bias as ``score_mod``."""
     cfg = module.config
     bsz, seq_len = q.shape[:2]
     w = cfg.block_len
@@ -189,7 +163,6 @@ def flex_block_attention(module, q, k, v, lengths, previous):
                 return (rel >= lowest) & (rel <= highest)
 
         bands = [(positions_of(), positions_of(offset), lowest, highest)]
-    # Scaled T5 bias per reachable distance ``lowest .. highest`` (bias added before the learned scale).
     distances = torch.arange(lowest, highest + 1, device=device)
     table = (module.bias(distances).to(q.dtype) * module.scale.to(q.dtype)).t().contiguous()  # (H, n)
     last = table.shape[1] - 1
@@ -198,4 +171,4 @@ def flex_block_attention(module, q, k, v, lengths, previous):
         return score + table[h, (kv_idx - offset - q_idx - lowest).clamp(0, last)]
 
     block_mask = tiled_block_mask(mask_mod, seq_len, k.shape[1], bands, device, keys_partial)
-    return flex(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask, score_mod)
+    return flex(module, q, k, v, block_mask, score_mod)
