@@ -236,22 +236,6 @@ class BSTRecurrentState(nn.Module):
             layer_cache.set(rec_state=new_state, rec_k=rec_k, rec_v=rec_v)
         return torch.stack(keys, 1), torch.stack(values, 1)
 
-    def step_keys_values(self, layer_cache: BSTLayerCache, plan: StepPlan):
-        """One token: the state keys/values `(B, S, H, d_h)` it reads (a fresh document's: the initial state's)."""
-        if maybe_any(plan.fresh):
-            init_state = self.initial_state.to(layer_cache.rec_state.dtype).expand_as(layer_cache.rec_state)
-            rec_k, rec_v = self.keys_values(init_state)
-            layer_cache.set(plan.fresh, rec_state=init_state, rec_k=rec_k, rec_v=rec_v)
-        return layer_cache.rec_k, layer_cache.rec_v
-
-    def step_update(self, ring, layer_cache: BSTLayerCache, plan: StepPlan):
-        """One token: at a block's last token the state absorbs the ring ``(keys, values, positions)``."""
-        if maybe_any(plan.block_end):
-            ring_k, ring_v, kpos = ring
-            new_state = self.update(layer_cache.rec_state, ring_k, ring_v, kpos >= 0)
-            rec_k, rec_v = self.keys_values(new_state)
-            layer_cache.set(plan.block_end, rec_state=new_state, rec_k=rec_k, rec_v=rec_v)
-
 
 class BSTBlockSelfAttention(nn.Module):
     """Block self-attention (paper Sec. 3.1): each token over exactly the W previous tokens (the W most recent with
@@ -664,9 +648,16 @@ class BSTRecurrentLayer(BSTDecoderLayer):
         return self.cross_attn(xn, keys, values, weights=inputs.weights)
 
     def step_states(self, hidden_states, xn, ring, layer_cache, plan: StepPlan):
-        keys, values = self.recurrent.step_keys_values(layer_cache, plan)
-        out = self.cross_attn.step(xn, keys, values, weights=plan.weights)
-        self.recurrent.step_update(ring, layer_cache, plan)
+        rec = self.recurrent
+        if maybe_any(plan.fresh):  # a document starting here reads the initial state
+            state = rec.initial_state.to(layer_cache.rec_state.dtype).expand_as(layer_cache.rec_state)
+            rec_k, rec_v = rec.keys_values(state)
+            layer_cache.set(plan.fresh, rec_state=state, rec_k=rec_k, rec_v=rec_v)
+        out = self.cross_attn.step(xn, layer_cache.rec_k, layer_cache.rec_v, weights=plan.weights)
+        if maybe_any(plan.block_end):  # at a block's last token the state absorbs the ring (keys, values, positions)
+            state = rec.update(layer_cache.rec_state, ring[0], ring[1], ring[2] >= 0)
+            rec_k, rec_v = rec.keys_values(state)
+            layer_cache.set(plan.block_end, rec_state=state, rec_k=rec_k, rec_v=rec_v)
         return out
 
 
