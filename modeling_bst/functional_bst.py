@@ -125,10 +125,8 @@ def s4d_kernel(c, dt_a, b_bar, length: int) -> torch.Tensor:
 
 def s4d_free_response(c, dt_a, state, length: int) -> torch.Tensor:
     """The outputs ``2 Re(C Abar^(t+1) x0)`` `(B, C, Ds, length)` of a state ``x0`` with no further input."""
-    dtype = dt_a[0].dtype
-    cp = complex_pair(c.to(dtype))
-    x0 = complex_pair(state if state.is_complex() else state.to(dtype))
-    coeff = pair_mul((cp[0][None], cp[1][None]), (x0[0][:, None], x0[1][:, None]))  # (B, C, Ds, N2)
+    x0 = complex_pair(state if state.is_complex() else state.to(dt_a[0].dtype))
+    coeff = pair_mul(complex_pair(c.to(dt_a[0].dtype)), (x0[0][:, None], x0[1][:, None]))  # (B, C, Ds, N2)
     return 2 * s4d_vandermonde(coeff, dt_a, length, offset=1)
 
 

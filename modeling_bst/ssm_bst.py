@@ -112,12 +112,6 @@ def use_real_arithmetic() -> bool:
     return _REAL_ARITHMETIC[0] or (torch.compiler.is_exporting() and torch.onnx.is_in_onnx_export())
 
 
-def direct_bidirectional_conv(u: torch.Tensor, k_fwd: torch.Tensor, k_bwd: torch.Tensor) -> torch.Tensor:
-    """The two-sided convolution of [`bidirectional_spectrum`] as two direct ones."""
-    backward = direct_causal_conv(u.flip(-1), F.pad(k_bwd, (1, 0))[..., : k_bwd.shape[-1]]).flip(-1)
-    return direct_causal_conv(u, k_fwd) + backward
-
-
 S4D_CHUNK_LEN = 64  # S4D outputs beyond twice this length run chunk by chunk ([`S4DKernel.chunked_forward`])
 SPECTRUM_MEMO_BYTES = 512 * 2**20
 
@@ -170,7 +164,10 @@ class LongConv(nn.Module):
         if not use_real_arithmetic():
             return fft_conv(u, memoised_spectrum(self, (length, u.dtype), lambda: self.spectrum(length)))
         forward, backward = self.taps(length)
-        return direct_causal_conv(u, forward) if backward is None else direct_bidirectional_conv(u, forward, backward)
+        y = direct_causal_conv(u, forward)
+        if backward is None:
+            return y
+        return y + direct_causal_conv(u.flip(-1), F.pad(backward, (1, 0))[..., :length]).flip(-1)  # negative lags
 
 
 class S4DKernel(LongConv):
@@ -419,15 +416,12 @@ def append_history(history: torch.Tensor, z_t: torch.Tensor) -> torch.Tensor:
 
 
 class Sin(nn.Module):
-    """``sin(freq * x)`` with a trainable per-feature frequency (shared by all sine layers of one filter)."""
+    """The trainable per-feature frequency of an unstruct filter's sine layers, ``sin(freq * x)``."""
 
     def __init__(self, dim: int, freq: float):
         super().__init__()
         self.init_freq = freq
         self.freq = nn.Parameter(torch.empty(dim, dtype=ssm_dtype()))
-
-    def forward(self, x):
-        return torch.sin(self.freq * x)
 
 
 # Unstruct decoding in chunks of M steps ([`UnstructFilter.pending_outputs`]); 512 by measurement (~60M bst-unstruct
