@@ -1,9 +1,7 @@
-"""The pure tensor maths of the Block-State Transformer (functions of tensors, torch only: the vLLM plugin loads this
-file too): norms, T5 buckets and masks, S4D in real arithmetic (discretisation, kernel, step, final state, chunked
-form), long convolutions, the unstruct filter and the Block-Recurrent gate.
+"""The pure tensor maths of the Block-State Transformer (torch only; the vLLM plugin loads this file too).
 
-Complex numbers are real tensors: a pair ``(re, im)``, or a trailing dimension of 2 (``view_as_real`` layout) for a
-state. Shapes: B batch, L length, C read-outs per SSM channel, Ds SSM channels, N2 complex modes, T chunk length.
+Complex numbers are real tensors: a pair ``(re, im)``, or a trailing dimension of 2 for a state. Shapes: B batch,
+L length, C read-outs per SSM channel, Ds SSM channels, N2 complex modes, T chunk length (docs/architecture.md).
 """
 
 import functools
@@ -13,25 +11,24 @@ import torch
 import torch.nn.functional as F
 
 
-# -- norms ------------------------------------------------------------------------------------------------------------
+# -- norms, T5 buckets, masks ---------------------------------------------------------------------------------------
 def upcast(x: torch.Tensor) -> torch.Tensor:
-    """float32 for half-precision tensors, unchanged otherwise (float32/float64 keep their precision)."""
+    """float32 for half-precision tensors, unchanged otherwise."""
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS norm (no mean, no bias, learned scale ``weight``), computed in at least float32, returned in ``x``'s dtype."""
+    """RMS norm with learned scale ``weight``, computed in at least float32, returned in ``x``'s dtype."""
     x32 = upcast(x)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return (x32 * upcast(weight)).to(x.dtype)
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
-    """``x`` divided by its L2 norm over the last dimension (queries / keys with ``qk_norm``)."""
+    """``x`` divided by its L2 norm over the last dimension (``qk_norm``)."""
     return x * torch.rsqrt(upcast(x).pow(2).sum(-1, keepdim=True) + 1e-6).to(x.dtype)
 
 
-# -- attention: relative positions and masks ---------------------------------------------------------------------------
 def t5_relative_bucket(relative_position, bidirectional: bool, num_buckets: int, max_distance: int):
     """T5 bucket of ``key_pos - query_pos``: exact for small distances, log-spaced up to ``max_distance``."""
     bucket = torch.zeros_like(relative_position)
@@ -43,20 +40,13 @@ def t5_relative_bucket(relative_position, bidirectional: bool, num_buckets: int,
     else:
         n = n.clamp(min=0)
     max_exact = num_buckets // 2
-    large = (
-        max_exact
-        + (
-            torch.log(n.float().clamp(min=1) / max_exact)
-            / math.log(max_distance / max_exact)
-            * (num_buckets - max_exact)
-        ).long()
-    )
-    large = large.clamp(max=num_buckets - 1)
+    log_ratio = torch.log(n.float().clamp(min=1) / max_exact) / math.log(max_distance / max_exact)
+    large = (max_exact + (log_ratio * (num_buckets - max_exact)).long()).clamp(max=num_buckets - 1)
     return bucket + torch.where(n < max_exact, n, large)
 
 
 def masked_fill_value(dtype: torch.dtype) -> float:
-    """The additive mask value of a hidden key: finite (a row with no key is zeroed afterwards, meliad's safe softmax)."""
+    """The additive mask value of a hidden key: finite (a row with no key is zeroed afterwards)."""
     return torch.finfo(dtype).min
 
 
@@ -66,25 +56,21 @@ def additive_mask(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def window_valid(relative_position: torch.Tensor, block_len: int, attend_self: bool) -> torch.Tensor:
-    """The causal block self-attention's window on ``key_pos - query_pos``: the W tokens before the query, or with
-    ``attend_self`` the W most recent ones including the query."""
+    """The block self-attention's window on ``key_pos - query_pos``: the W tokens before (or up to) the query."""
     if attend_self:
         return (relative_position <= 0) & (relative_position > -block_len)
     return (relative_position < 0) & (relative_position >= -block_len)
 
 
 def context_valid(key_pos: torch.Tensor, query_pos: torch.Tensor, cross_mask: str) -> torch.Tensor:
-    """SH/MH: the context state at ``key_pos`` is seen by the query at ``query_pos`` of the same block if ``key_pos <=
-    query_pos`` (``"inclusive"``) or ``key_pos < query_pos`` (``"strict"``)."""
+    """SH/MH: whether the query at ``query_pos`` sees the context state at ``key_pos`` of its block."""
     return key_pos <= query_pos if cross_mask == "inclusive" else key_pos < query_pos
 
 
-# -- complex numbers as real pairs ---------------------------------------------------------------------------------------
+# -- complex numbers as real pairs, S4D (docs/architecture.md, "SSM maths") -------------------------------------------
 def complex_pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(re, im)`` of a complex tensor or of a real one in ``view_as_real`` layout (`(..., 2)`)."""
-    if x.is_complex():
-        return x.real, x.imag
-    return x[..., 0], x[..., 1]
+    return (x.real, x.imag) if x.is_complex() else (x[..., 0], x[..., 1])
 
 
 def pair_mul(a, b):
@@ -93,18 +79,11 @@ def pair_mul(a, b):
 
 
 def pair_powers(log_a, exponents: torch.Tensor):
-    """``exp(log_a[..., None] * exponents)`` as a ``(re, im)`` pair of `(Ds, N2, len)` tensors, ``log_a`` a pair of
-    `(Ds, N2)`: ``e^(t a) (cos(t b) + i sin(t b))``."""
+    """``exp(log_a[..., None] * exponents)`` as a ``(re, im)`` pair of `(Ds, N2, len)` tensors."""
     exponents = exponents.to(log_a[0].dtype)
     magnitude = torch.exp(log_a[0].unsqueeze(-1) * exponents)
     phase = log_a[1].unsqueeze(-1) * exponents
     return magnitude * torch.cos(phase), magnitude * torch.sin(phase)
-
-
-# -- S4D: discretisation, kernel, state, step ---------------------------------------------------------------------------
-# Per channel h: x_t = Abar_h x_{t-1} + Bbar_h z_t, y_{c,t} = 2 Re(C_{c,h} x_t) + D_{c,h} z_t, with Lambda = -exp(A_log_real)
-# - i A_imag, Abar = exp(dt Lambda), Bbar = (Abar - 1) / Lambda B (zero-order hold). The parameters are real tensors:
-# log_dt (Ds,), A_log_real / A_imag (Ds, N2), B (Ds, N2, 2), C (C, Ds, N2, 2), D (C, Ds).
 
 
 def s4d_discretize(log_dt, a_log_real, a_imag, b, dtype: torch.dtype):
@@ -112,7 +91,6 @@ def s4d_discretize(log_dt, a_log_real, a_imag, b, dtype: torch.dtype):
     dt = torch.exp(log_dt.to(dtype)).unsqueeze(-1)
     lam = -torch.exp(a_log_real.to(dtype)), -a_imag.to(dtype)
     dt_a = lam[0] * dt, lam[1] * dt
-    # expm1(a + ib) = expm1(a) cos(b) - 2 sin^2(b / 2) + i e^a sin(b) (no cancellation for small dt)
     e = (
         torch.expm1(dt_a[0]) * torch.cos(dt_a[1]) - 2 * torch.sin(dt_a[1] / 2) ** 2,
         torch.exp(dt_a[0]) * torch.sin(dt_a[1]),
@@ -128,8 +106,7 @@ def _split(length: int, chunk: int):
 
 
 def s4d_vandermonde(coeff, dt_a, length: int, offset: int = 0, chunk: int = 64) -> torch.Tensor:
-    """``Re sum_n coeff[..., h, n] Abar[h, n] ** (offset + l)`` for ``l < length`` (``coeff`` a pair of `(..., Ds,
-    N2)`) -> `(..., Ds, length)`, powers factored as ``A^(a*c + b) = A^(a*c) A^b``: ``L/c + c`` exponentials."""
+    """``Re sum_n coeff[..., h, n] Abar[h, n] ** (offset + l)`` for ``l < length`` -> `(..., Ds, length)`."""
     inner, outer = _split(length, chunk)
     p_in = pair_powers(dt_a, torch.arange(inner, device=dt_a[0].device))  # (Ds, N2, c)
     p_out = pair_powers(dt_a, offset + inner * torch.arange(outer, device=dt_a[0].device))  # (Ds, N2, a)
@@ -141,25 +118,20 @@ def s4d_vandermonde(coeff, dt_a, length: int, offset: int = 0, chunk: int = 64) 
 
 
 def s4d_kernel(c, dt_a, b_bar, length: int) -> torch.Tensor:
-    """The convolution kernel ``K[c, h, l] = 2 Re(sum_n C Bbar Abar^l)`` `(C, Ds, length)`; ``c`` the read-outs as
-    a real `(C, Ds, N2, 2)` tensor, ``dt_a`` and ``b_bar`` from [`s4d_discretize`]."""
+    """The convolution kernel ``K[c, h, l] = 2 Re(sum_n C Bbar Abar^l)`` `(C, Ds, length)`."""
     coeff = pair_mul(complex_pair(c.to(dt_a[0].dtype)), b_bar)  # (C, Ds, N2)
     return 2 * s4d_vandermonde(coeff, dt_a, length)
 
 
 def s4d_free_response(c, dt_a, state, length: int) -> torch.Tensor:
-    """The outputs ``2 Re(C Abar^(t+1) x0)`` `(B, C, Ds, length)` of a state ``x0`` (`(B, Ds, N2)` complex or real
-    `(B, Ds, N2, 2)`) with no further input."""
-    dtype = dt_a[0].dtype
-    cp = complex_pair(c.to(dtype))
-    x0 = complex_pair(state if state.is_complex() else state.to(dtype))
-    coeff = pair_mul((cp[0][None], cp[1][None]), (x0[0][:, None], x0[1][:, None]))  # (B, C, Ds, N2)
+    """The outputs ``2 Re(C Abar^(t+1) x0)`` `(B, C, Ds, length)` of a state ``x0`` with no further input."""
+    x0 = complex_pair(state if state.is_complex() else state.to(dt_a[0].dtype))
+    coeff = pair_mul(complex_pair(c.to(dt_a[0].dtype)), (x0[0][:, None], x0[1][:, None]))  # (B, C, Ds, N2)
     return 2 * s4d_vandermonde(coeff, dt_a, length, offset=1)
 
 
 def s4d_final_state(z: torch.Tensor, dt_a, b_bar, state: torch.Tensor | None = None, chunk: int = 64) -> torch.Tensor:
-    """The state after inputs ``z`` `(B, L, Ds)`: ``Abar^L x0 + sum_j Abar^(L-1-j) Bbar z_j``, real
-    `(B, Ds, N2, 2)`; ``state`` ``x0`` complex or real (None: zero). Powers factored as in [`s4d_vandermonde`]."""
+    """The state ``Abar^L x0 + sum_j Abar^(L-1-j) Bbar z_j`` `(B, Ds, N2, 2)` after inputs ``z`` `(B, L, Ds)`."""
     bsz, length, ds = z.shape
     inner, outer = _split(length, chunk)
     z_rev = F.pad(z.flip(1), (0, 0, 0, inner * outer - length))  # lag l = L-1-j first
@@ -185,8 +157,7 @@ def s4d_step_constants(log_dt, a_log_real, a_imag, b, c, d, dtype: torch.dtype):
 
 
 def s4d_step(z_t: torch.Tensor, state: torch.Tensor, constants):
-    """One token: ``z_t`` `(B, Ds)`, ``state`` `(B, Ds, N2, 2)`, ``constants`` from [`s4d_step_constants`] ->
-    ``y_t = 2 Re(C x_t) + D z_t`` `(B, C, Ds)` and the new state ``x_t = Abar x + Bbar z_t`` `(B, Ds, N2, 2)`."""
+    """One token ``z_t`` `(B, Ds)` from a real ``state``: ``y_t`` `(B, C, Ds)` and the new state."""
     a_bar, b_bar, c2, skip = constants
     x = pair_mul(complex_pair(a_bar), complex_pair(state))
     b = complex_pair(b_bar)
@@ -196,19 +167,9 @@ def s4d_step(z_t: torch.Tensor, state: torch.Tensor, constants):
     return y + skip * z_t.unsqueeze(1), torch.stack(x, -1)
 
 
-# -- S4D: the chunked form (the SSD / Mamba2 chunked form for a diagonal complex state) -----------------------------
-# Per chunk of T tokens: a lower-triangular T x T Toeplitz matmul with the kernel's first T lags (D on its diagonal)
-# plus the free response of the entering state; chunk end states by a matmul with ``Bbar Abar^(T-1-j)``, entering
-# states by a two-level scan ([`s4d_chunk_scan`]). States are stacked ``(re, im)`` (``2 N2``), products by per-mode
-# constants 2 x 2 real blocks ``[[re, -im], [im, re]]``: real batched matmuls from one discretisation.
-
-
 @functools.lru_cache(maxsize=256)
 def chunk_exponents_layout(chunk: int, groups: int, conv: bool):
-    """The exponent columns of [`s4d_chunk_tables`] ``(exponents, log_mask, offsets)``: ``0.5, 1`` (discretisation),
-    ``chunk - 1 .. 0`` (local states), the read-outs ``0 .. chunk`` (``0`` only without ``conv``), then per scan level
-    ``s = chunk, chunk * groups``: ``groups`` masked columns (exactly 0) and ``s * m``, ``m <= groups``, whose windows
-    are the rows of the Toeplitz grid ``s (i - j)``. ``offsets``: where the read-outs and the scan start."""
+    """The exponent columns of [`s4d_chunk_tables`]: ``(exponents, log_mask, (readout offset, scan offset))``."""
     exps = [0.5, 1.0] + [float(t) for t in range(chunk - 1, -1, -1)]
     readout = len(exps)
     exps += [float(t) for t in range(chunk + 1 if conv else 1)]
@@ -229,12 +190,7 @@ def chunk_groups(num_chunks: int) -> tuple[int, int]:
 
 
 def s4d_chunk_tables(params, exps: torch.Tensor, offsets, chunk: int, num_chunks: int, conv: bool = True):
-    """What the chunked form needs from ``params`` = ``(log_dt, A_log_real, A_imag, B, C, D)`` (one discretisation
-    in ``exps``' dtype; ``exps`` `(2, E)` and ``offsets`` from [`chunk_exponents_layout`]), a flat tuple
-    ``(rw, g, *scan)``: ``rw`` `(Ds, T, C*T + 2 N2)` = ``[R | W]``, ``R[h, j, (c, t)] = K[c, h, t - j]`` (D added at
-    lag 0) and ``W[h, j, (p, n)] = (Bbar Abar^(T-1-j))_p`` (``W`` only without ``conv``); ``g`` `(Ds, 2 N2, C*T)`
-    with ``x . g = Re(C Abar^(t+1) x)`` (`(Ds, 2 N2, C)`, ``Re(C x)``, without ``conv``); ``scan``: the per-mode
-    matrices of [`s4d_chunk_scan`] (none for one chunk)."""
+    """The chunked form's tables ``(rw, g, *scan)`` from ``params`` ``(log_dt, A_log_real, A_imag, B, C, D)``."""
     log_dt, a_log_real, a_imag, b_param, c_param, d_param = params
     dtype = exps.dtype
     groups, num_groups = chunk_groups(num_chunks)
@@ -250,11 +206,10 @@ def s4d_chunk_tables(params, exps: torch.Tensor, offsets, chunk: int, num_chunks
     cos, sin = torch.cos(phase), torch.sin(phase)
     # (Ds, 2, 2, N2, E): the 2 x 2 real block [[re, -im], [im, re]] of every power.
     powers = (torch.stack([cos, -sin, sin, cos], 1) * magnitude.unsqueeze(1)).unflatten(1, (2, 2))
-    # Column blocks by one split (one op in the backward, where separate slices would take one each).
+    # Column blocks by one split (one backward op)
     sizes = [2, readout - 2, grid - readout, powers.shape[-1] - grid]
     head, local, rows, grids = powers.split(sizes, -1)
-    # Bbar = B expm1(dt Lambda) / Lambda. expm1(a + ib) = expm1(a) cos b - 2 sin^2(b/2) + i e^a sin b (no
-    # cancellation for small dt); sin(b/2), cos b and e^a sin b are the table's columns 0 and 1.
+    # Bbar = B expm1(dt Lambda) / Lambda; sin(b/2), cos b and e^a sin b are the table's columns 0 and 1.
     sin_half = sin[..., 0]
     e_re = torch.addcmul(torch.expm1(w[0]) * cos[..., 1], sin_half, sin_half, value=-2)
     e_im = head[:, 1, 0, :, 1]
@@ -270,33 +225,28 @@ def s4d_chunk_tables(params, exps: torch.Tensor, offsets, chunk: int, num_chunks
     b_re, b_im, norm = b_re[:, None, :, None], b_im[:, None, :, None], norm[:, None, :, None]
     w_local = torch.addcmul(b_im * local[1], b_re, local[0], value=-1)  # |Lambda|^2 W
     w_local = (w_local / norm).permute(0, 3, 1, 2).reshape(ds, chunk, 2 * modes)  # (Ds, T, 2 N2)
-    # Read-out rows for x = (re, im): Re(C A) = Re C re(A) - Im C im(A) and -Im(C A), i.e. Re(C) times the block's
-    # first row (re, -im) minus Im(C) times its second row (im, re). Used as 2 g (``alpha=2``).
+    # Read-out rows for x = (re, im): Re(C) times the block's first row minus Im(C) times its second; used as 2 g.
     c_re, c_im = (c[:, :, None, :, None] for c in c_param.to(dtype).unbind(-1))  # (C, Ds, 1, N2, 1)
     rows = rows.unbind(1)  # block rows (Ds, 2, N2, T + 1 | 1): exponents 0 .. T
     g = torch.addcmul(c_re * rows[0], c_im, rows[1], value=-1)  # (C, Ds, 2, N2, T + 1)
     g0 = g[..., 0].permute(1, 2, 3, 0).reshape(ds, 2 * modes, out_channels)  # Re(C x)
     scan = ()
     if groups:
-        # Both grids (Ds, 2, 2, N2, 2, i, j) from windows of their columns (Hankel; the flip makes them Toeplitz), in
-        # one copy as (Ds N2, 2, (j, p_in), (i, p_out)): right-multiplication by the block [[re, -im], [im, re]] of
-        # Abar^(s (i - j)), s = T | T * groups.
+        # Both Toeplitz grids Abar^(s (i - j)), s = T | T * groups, as (Ds N2, 2, (j, p_in), (i, p_out)) in one copy
         blocks = grids.unflatten(-1, (2, 2 * groups + 1)).unfold(-1, groups + 1, 1).flip(-1)
         blocks = blocks.permute(0, 3, 4, 6, 2, 5, 1)
         in_group, across = blocks.reshape(ds * modes, 2, 2 * groups + 2, 2 * groups + 2).unbind(1)
-        # column j = 0: the entering state carried to chunk i < groups; rows j = 1 .. groups: chunk j - 1 of the
-        # group to the state entering chunk i (i = groups: the group's end state)
+        # row 0: the entering state to chunk i < groups; rows 1 .. groups: chunk j - 1 to the state entering chunk i
         carry, in_group = in_group.split([2, 2 * groups], 1)
         carry = carry[..., : 2 * groups]
         across = across[:, : 2 * num_groups, : 2 * num_groups]  # group j's end state to group i's start
         scan = in_group, carry, across
     if not conv:
         return w_local, g0, *scan
-    # The first T lags of the kernel, K[c, h, l] = 2 Re(C Bbar Abar^l) (+ D at l = 0), lag T-1-j at row j.
+    # The first T lags of the kernel (+ D at lag 0), lag T-1-j at row j.
     skip = F.pad(d_param.to(dtype).t().unsqueeze(1), (0, 0, chunk - 1, 0))  # (Ds, T, C): D at lag 0
     k_rev = torch.baddbmm(skip, w_local, g0, alpha=2)  # (Ds, T, C)
-    # Toeplitz rows by one unfold of the zero-padded lags: window j holds K[T-1-j-i] at i, so entry (j, T-1-t) is
-    # K[t-j] (0 for t < j).
+    # Toeplitz rows by one unfold of the zero-padded lags: entry (j, T-1-t) is K[t-j] (0 for t < j).
     toeplitz = F.pad(k_rev, (0, 0, 0, chunk - 1)).unfold(1, chunk, 1).flip(-1)  # (Ds, T, C, T)
     rw = torch.cat([toeplitz.reshape(ds, chunk, out_channels * chunk), w_local], -1)
     g = g[..., 1:].permute(1, 2, 3, 0, 4).reshape(ds, 2 * modes, out_channels * chunk)
@@ -304,10 +254,7 @@ def s4d_chunk_tables(params, exps: torch.Tensor, offsets, chunk: int, num_chunks
 
 
 def s4d_chunk_scan(local: torch.Tensor, state: torch.Tensor | None, scan, num_chunks: int, first: int = 0):
-    """``x_k = sum_{j<k} A^(k-1-j) local_j + A^k state`` (``A = Abar^T`` per mode) for chunks ``first ..
-    num_chunks - 1``, `(Ds, B * n, 2 N2)`, from the local end states ``local`` `(Ds, B, n_in, 2 N2)` (missing ones
-    zero) and ``state`` (complex, real or None): per-mode matmuls within groups of ~sqrt(nc) chunks, across groups,
-    then each group's entering state carried to its chunks (``scan`` from [`s4d_chunk_tables`]). Memory O(Ds N2 nc)."""
+    """The states `(Ds, B * n, 2 N2)` entering chunks ``first ..`` from local end states and ``state``."""
     ds, bsz, n_in = local.shape[0], local.shape[1], local.shape[2]
     modes = local.shape[3] // 2
     if state is not None:
@@ -336,8 +283,7 @@ def s4d_chunk_scan(local: torch.Tensor, state: torch.Tensor | None, scan, num_ch
 
 
 def s4d_chunked_forward(z: torch.Tensor, chunk: int, tables, state: torch.Tensor | None = None) -> torch.Tensor:
-    """The S4D outputs `(B, L, C, Ds)` of ``z`` `(B, L, Ds)` from ``state`` (None: zero): one bmm against ``[R | W]``
-    (``tables`` of [`s4d_chunk_tables`]), [`s4d_chunk_scan`], one baddbmm for the free response."""
+    """The S4D outputs `(B, L, C, Ds)` of ``z`` `(B, L, Ds)` from ``state`` (None: zero), chunk by chunk."""
     bsz, length, ds = z.shape
     nc = -(-length // chunk)
     if nc * chunk != length:
@@ -356,17 +302,15 @@ def s4d_chunked_forward(z: torch.Tensor, chunk: int, tables, state: torch.Tensor
 
 
 def direct_causal_conv(u: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Causal convolution ``y[..., t] = sum_{j<=t} k[..., j] u[..., t-j]`` as a direct one (``conv1d``, no FFT):
-    ``u`` `(B, Ds, L)`, ``k`` `(C, Ds, L)` -> `(B, C, Ds, L)`. O(C Ds L^2)."""
+    """Causal convolution of ``u`` `(B, Ds, L)` with ``k`` `(C, Ds, L)` by ``conv1d`` -> `(B, C, Ds, L)`."""
     out_channels, channels, length = k.shape
     weight = k.flip(-1).transpose(0, 1).reshape(channels * out_channels, 1, length)  # channel-major groups
     y = F.conv1d(F.pad(u, (length - 1, 0)), weight, groups=channels)  # (B, Ds * C, L)
     return y.view(u.shape[0], channels, out_channels, length).transpose(1, 2)
 
 
-# -- long convolutions: the FFT form ------------------------------------------------------------------------------------
 def fold_skip(k: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
-    """``k`` `(C, Ds, L)` with ``skip`` `(C, Ds)` added to its lag-0 tap: ``conv(u, k) + skip * u`` in one convolution."""
+    """``k`` `(C, Ds, L)` with ``skip`` `(C, Ds)` added to its lag-0 tap (the D skip in the convolution)."""
     return torch.cat([k[..., :1] + skip.unsqueeze(-1), k[..., 1:]], -1)
 
 
@@ -376,18 +320,14 @@ def causal_spectrum(k: torch.Tensor) -> torch.Tensor:
 
 
 def spectrum_conv(u: torch.Tensor, k_f: torch.Tensor) -> torch.Tensor:
-    """Convolution of ``u`` `(B, Ds, L)` with a kernel given by its size-2L spectrum ``k_f`` `(C, Ds, L+1)` (no
-    wrap-around: the size is twice the length) -> `(B, C, Ds, L)`."""
+    """Convolution of ``u`` `(B, Ds, L)` with a kernel's size-2L spectrum ``k_f`` `(C, Ds, L+1)` -> `(B, C, Ds, L)`."""
     length = u.shape[-1]
     u_f = torch.fft.rfft(u, n=2 * length)  # (B, Ds, L+1)
     return torch.fft.irfft(u_f.unsqueeze(1) * k_f.unsqueeze(0), n=2 * length)[..., :length]
 
 
-# -- the Hyena-style ("unstruct") filter --------------------------------------------------------------------------------
 def unstruct_filters(features, layers, out, freq, max_len: int, decay, out_channels: int, channels: int):
-    """Taps ``h_t = exp(-delta t) * FFN(features_t)`` `(K, C, Ds, L)` (K = 2 two-sided) for the lags of ``features``
-    `(L, emb)`: ``layers`` (callables) each followed by ``sin(freq * .)``, ``out`` the last map; time ``t / (max_len -
-    1)``; ``decay`` ``(target, fast, slow)``: deltas log-spaced to reach ``target`` at ``1 / slow`` .. ``1 / fast``."""
+    """Unstruct taps ``h_t = exp(-delta t) * FFN(features_t)`` `(K, C, Ds, L)` (K = 2 two-sided)."""
     dtype = features.dtype
     h = features
     for layer in layers:
@@ -401,9 +341,7 @@ def unstruct_filters(features, layers, out, freq, max_len: int, decay, out_chann
     return (h * torch.exp(-t * deltas)).t().reshape(-1, out_channels, channels, length)
 
 
-# -- the Block-Recurrent state -----------------------------------------------------------------------------------------
 def gated_state_update(state: torch.Tensor, update: torch.Tensor, gate_bias: torch.Tensor) -> torch.Tensor:
-    """The fixed-gate recurrence of a Block-Recurrent cell: ``g * state + (1 - g) * update`` with the learned,
-    input-independent gate ``g = sigmoid(gate_bias)``, in ``state``'s dtype."""
+    """Block-Recurrent fixed gate: ``g * state + (1 - g) * update``, ``g = sigmoid(gate_bias)``."""
     gate = torch.sigmoid(upcast(gate_bias)).to(state.dtype)
     return gate * state + (1 - gate) * update.to(state.dtype)

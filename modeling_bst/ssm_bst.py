@@ -1,14 +1,6 @@
-"""SSM kernels of the Block-State Transformer: diagonal S4 (S4D) and Hyena-style "unstruct" filters.
-
-Each produces a causal (or two-sided) long convolution plus a D skip term, `(B, L, Ds)` -> `(B, L, C, Ds)` (float32
-also under autocast), behind one contract: ``forward(z, state=None, tables=None)``, ``final_state(z, state=None)``,
-``step_constants()``, ``step(z_t, state, constants=None, seen=None)`` and ``block_end_outputs(z, W, state=None,
-tables=None)`` (MF). S4D's maths is ``functional_bst.py`` in real arithmetic (in training chunk by chunk, the FFT form
-for CPU evaluation); its decoding state `(B, Ds, N2)` is complex, real `(B, Ds, N2, 2)` in [`real_arithmetic`] (ONNX).
-Unstruct's state is its input history `(B, Ds, Lmax)`. docs/architecture.md and docs/performance.md describe both.
-
-Shape legend: B batch, L length, C read-outs per SSM channel (1 for SH, H for MH, S for MF), Ds SSM channels,
-N2 complex modes (ssm_state_size / 2), nb blocks, W block length.
+"""SSM kernels of the Block-State Transformer: diagonal S4 (S4D) and Hyena-style "unstruct" filters, `(B, L, Ds)` ->
+`(B, L, C, Ds)` behind one contract (``forward``, ``final_state``, ``step_constants``, ``step``,
+``block_end_outputs``); the maths is ``functional_bst.py``; docs/architecture.md, "SSM maths", describes both.
 """
 
 import math
@@ -49,29 +41,26 @@ def compute_dtype(param: torch.Tensor) -> torch.dtype:
 
 
 def bidirectional_spectrum(k_fwd: torch.Tensor, k_bwd: torch.Tensor) -> torch.Tensor:
-    """Spectrum of the two-sided kernel (``k_fwd`` on lags 0..L-1, ``k_bwd`` on lags -1..-L) for [`fft_conv`]."""
+    """Spectrum of the two-sided kernel (``k_fwd`` on lags 0..L-1, ``k_bwd`` on lags -1..-L)."""
     length = k_fwd.shape[-1]
     k = F.pad(k_fwd, (0, length)) + F.pad(k_bwd.flip(-1), (length, 0))  # (C, Ds, 2L): negative lags wrap around
     return torch.fft.rfft(k, n=2 * length)
 
 
 def fft_conv(u: torch.Tensor, k_f: torch.Tensor) -> torch.Tensor:
-    """[`spectrum_conv`]: ``u`` `(B, Ds, L)`, size-2L spectrum ``k_f`` `(C, Ds, L+1)` -> `(B, C, Ds, L)`; under
-    ``torch.compile`` / ``torch.export`` one opaque custom op (no complex tensor in the graph, which stays whole)."""
+    """[`spectrum_conv`]; one opaque custom op under ``torch.compile`` / ``torch.export`` (no complex tensor)."""
     if torch.compiler.is_compiling():
         return _fft_conv_op(u, k_f)
     return spectrum_conv(u, k_f)
 
 
 def ssm_dtype() -> torch.dtype:
-    """The dtype SSM parameters are created in: float32 under a half-precision default dtype (they are kept in fp32,
-    as loading does), the default dtype otherwise."""
+    """The dtype SSM parameters are created in: the default dtype, float32 for a half-precision one."""
     dtype = torch.get_default_dtype()
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-# The FFT convolution as a custom op (and its backward as a second one); the namespace follows the module name, so a
-# copy loaded as remote code registers its own ops.
+# The FFT convolution and its backward as custom ops, in a namespace per copy of this module (remote code).
 _OPS = "".join(c if c.isalnum() else "_" for c in __name__)
 
 
@@ -82,7 +71,7 @@ def _fft_conv_op(u: torch.Tensor, k_f: torch.Tensor) -> torch.Tensor:
 
 @_fft_conv_op.register_fake
 def _(u, k_f):
-    return torch.empty((u.shape[0], k_f.shape[0], *u.shape[1:]), dtype=u.dtype, device=u.device)
+    return u.new_empty((u.shape[0], k_f.shape[0], *u.shape[1:]))
 
 
 @torch.library.custom_op(f"{_OPS}::fft_conv_backward", mutates_args=())
@@ -99,11 +88,7 @@ def _fft_conv_backward(grad: torch.Tensor, u: torch.Tensor, k_f: torch.Tensor) -
 
 @_fft_conv_backward.register_fake
 def _(grad, u, k_f):
-    # contiguous, as the real outputs (explicitly: a fake ``u`` may be a transposed view)
-    return (
-        torch.empty(u.shape, dtype=u.dtype, device=u.device),
-        torch.empty(k_f.shape, dtype=k_f.dtype, device=k_f.device),
-    )
+    return u.new_empty(u.shape), k_f.new_empty(k_f.shape)  # contiguous, as the real outputs
 
 
 _fft_conv_op.register_autograd(
@@ -117,29 +102,17 @@ _REAL_ARITHMETIC = [False]
 
 
 class real_arithmetic(Switch):
-    """Context manager: inside it the S4D state is real `(B, Ds, N2, 2)` and long convolutions are direct (O(L^2),
-    [`direct_causal_conv`]), as while ``torch.onnx.export`` traces; the same numbers up to rounding."""
+    """Context manager: a real S4D state `(B, Ds, N2, 2)` and direct long convolutions (as in ONNX export)."""
 
     flag = _REAL_ARITHMETIC
 
 
 def use_real_arithmetic() -> bool:
     """Inside [`real_arithmetic`], or while ``torch.onnx.export`` traces the model."""
-    if _REAL_ARITHMETIC[0]:
-        return True
-    return torch.compiler.is_exporting() and torch.onnx.is_in_onnx_export()
+    return _REAL_ARITHMETIC[0] or (torch.compiler.is_exporting() and torch.onnx.is_in_onnx_export())
 
 
-def direct_bidirectional_conv(u: torch.Tensor, k_fwd: torch.Tensor, k_bwd: torch.Tensor) -> torch.Tensor:
-    """The two-sided convolution of [`bidirectional_spectrum`] as two direct ones (the backward lags: the reversed
-    input with ``k_bwd`` shifted by one lag)."""
-    backward = direct_causal_conv(u.flip(-1), F.pad(k_bwd, (1, 0))[..., : k_bwd.shape[-1]]).flip(-1)
-    return direct_causal_conv(u, k_fwd) + backward
-
-
-# S4D full-sequence outputs beyond twice this length are computed chunk by chunk ([`S4DKernel.chunked_forward`]).
-S4D_CHUNK_LEN = 64
-# Largest kernel spectrum kept between evaluation forwards (per SSM module).
+S4D_CHUNK_LEN = 64  # S4D outputs beyond twice this length run chunk by chunk ([`S4DKernel.chunked_forward`])
 SPECTRUM_MEMO_BYTES = 512 * 2**20
 
 
@@ -151,21 +124,18 @@ def memoised_spectrum(module: nn.Module, key: tuple, compute):
 
 
 def spectrum_memo_usable(module: nn.Module) -> bool:
-    """Evaluation mode, no gradient to the parameters, on the CPU (the memo compares parameter values: a sync on an
-    accelerator) and not tracing."""
+    """Evaluation mode, no gradient to the parameters, on the CPU (no sync to compare values) and not tracing."""
     params = list(module.parameters())
     if module.training or (torch.is_grad_enabled() and any(p.requires_grad for p in params)):
         return False
     return not params or host_can_branch(params[0])
 
 
-# The exponent tables of S4D's chunked form ([`chunk_exponents`]), per layout, dtype and device.
-_EXPONENT_TABLES: dict = {}
+_EXPONENT_TABLES: dict = {}  # [`chunk_exponents`] per layout, dtype and device
 
 
 def chunk_exponents(chunk: int, groups: int, conv: bool, dtype: torch.dtype, device):
-    """[`chunk_exponents_layout`] as a `(2, E)` tensor (exponents, log-mask) and the offsets: kept per device and
-    dtype in eager mode (no host-to-device copy per forward), built in the graph while tracing."""
+    """[`chunk_exponents_layout`] as a `(2, E)` tensor and the offsets, kept per device and dtype in eager mode."""
     if tracing():  # (dynamo would warn about the lru_cache wrapper)
         exps, mask, offsets = chunk_exponents_layout.__wrapped__(chunk, groups, conv)
         return torch.tensor([exps, mask], dtype=dtype, device=device), offsets
@@ -180,16 +150,28 @@ def chunk_exponents(chunk: int, groups: int, conv: bool, dtype: torch.dtype, dev
     return table, offsets
 
 
-class S4DKernel(nn.Module):
-    """Diagonal state-space kernel (S4D) with zero-order-hold discretisation.
+class LongConv(nn.Module):
+    """A long convolution by its ``taps(length)``: ``(forward taps with the D skip, backward taps or None)``."""
 
-    Per channel h: ``x_t = exp(dt_h Lambda_h) x_{t-1} + Bbar_h z_t``, ``y_{c,t} = 2 Re(C_{c,h} x_t) + D_{c,h} z_t``
-    with ``Bbar = (exp(dt Lambda) - 1) / Lambda * B``; equivalently ``y = K * z + D z`` with
-    ``K_{c,h}[l] = 2 Re(C_{c,h} Abar_h^l Bbar_h)``. Lambda, B and dt are shared by the C output channels (MH heads,
-    MF filters): one state per SSM channel, several read-outs.
+    def spectrum(self, length: int) -> torch.Tensor:
+        """FFT (size 2 ``length``) of the taps: `(C, Ds, length + 1)`."""
+        forward, backward = self.taps(length)
+        return causal_spectrum(forward) if backward is None else bidirectional_spectrum(forward, backward)
 
-    Complex parameters are stored as real `(..., 2)` tensors (optimisers, weight decay and clipping work).
-    """
+    def long_conv(self, u: torch.Tensor) -> torch.Tensor:
+        """``u`` `(B, Ds, L)` -> `(B, C, Ds, L)`: direct in [`real_arithmetic`], else by the memoised spectrum."""
+        length = u.shape[-1]
+        if not use_real_arithmetic():
+            return fft_conv(u, memoised_spectrum(self, (length, u.dtype), lambda: self.spectrum(length)))
+        forward, backward = self.taps(length)
+        y = direct_causal_conv(u, forward)
+        if backward is None:
+            return y
+        return y + direct_causal_conv(u.flip(-1), F.pad(backward, (1, 0))[..., :length]).flip(-1)  # negative lags
+
+
+class S4DKernel(LongConv):
+    """Diagonal state-space kernel (S4D, zero-order hold): one state per SSM channel, C read-outs of it."""
 
     def __init__(self, channels: int, out_channels: int, state_size: int, config):
         super().__init__()
@@ -208,7 +190,6 @@ class S4DKernel(nn.Module):
         self.D = nn.Parameter(torch.empty(out_channels, channels, dtype=dtype))
         if self.bidirectional:
             self.C_backward = nn.Parameter(torch.empty(out_channels, channels, self.n_modes, 2, dtype=dtype))
-        # Full-sequence outputs are computed in chunks of this many tokens beyond twice its length (0: never).
         self.chunk_len = S4D_CHUNK_LEN
 
     @torch.no_grad()
@@ -231,51 +212,35 @@ class S4DKernel(nn.Module):
             init.normal_(self.C_backward, 0.0, math.sqrt(0.5))
 
     def discretize(self):
-        """[`s4d_discretize`]: ``(dt Lambda, Bbar)``, `(Ds, N2)` ``(re, im)`` pairs in the compute dtype."""
+        """[`s4d_discretize`] in the compute dtype."""
         return s4d_discretize(self.log_dt, self.A_log_real, self.A_imag, self.B, compute_dtype(self.log_dt))
 
     def kernel(self, length: int, dt_a=None, d_b=None, backward: bool = False) -> torch.Tensor:
-        """The convolution kernel ``K`` of shape `(C, Ds, length)`, computed for exactly ``length`` lags."""
+        """The convolution kernel ``K`` `(C, Ds, length)`."""
         if dt_a is None:
             dt_a, d_b = self.discretize()
         return s4d_kernel(self.C_backward if backward else self.C, dt_a, d_b, length)
 
-    def spectrum(self, length: int) -> torch.Tensor:
-        """FFT (size 2 ``length``) of the full kernel, D skip included, for [`fft_conv`]: `(C, Ds, length + 1)`."""
+    def taps(self, length: int):
+        """The kernel over ``length`` lags with D folded into lag 0, and the backward one (or None)."""
         dt_a, d_b = self.discretize()
-        # The D skip is the lag-0 tap: folded into the kernel, one pass over the (B, C, Ds, L) output fewer.
         k = fold_skip(self.kernel(length, dt_a, d_b), self.D.to(dt_a[0].dtype))
-        if self.bidirectional:
-            return bidirectional_spectrum(k, self.kernel(length, dt_a, d_b, backward=True))
-        return causal_spectrum(k)
+        return k, (self.kernel(length, dt_a, d_b, backward=True) if self.bidirectional else None)
 
     def forward(self, z: torch.Tensor, state: torch.Tensor | None = None, tables=None) -> torch.Tensor:
-        """``z`` `(B, L, Ds)` -> ``y`` `(B, L, C, Ds)` (float32) from ``state`` (the state before the first token,
-        complex or real; None: zero). Chunk by chunk where [`use_chunks`] (``tables``: the forward's [`ChunkTables`]),
-        else one FFT convolution, or a direct one in [`real_arithmetic`]."""
-        direct = use_real_arithmetic()
+        """``z`` `(B, L, Ds)` -> ``y`` `(B, L, C, Ds)` from ``state`` (None: zero), chunked, FFT or direct."""
         with _no_autocast(z.device.type):
             z = z.to(compute_dtype(self.log_dt))
             length = z.shape[1]
-            if not direct and self.use_chunks(length, z.element_size()):
+            if not use_real_arithmetic() and self.use_chunks(length, z.element_size()):
                 return self.chunked_forward(z, min(self.chunk_len, length), state, tables)
-            u = z.transpose(1, 2)  # (B, Ds, L)
-            if direct:
-                dt_a, d_b = self.discretize()
-                k = fold_skip(self.kernel(length, dt_a, d_b), self.D.to(z.dtype))
-                if self.bidirectional:
-                    y = direct_bidirectional_conv(u, k, self.kernel(length, dt_a, d_b, backward=True))
-                else:
-                    y = direct_causal_conv(u, k)  # (B, C, Ds, L)
-            else:
-                y = fft_conv(u, memoised_spectrum(self, (length, z.dtype), lambda: self.spectrum(length)))
+            y = self.long_conv(z.transpose(1, 2))  # (B, C, Ds, L)
             if state is not None:
                 y = y + s4d_free_response(self.C, self.discretize()[0], state, length)
             return y.permute(0, 3, 1, 2)  # (B, L, C, Ds)
 
     def use_chunks(self, length: int, element_size: int) -> bool:
-        """Whether [`forward`] runs [`chunked_forward`]: causal kernels with ``chunk_len`` set, unless a memoised
-        whole-length spectrum can be reused (CPU evaluation) and fits the memo, or there are at most two chunks."""
+        """Whether [`forward`] runs [`chunked_forward`] (causal; not where a memoised spectrum serves)."""
         if not self.chunk_len or self.bidirectional:
             return False
         if not spectrum_memo_usable(self):
@@ -283,61 +248,48 @@ class S4DKernel(nn.Module):
         spectrum_bytes = self.out_channels * self.channels * (length + 1) * 2 * element_size
         return length > 2 * self.chunk_len and spectrum_bytes > SPECTRUM_MEMO_BYTES
 
-    # -- the chunked form in real arithmetic (training, prefill on accelerators) ---------------------------------------
     def params(self) -> tuple[torch.Tensor, ...]:
-        """``(log_dt, A_log_real, A_imag, B, C, D)``: the parameters of the functional S4D maths."""
+        """``(log_dt, A_log_real, A_imag, B, C, D)``."""
         return self.log_dt, self.A_log_real, self.A_imag, self.B, self.C, self.D
 
     def chunk_tables(self, chunk: int, num_chunks: int, conv: bool = True, tables=None):
-        """[`s4d_chunk_tables`] for ``num_chunks`` chunks of ``chunk`` tokens in the compute dtype, from the forward's
-        shared ``tables`` ([`ChunkTables`]) if they list this kernel."""
-        if tables is not None and self in tables.kernels:
-            return tables.get(self, chunk, num_chunks, conv)
-        return grouped_chunk_tables([self], chunk, num_chunks, conv)[0]
+        """[`s4d_chunk_tables`] from the forward's [`ChunkTables`] if they list this kernel, memoised in evaluation."""
+
+        def build():
+            if tables is not None and self in tables.kernels:
+                return tables.get(self, chunk, num_chunks, conv)
+            return grouped_chunk_tables([self], chunk, num_chunks, conv)[0]
+
+        return memoised_spectrum(self, ("chunked", chunk, num_chunks, conv, compute_dtype(self.log_dt)), build)
 
     def chunked_forward(self, z: torch.Tensor, chunk: int, state: torch.Tensor | None = None, tables=None):
-        """[`forward`] by [`s4d_chunked_forward`] (causal; ``z`` in the compute dtype): linear cost in L."""
-        constants = self.chunked_constants(chunk, z.dtype, -(-z.shape[1] // chunk), tables)
-        return s4d_chunked_forward(z, chunk, constants, state)
+        """[`forward`] by [`s4d_chunked_forward`] (causal; ``z`` in the compute dtype)."""
+        return s4d_chunked_forward(z, chunk, self.chunk_tables(chunk, -(-z.shape[1] // chunk), True, tables), state)
 
-    def chunk_start_states(
-        self, z: torch.Tensor, chunk: int, state: torch.Tensor | None = None, constants=None
-    ) -> torch.Tensor:
-        """The states entering every chunk, stacked ``(re, im)`` as in [`s4d_chunk_scan`]: ``z`` `(B, nc * chunk, Ds)`
-        (compute dtype) -> `(Ds, B, nc, 2 N2)`; ``constants``: [`chunked_constants`] if already computed."""
+    def chunk_start_states(self, z: torch.Tensor, chunk: int, state=None, constants=None) -> torch.Tensor:
+        """The states `(Ds, B, nc, 2 N2)` entering every chunk of ``z`` `(B, nc * chunk, Ds)` (compute dtype)."""
         with _no_autocast(z.device.type):
             bsz, length, ds = z.shape
             nc = length // chunk
-            rw, _, *scan = constants if constants is not None else self.chunked_constants(chunk, z.dtype, nc)
+            rw, _, *scan = constants if constants is not None else self.chunk_tables(chunk, nc)
             u = z.reshape(bsz * nc, chunk, ds).permute(2, 0, 1)
             local = torch.bmm(u, rw[..., rw.shape[-1] - 2 * self.n_modes :])  # (Ds, B*nc, 2 N2)
             return s4d_chunk_scan(local.view(ds, bsz, nc, -1), state, scan, nc).view(ds, bsz, nc, -1)
 
-    def chunked_constants(self, chunk: int, dtype: torch.dtype, num_chunks: int = 1, tables=None):
-        """[`chunk_tables`] for ``num_chunks`` chunks, memoised between evaluation forwards ([`memoised_spectrum`]),
-        else from the forward's [`ChunkTables`] if given."""
-        key = ("chunked", chunk, num_chunks, dtype)
-        return memoised_spectrum(self, key, lambda: self.chunk_tables(chunk, num_chunks, True, tables))
-
     def channel_major_chunks(self, z: torch.Tensor, x0: torch.Tensor, chunk: int, constants=None) -> torch.Tensor:
-        """[`chunked_forward`]'s outputs of whole chunks read-out and channel first (MH's lift is then one bmm):
-        ``z`` `(B, n * chunk, Ds)` and ``x0`` the states entering its chunks `(Ds, B, n, 2 N2)` -> `(C, Ds, B * n *
-        chunk)`, tokens batch-major."""
+        """[`chunked_forward`]'s outputs of whole chunks from their entering states ``x0``, `(C, Ds, B * L)`."""
         with _no_autocast(z.device.type):
             bsz, length, ds = z.shape
             nc = length // chunk
-            rw, g, *_ = constants if constants is not None else self.chunked_constants(chunk, z.dtype, nc)
+            rw, g, *_ = constants if constants is not None else self.chunk_tables(chunk, nc)
             width = self.out_channels * chunk
             u = z.reshape(bsz * nc, chunk, ds).permute(2, 0, 1)  # (Ds, B*n, T)
-            y = torch.baddbmm(
-                torch.bmm(u, rw[..., :width]), x0.reshape(ds, bsz * nc, -1), g, alpha=2
-            )  # (Ds, B*n, C*T)
+            y = torch.baddbmm(torch.bmm(u, rw[..., :width]), x0.reshape(ds, bsz * nc, -1), g, alpha=2)
             y = y.view(ds, bsz * nc, self.out_channels, chunk).permute(2, 0, 1, 3)
             return y.reshape(self.out_channels, ds, bsz * length)
 
     def final_state(self, z: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
-        """[`s4d_final_state`] of ``z`` `(B, L, Ds)` (rows right-aligned: leading zeros are no input): `(B, Ds, N2)`
-        complex, or real `(B, Ds, N2, 2)` in real arithmetic or after a real ``state``."""
+        """[`s4d_final_state`] of ``z`` `(B, L, Ds)`: complex `(B, Ds, N2)`, real in real arithmetic or after one."""
         with _no_autocast(z.device.type):
             dt_a, d_b = self.discretize()
             x = s4d_final_state(z.to(compute_dtype(self.log_dt)), dt_a, d_b, state)
@@ -345,9 +297,7 @@ class S4DKernel(nn.Module):
             return x if real else torch.view_as_complex(x)
 
     def block_end_outputs(self, z: torch.Tensor, block_len: int, state: torch.Tensor | None = None, tables=None):
-        """The C read-outs ``2 Re(C x) + D z`` at the last token of every block (causal): blocks as chunks of
-        [`chunk_tables`], their local end states, [`s4d_chunk_scan`], one read-out matmul. `(B, nb*W, Ds)` ->
-        `(B, nb, C, Ds)`."""
+        """The outputs at the last token of every block (causal): `(B, nb*W, Ds)` -> `(B, nb, C, Ds)`."""
         if self.bidirectional:
             raise ValueError("block_end_outputs is the causal fast path; use forward() for a bidirectional kernel.")
         with _no_autocast(z.device.type):
@@ -356,7 +306,6 @@ class S4DKernel(nn.Module):
             nb = length // block_len
             if nb == 0:
                 return z.new_zeros(bsz, 0, self.out_channels, ds)
-            # Blocks as chunks; the states after them are those entering chunks 1 .. nb of nb + 1.
             w_local, readout, *scan = self.chunk_tables(block_len, nb + 1, False, tables)
             u = z[:, : nb * block_len].reshape(bsz * nb, block_len, ds).permute(2, 0, 1)  # (Ds, B*nb, W)
             local = torch.bmm(u, w_local)  # (Ds, B*nb, 2 N2)
@@ -368,14 +317,13 @@ class S4DKernel(nn.Module):
 
     def empty_state(self, batch_size: int, device) -> torch.Tensor:
         """The zero state `(B, Ds, N2)` (complex; real `(B, Ds, N2, 2)` in real arithmetic)."""
+        dtype = compute_dtype(self.log_dt)
         if use_real_arithmetic():
-            dtype = compute_dtype(self.log_dt)
             return torch.zeros(batch_size, self.channels, self.n_modes, 2, dtype=dtype, device=device)
-        dtype = torch.complex128 if compute_dtype(self.log_dt) == torch.float64 else torch.complex64
-        return torch.zeros(batch_size, self.channels, self.n_modes, dtype=dtype, device=device)
+        return torch.zeros(batch_size, self.channels, self.n_modes, dtype=dtype.to_complex(), device=device)
 
     def step_constants(self):
-        """[`s4d_step_constants`] ``(Abar, Bbar, 2 C, D)``: complex, real `(..., 2)` in real arithmetic."""
+        """[`s4d_step_constants`] ``(Abar, Bbar, 2 C, D)``: complex, real in real arithmetic."""
         with _no_autocast(self.log_dt.device.type):
             a_bar, b_bar, c2, skip = s4d_step_constants(*self.params(), compute_dtype(self.log_dt))
             if use_real_arithmetic():
@@ -383,9 +331,7 @@ class S4DKernel(nn.Module):
             return tuple(torch.complex(t[..., 0], t[..., 1]) for t in (a_bar, b_bar, c2)) + (skip,)
 
     def step(self, z_t: torch.Tensor, state: torch.Tensor, constants=None, seen: int | None = None):
-        """One token: ``z_t`` `(B, Ds)`, ``state`` `(B, Ds, N2)` complex (or real: [`s4d_step`]) -> ``y_t``
-        `(B, C, Ds)` and the new state in the same form (``seen`` unused). A complex state steps with complex
-        products: on the CPU several times faster than four real ones on the interleaved layout."""
+        """One token ``z_t`` `(B, Ds)` -> ``y_t`` `(B, C, Ds)` and the new state (complex products where complex)."""
         with _no_autocast(z_t.device.type):
             z_t = z_t.to(compute_dtype(self.log_dt))
             if constants is None or constants[0].is_complex() != state.is_complex():
@@ -400,8 +346,7 @@ class S4DKernel(nn.Module):
 
 
 def grouped_chunk_tables(kernels: list, chunk: int, num_chunks: int, conv: bool = True) -> list:
-    """[`S4DKernel.chunk_tables`] of S4D kernels of one shape (modes, read-outs, dtype, device) from one call: their
-    parameters concatenated along the channels (every table is per channel), the tables split back per kernel."""
+    """[`S4DKernel.chunk_tables`] of kernels of one shape from one call on their channel-concatenated parameters."""
     first = kernels[0]
     dims = (0, 0, 0, 0, 1, 1)  # log_dt, A_log_real, A_imag, B: channels first; C, D: after the read-outs
     params = [torch.cat(p, d) if len(kernels) > 1 else p[0] for p, d in zip(zip(*(k.params() for k in kernels)), dims)]
@@ -417,10 +362,8 @@ def grouped_chunk_tables(kernels: list, chunk: int, num_chunks: int, conv: bool 
 
 
 class ChunkTables:
-    """The chunked-form tables ([`S4DKernel.chunk_tables`]) of a model's causal S4D kernels for one forward: the
-    first request for a kernel computes them for every listed kernel of its shape at once ([`grouped_chunk_tables`]:
-    one set of parameter-side ops and their autograd instead of one per layer). Kernels with hooks (adapters) or
-    whose parameters are not plain tensors here (sharded by FSDP, offloaded) are not listed: they compute their own."""
+    """A forward's chunked-form tables of its causal S4D kernels, built per shape at once ([`grouped_chunk_tables`]);
+    kernels with hooks or parameters not plain here (FSDP, offloaded) compute their own."""
 
     def __init__(self, kernels):
         self.kernels = [
@@ -473,15 +416,12 @@ def append_history(history: torch.Tensor, z_t: torch.Tensor) -> torch.Tensor:
 
 
 class Sin(nn.Module):
-    """``sin(freq * x)`` with a trainable per-feature frequency (shared by all sine layers of one filter)."""
+    """The trainable per-feature frequency of an unstruct filter's sine layers, ``sin(freq * x)``."""
 
     def __init__(self, dim: int, freq: float):
         super().__init__()
         self.init_freq = freq
         self.freq = nn.Parameter(torch.empty(dim, dtype=ssm_dtype()))
-
-    def forward(self, x):
-        return torch.sin(self.freq * x)
 
 
 # Unstruct decoding in chunks of M steps ([`UnstructFilter.pending_outputs`]); 512 by measurement (~60M bst-unstruct
@@ -489,13 +429,13 @@ class Sin(nn.Module):
 UNSTRUCT_DECODE_CHUNK = 512
 
 
-class UnstructFilter(nn.Module):
-    """Hyena-style implicit long filter ``h_t = exp(-alpha t) * FFN(PositionalFeatures(t))`` plus a bias (D term),
-    with Lmax = ``max_position_embeddings`` taps (trainable positional features `(1, Lmax, emb_dim)`)."""
+class UnstructFilter(LongConv):
+    """Hyena-style implicit filter ``h_t = exp(-alpha t) * FFN(PositionalFeatures(t))`` plus a bias, Lmax taps."""
 
     def __init__(self, channels: int, out_channels: int, config):
         super().__init__()
         self.channels, self.out_channels = channels, out_channels
+        self.filter_shape = (out_channels, channels)
         self.max_len = config.max_position_embeddings
         self.emb_dim = config.unstruct_emb_dim
         self.bidirectional = config.bidirectional
@@ -511,7 +451,6 @@ class UnstructFilter(nn.Module):
         self.mlp = nn.ModuleList(layers)
         self.out = nn.Linear(order, width, bias=False, dtype=dtype)
         self.bias = nn.Parameter(torch.empty(out_channels, channels, dtype=dtype))
-        # Steps per decoding chunk (M, at most Lmax): see [`pending_outputs`].
         self.decode_chunk = min(UNSTRUCT_DECODE_CHUNK, self.max_len)
 
     @torch.no_grad()
@@ -525,7 +464,7 @@ class UnstructFilter(nn.Module):
         init.copy_(self.pos_emb, feats.unsqueeze(0))
 
     def filters(self, length: int) -> torch.Tensor:
-        """Filter taps for the first ``length`` lags: `(C, Ds, length)` (`(2, C, Ds, length)` if bidirectional)."""
+        """Filter taps for the first ``length`` lags: `(C, Ds, length)` (`(2, C, Ds, length)` two-sided)."""
         if length > self.max_len:
             raise ValueError(
                 f"unstruct filters exist up to max_position_embeddings={self.max_len} tokens; got a sequence of "
@@ -533,22 +472,15 @@ class UnstructFilter(nn.Module):
             )
         with _no_autocast(self.pos_emb.device.type):
             dtype = compute_dtype(self.pos_emb)
-            # The MLP's layers are called as modules (an adapter on them, e.g. LoRA, runs), in their weights' dtype.
-            h = unstruct_filters(
-                self.pos_emb[0, :length].to(dtype),
-                [lambda x, layer=layer: layer(x.to(layer.weight.dtype)) for layer in self.mlp],
-                lambda x: self.out(x.to(self.out.weight.dtype)),
-                self.sin.freq,
-                self.max_len,
-                (self.decay_target, self.decay_fast, self.decay_slow),
-                self.out_channels,
-                self.channels,
-            )
+            # The layers are called as modules (adapters run), in their weights' dtype.
+            layers = [lambda x, m=m: m(x.to(m.weight.dtype)) for m in [*self.mlp, self.out]]
+            decay = (self.decay_target, self.decay_fast, self.decay_slow)
+            h = self.pos_emb[0, :length].to(dtype)
+            h = unstruct_filters(h, layers[:-1], layers[-1], self.sin.freq, self.max_len, decay, *self.filter_shape)
             return h if self.bidirectional else h[0]
 
     def taps(self, total: int):
-        """The filter over ``total`` lags (none beyond Lmax) with the bias folded into lag 0, and the backward filter
-        of a bidirectional one (else None)."""
+        """The filter over ``total`` lags with the bias folded into lag 0, and the backward one (or None)."""
         h = self.filters(min(total, self.max_len))
         h = F.pad(h, (0, total - h.shape[-1]))
         bias = self.bias.to(h.dtype)
@@ -556,77 +488,47 @@ class UnstructFilter(nn.Module):
             return fold_skip(h[0], bias), h[1]
         return fold_skip(h, bias), None
 
-    def spectrum(self, total: int) -> torch.Tensor:
-        """FFT (size 2 ``total``) of the filter over ``total`` lags, bias (D skip) included, for [`fft_conv`]."""
-        forward, backward = self.taps(total)
-        return causal_spectrum(forward) if backward is None else bidirectional_spectrum(forward, backward)
-
     def forward(self, z: torch.Tensor, history: torch.Tensor | None = None, tables=None) -> torch.Tensor:
-        """``z`` `(B, L, Ds)` -> ``y`` `(B, L, C, Ds)`. ``history`` `(B, Ds, Lh)`: earlier inputs (continuation);
-        ``tables`` (S4D's [`ChunkTables`]) unused."""
+        """``z`` `(B, L, Ds)` -> ``y`` `(B, L, C, Ds)` after the earlier inputs ``history`` (``tables`` unused)."""
         with _no_autocast(z.device.type):
             dtype = compute_dtype(self.pos_emb)
             u = z.to(dtype).transpose(1, 2)  # (B, Ds, L)
             length = u.shape[-1]
             if history is not None:
                 u = torch.cat([history.to(dtype), u], dim=-1)
-            total = u.shape[-1]
-            if use_real_arithmetic():  # no FFT (ONNX)
-                forward, backward = self.taps(total)
-                y = (
-                    direct_causal_conv(u, forward)
-                    if backward is None
-                    else direct_bidirectional_conv(u, forward, backward)
-                )
-            else:
-                spectrum = memoised_spectrum(self, (total, dtype), lambda: self.spectrum(total))
-                y = fft_conv(u, spectrum)  # (B, C, Ds, L')
-            y = y[..., -length:]
-            return y.permute(0, 3, 1, 2)
+            return self.long_conv(u)[..., -length:].permute(0, 3, 1, 2)
 
     @staticmethod
     def reverse_taps(taps: torch.Tensor) -> torch.Tensor:
-        """Taps `(C, Ds, Lh)` laid out for [`step`]: `(Ds, Lh, C)`, lag ``Lh - 1 - j`` at index ``j`` (as the history)."""
+        """Taps `(C, Ds, Lh)` laid out as the history for [`step`]: `(Ds, Lh, C)`, newest lag last."""
         return taps.flip(-1).permute(1, 2, 0).contiguous()
 
-    def output_at_newest(
-        self,
-        history: torch.Tensor,
-        taps: torch.Tensor | None = None,
-        seen: int | None = None,
-        reversed_taps: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``y_t = sum_j h_j z_{t-j} + bias z_t`` at the newest input of ``history`` `(B, Ds, Lh)`: `(B, C, Ds)`, over
-        the last ``seen`` inputs only (O(seen)); ``taps`` ([`filters`]) or ``reversed_taps`` if already computed."""
+    def output_at_newest(self, history, taps=None, seen: int | None = None, reversed_taps=None) -> torch.Tensor:
+        """The output `(B, C, Ds)` at the newest input of ``history`` `(B, Ds, Lh)`, over its last ``seen`` inputs."""
         with _no_autocast(history.device.type):
             length = history.shape[-1]
             dtype = compute_dtype(self.pos_emb)
             if reversed_taps is None:
                 reversed_taps = self.reverse_taps(taps if taps is not None else self.filters(length))
             n = length if seen is None else max(1, min(seen, length))
-            # (Ds, B, n) @ (Ds, n, C): the newest n inputs against lags n-1 .. 0.
             y = torch.matmul(history[..., -n:].to(dtype).transpose(0, 1), reversed_taps[:, -n:].to(dtype))
             y = y.permute(1, 2, 0)  # (B, C, Ds)
             return y + self.bias.to(dtype) * history[:, None, :, -1].to(dtype)
 
-    # -- chunked decoding: a step's cost independent of the position -----------------------------------------------
     def pending_fft_size(self, n: int) -> int:
-        """FFT size for [`pending_outputs`] of ``n`` inputs: the smallest ``2^k``, ``5 * 2^(k-2)`` or ``3 * 2^(k-1)``
-        >= ``n + M`` (no wrap-around; few distinct sizes, each memoised)."""
+        """FFT size for [`pending_outputs`] of ``n`` inputs: the smallest 2^k, 5 * 2^(k-3) or 3 * 2^(k-2) >= n + M."""
         need = n + self.decode_chunk
         power = 1 << (need - 1).bit_length()  # >= need
         return min(size for size in (power, power * 5 // 8, power * 3 // 4) if size >= need)
 
     def pending_spectrum(self, size: int, reversed_taps: torch.Tensor) -> torch.Tensor:
-        """rFFT (``size`` points) of the taps from ``reversed_taps`` ([`reverse_taps`]): `(C, Ds, size // 2 + 1)`."""
+        """rFFT (``size`` points) of the taps from ``reversed_taps``: `(C, Ds, size // 2 + 1)`."""
         with _no_autocast(reversed_taps.device.type):
             taps = reversed_taps.flip(1).permute(2, 0, 1)[..., :size]  # (C, Ds, min(Lmax, size)), lag order
             return torch.fft.rfft(taps.to(compute_dtype(self.pos_emb)), n=size)
 
     def pending_outputs(self, history: torch.Tensor, n: int, spectrum: torch.Tensor) -> torch.Tensor:
-        """The share of the ``n`` newest inputs of ``history`` `(B, Ds, Lh)` in the next M outputs, `(B, C, Ds, M)`:
-        entry k is ``sum_{j > k} h_j z_{t+k-j}`` (a step adds the k + 1 newest inputs). One circular convolution of
-        [`pending_fft_size`] ``(n)`` (``spectrum``: [`pending_spectrum`]), O(n log n) once per M steps."""
+        """The share `(B, C, Ds, M)` of the ``n`` newest inputs of ``history`` in the next M outputs (one FFT)."""
         with _no_autocast(history.device.type):
             size = self.pending_fft_size(n)
             x = history[..., history.shape[-1] - n :].to(spectrum.real.dtype)  # (B, Ds, n)
@@ -651,25 +553,17 @@ class UnstructFilter(nn.Module):
         """The taps laid out for stepping ([`reverse_taps`] of all ``Lmax`` of them)."""
         return self.reverse_taps(self.filters(self.max_len))
 
-    def step(
-        self,
-        z_t: torch.Tensor,
-        state: torch.Tensor,
-        constants=None,
-        seen: int | None = None,
-        output: bool = True,
-        pending: tuple[torch.Tensor, int] | None = None,
-    ):
-        """``z_t`` `(B, Ds)` joins the history ``state``: the output `(B, C, Ds)` (None unless ``output``) and the new
-        history. ``seen``: inputs of the longest row (O(seen) per step); ``pending`` ``(buffer, k)``: step k of a
-        chunk with [`pending_outputs`] ``buffer`` (O(M) per step)."""
+    def step(self, z_t, state, constants=None, seen: int | None = None, output: bool = True, pending=None):
+        """``z_t`` `(B, Ds)` joins the history: the output `(B, C, Ds)` (None unless ``output``) and the new history;
+        ``pending`` ``(buffer, k)``: step k of a decoding chunk ([`pending_outputs`])."""
         history = append_history(state, z_t.to(state.dtype))
         if not output:
             return None, history
-        if pending is not None:
-            buffer, k = pending
-            return buffer[..., k] + self.output_at_newest(history, seen=k + 1, reversed_taps=constants), history
-        return self.output_at_newest(history, seen=seen, reversed_taps=constants), history
+        if pending is None:
+            return self.output_at_newest(history, seen=seen, reversed_taps=constants), history
+        return pending[0][..., pending[1]] + self.output_at_newest(
+            history, seen=pending[1] + 1, reversed_taps=constants
+        ), history
 
     def block_end_outputs(self, z: torch.Tensor, block_len: int, state: torch.Tensor | None = None, tables=None):
         """Outputs at the last token of every block: `(B, nb*W, Ds)` -> `(B, nb, C, Ds)`."""
@@ -677,8 +571,7 @@ class UnstructFilter(nn.Module):
 
 
 class PerFilterS4D(nn.Module):
-    """MF with one SSM per filter (its own ``(Lambda, B, dt, C, D)``) instead of S read-outs of one shared state: one
-    S4D kernel over S * Ds channels that all read the same input (state `(B, S * Ds, N2)`), same contract."""
+    """MF with one SSM per filter: one S4D kernel over S * Ds channels that all read the same input."""
 
     def __init__(self, channels: int, out_channels: int, state_size: int, config):
         super().__init__()
@@ -686,7 +579,7 @@ class PerFilterS4D(nn.Module):
         self.kernel = S4DKernel(out_channels * channels, 1, state_size, config)
 
     def _repeat(self, z: torch.Tensor) -> torch.Tensor:
-        """`(..., Ds)` -> `(..., S * Ds)`: every filter reads the same input (filter-major, as ``_split`` expects)."""
+        """`(..., Ds)` -> `(..., S * Ds)`, filter-major."""
         return z.repeat(*([1] * (z.dim() - 1)), self.out_channels)
 
     def _split(self, y: torch.Tensor) -> torch.Tensor:

@@ -394,7 +394,7 @@ def test_s4d_channel_major_chunks_equal_chunked_forward(per, with_state):
             state.grad = None
         kernel.chunk_len = chunk
         if segmented:
-            constants = kernel.chunked_constants(chunk, z.dtype, length // chunk)
+            constants = kernel.chunk_tables(chunk, length // chunk)
             x0 = kernel.chunk_start_states(z, chunk, state, constants)
             assert x0.shape == (ds, bsz, length // chunk, 8)  # stacked (re, im) of the 4 modes
             parts = [

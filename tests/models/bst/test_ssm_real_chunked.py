@@ -91,7 +91,7 @@ def test_real_chunked_forward_real_form_state():
     kernel = make_s4d(out_channels=2)
     z = torch.randn(2, 24, 5, dtype=torch.float64)
     state = random_state(kernel)
-    constants = kernel.chunked_constants(4, z.dtype, 6)
+    constants = kernel.chunk_tables(4, 6)
     a = kernel.chunk_start_states(z, 4, state, constants)
     b = kernel.chunk_start_states(z, 4, torch.view_as_real(state).clone(), constants)
     torch.testing.assert_close(a, b, **F64)
