@@ -7,6 +7,8 @@ Each revision runs in its own worker process (``git worktree`` checkouts of the 
 ``--head .``) with the same seed, model and inputs; the workers take turns, ``--rounds`` times each, so that a
 change in the machine's load hits both alike. Prints the median milliseconds of each and the ratio head / base with
 the range over rounds. For refactors that must not change speed: a ratio within the rounds' spread is noise.
+``--cpu-allocation-threshold-mib N`` runs both workers with ``training/host.py``'s malloc settings (what
+``training.train`` applies on the CPU); the default 0 leaves malloc as it is.
 """
 
 import argparse
@@ -25,11 +27,16 @@ from benchmarks.bench_common import positive_int
 REPO = Path(__file__).resolve().parents[1]
 
 WORKER = r"""
-import json, sys, time
+import importlib.util, json, sys, time
 import torch
 torch.set_num_threads(int(sys.argv[2]))
 from modeling_bst import BSTConfig, BSTForCausalLM
 spec = json.loads(sys.argv[1])
+if spec["allocation_threshold_mib"]:  # the lead tree's training/host.py, the same settings for both revisions
+    found = importlib.util.spec_from_file_location("host", spec["host_py"])
+    host = importlib.util.module_from_spec(found)
+    found.loader.exec_module(host)
+    assert host.keep_large_allocations(spec["allocation_threshold_mib"])
 torch.manual_seed(0)
 config = BSTConfig(**spec["config"])
 model = BSTForCausalLM(config)
@@ -102,6 +109,7 @@ def main(argv=None):
     parser.add_argument("--block-len", type=positive_int, default=64)
     parser.add_argument("--train-steps", type=positive_int, default=3)
     parser.add_argument("--decode-steps", type=positive_int, default=64)
+    parser.add_argument("--cpu-allocation-threshold-mib", type=int, default=0, help="training/host.py; 0: unchanged")
     args = parser.parse_args(argv)
     config = dict(
         vocab_size=512,
@@ -121,6 +129,8 @@ def main(argv=None):
         prefill=args.seq_len - 1,
         train_steps=args.train_steps,
         decode_steps=args.decode_steps,
+        allocation_threshold_mib=args.cpu_allocation_threshold_mib,
+        host_py=str(REPO / "training" / "host.py"),
     )
     with tempfile.TemporaryDirectory() as scratch:
         trees = {"base": checkout(args.base, Path(scratch)), "head": checkout(args.head, Path(scratch))}
@@ -134,7 +144,12 @@ def main(argv=None):
             for tree in trees.values():
                 if tree != REPO:
                     subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False)
-    print(f"\n{time.strftime('%Y-%m-%d')}, {args.threads} thread(s), base {args.base}, head {args.head}")
+    malloc = (
+        f"malloc threshold {args.cpu_allocation_threshold_mib} MiB"
+        if args.cpu_allocation_threshold_mib
+        else "malloc as is"
+    )
+    print(f"\n{time.strftime('%Y-%m-%d')}, {args.threads} thread(s), {malloc}, base {args.base}, head {args.head}")
     print("| measure | base ms (median) | head ms (median) | head / base (min-max over rounds) |")
     print("|---|---|---|---|")
     for key in ("train_ms", "decode_ms"):

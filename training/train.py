@@ -57,6 +57,7 @@ from transformers import (
 
 from training import data as D
 from training import preset
+from training.host import keep_large_allocations
 from training.optim import parameter_groups
 
 
@@ -120,6 +121,12 @@ class ModelArguments:
         default=None, metadata={"help": "lr of SSM parameters (default: config.ssm_lr; None there: the lr)"}
     )
     ssm_weight_decay: float = field(default=0.0, metadata={"help": "weight decay of SSM parameters"})
+    cpu_allocation_threshold_mib: int = field(
+        default=1024,
+        metadata={
+            "help": "CPU runs: allocations below this size reuse malloc's heap (training/host.py); 0: unchanged"
+        },
+    )
 
 
 TASKS = ("lm", "listops")
@@ -711,6 +718,7 @@ def main(argv: list[str] | None = None) -> dict:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         level=logging.INFO if train_args.process_index == 0 else logging.WARNING,
     )
+    keep_large_allocations(model_args.cpu_allocation_threshold_mib, train_args.device.type)
     set_seed(train_args.seed)
     t0 = time.time()
     if data_args.task == "lm":
