@@ -18,10 +18,10 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS norm with learned scale ``weight``, computed in at least float32, returned in ``x``'s dtype."""
+    """RMS norm with learned scale ``weight`` (``x * rsqrt(mean(x^2) + eps) * weight``), computed in at least float32
+    by torch's ``rms_norm`` (one fused kernel where the device has one), returned in ``x``'s dtype."""
     x32 = upcast(x)
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (x32 * upcast(weight)).to(x.dtype)
+    return F.rms_norm(x32, (x32.shape[-1],), weight.to(x32.dtype), eps).to(x.dtype)
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
