@@ -187,6 +187,11 @@ class BSTRecurrentState(nn.Module):
         k = _split_heads(self.config, self.k_proj(sn))
         return l2_normalize(k) if self.config.qk_norm else k, _split_heads(self.config, self.v_proj(sn))
 
+    def store(self, layer_cache, rows, state):
+        """Writes ``state`` and the keys/values read from it into ``layer_cache`` (in ``rows``; None: all)."""
+        rec_k, rec_v = self.keys_values(state)
+        layer_cache.set(rows, rec_state=state, rec_k=rec_k, rec_v=rec_v)
+
     def update(self, state, token_k, token_v, token_valid, state_kv=None):
         """Next state from the token keys/values `(B, 2W, H, d_h)` and their validity `(B, 2W)`."""
         cfg = self.config
@@ -231,9 +236,8 @@ class BSTRecurrentState(nn.Module):
             states.append(self.update(states[-1], kcat, vcat, valid, state_kv))
         if fill:  # the state after each row's real tokens
             lens = lengths if lengths is not None else torch.full((bsz,), nb * w, device=kb.device)
-            new_state = torch.stack(states, 1)[torch.arange(bsz, device=kb.device), lens // w].detach()
-            rec_k, rec_v = (t.detach() for t in self.keys_values(new_state))
-            layer_cache.set(rec_state=new_state, rec_k=rec_k, rec_v=rec_v)
+            with torch.no_grad():
+                self.store(layer_cache, None, torch.stack(states, 1)[torch.arange(bsz, device=kb.device), lens // w])
         return torch.stack(keys, 1), torch.stack(values, 1)
 
 
@@ -549,9 +553,9 @@ class BSTLayer(GradientCheckpointingLayer):
 
 
 class BSTDecoderLayer(BSTLayer):
-    """A block layer (the paper's Slide layer) and the base of the BST and BRecT layers: 1. RMS norm; 2. block
-    self-attention; 3. the second attention ([`attend_states`] / [`step_states`]: none here); 4. both concatenated,
-    output projection, residual; 5. RMS norm, MLP, residual."""
+    """A block (the paper's Slide), BST or BRecT layer by ``layer_type``: 1. RMS norm; 2. block self-attention; 3. the
+    second attention, over context states (bst: ``ssm`` -> ``context``) or the recurrent state (``recurrent``), none
+    in a block layer; 4. both concatenated, output projection, residual; 5. RMS norm, MLP, residual."""
 
     def __init__(self, config: BSTConfig, layer_idx: int):
         super().__init__(config, layer_idx)
@@ -559,40 +563,58 @@ class BSTDecoderLayer(BSTLayer):
         # The decoding ring: the W-token window and the newest token; BRecT's state update reads two blocks.
         ring = 2 * config.block_len if self.layer_type == "recurrent" else config.block_len + 1
         self.self_attn = BSTBlockSelfAttention(config, ring)
-        self.cross_attn = None
-        self.build_state_attention(config)
+        if self.layer_type == "bst":
+            self.ssm = SSM_KERNELS[config.ssm_kind](config.ssm_channels, config.ssm_output_channels, config)
+            self.context = CONTEXT_BUILDERS[config.context_mode](config)
+        elif self.layer_type == "recurrent":
+            self.recurrent = BSTRecurrentState(config)
+        self.cross_attn = None if self.layer_type == "block" else BSTCrossAttention(config)
         self.o_proj = nn.Linear(heads * hd * (1 if self.cross_attn is None else 2), d, bias=False)
         self.post_attention_norm = BSTRMSNorm(d, config.rms_norm_eps)
         self.mlp = BSTMLP(config)
-
-    def build_state_attention(self, config: BSTConfig):
-        """The modules of step 3."""
-
-    def attend_states(self, hidden_states, xn, k, v, layer_cache, inputs: SequencePass):
-        """Step 3, full sequence: ``(output (B, T, H d_h), weights)`` or None (``k``/``v``: the self-attention's)."""
-        return None
-
-    def step_states(self, hidden_states, xn, ring, layer_cache, plan: StepPlan):
-        """Step 3, one token (``ring``: the self-attention ring after this token's write)."""
-        return None
 
     def sequence(self, hidden_states, layer_cache, inputs: SequencePass):
         xn = self.dropout(self.input_norm(hidden_states))  # meliad's dropout on the norm
         q, k, v = self.self_attn.project(xn)  # (B, T, H, d_h)
         a_self, self_w = self.self_attn(q, k, v, inputs.lengths, layer_cache, inputs.positions, inputs.weights)
-        second = self.attend_states(hidden_states, xn, k, v, layer_cache, inputs)
+        second, positions = None, inputs.positions
+        if self.layer_type == "bst":  # step 3: SSM -> context states -> cross-attention
+            x = self.dropout(hidden_states) if self.config.ssm_input == "raw" else xn
+            keys, values, mask, zero_first = self.context(
+                self.ssm, x, layer_cache, positions, inputs.doc_start, inputs.lengths, inputs.fill_cache,
+                tables=inputs.ssm_tables,
+            )  # fmt: skip
+            second = self.cross_attn(xn, keys, values, mask, zero_first, inputs.weights)
+        elif self.layer_type == "recurrent":  # step 3: the recurrent state's keys/values per block -> cross-attention
+            continued = layer_cache is not None and positions is not None
+            previous = self.self_attn.previous_block(layer_cache, positions) if continued else None
+            keys, values = self.recurrent(
+                k, v, previous, inputs.lengths, layer_cache, positions, inputs.doc_start, inputs.fill_cache
+            )
+            second = self.cross_attn(xn, keys, values, weights=inputs.weights)
         if inputs.fill_cache:  # the keys/values of each row's real tokens
             lens = (
                 inputs.lengths if inputs.lengths is not None else torch.full(k.shape[:1], k.shape[1], device=k.device)
             )
-            layer_cache.fill_ring(ATTENTION_RING, k.detach(), v.detach(), lens, self.self_attn.ring, inputs.positions)
+            layer_cache.fill_ring(ATTENTION_RING, k.detach(), v.detach(), lens, self.self_attn.ring, positions)
         return self.output(hidden_states, a_self, self_w, second, self.dropout)
 
     def step(self, hidden_states, layer_cache, plan: StepPlan):
         xn = self.input_norm(hidden_states)
         q, k, v = self.self_attn.project(xn)
-        a_self, self_w, ring = self.self_attn.step(q, k, v, layer_cache, plan)
-        second = self.step_states(hidden_states, xn, ring, layer_cache, plan)
+        a_self, self_w, ring = self.self_attn.step(q, k, v, layer_cache, plan)  # ring: after this token's write
+        second, rec = None, getattr(self, "recurrent", None)
+        if self.layer_type == "bst":
+            x = hidden_states if self.config.ssm_input == "raw" else xn
+            keys, values, mask, any_valid = self.context(self.ssm, x, layer_cache, plan=plan)
+            second = self.cross_attn.step(xn, keys, values, mask, any_valid, plan.weights)
+        elif self.layer_type == "recurrent":
+            if maybe_any(plan.fresh):  # a document starting here reads the initial state
+                state = layer_cache.rec_state
+                rec.store(layer_cache, plan.fresh, rec.initial_state.to(state.dtype).expand_as(state))
+            second = self.cross_attn.step(xn, layer_cache.rec_k, layer_cache.rec_v, weights=plan.weights)
+            if maybe_any(plan.block_end):  # at a block's end the state absorbs the ring (keys, values, positions)
+                rec.store(layer_cache, plan.block_end, rec.update(layer_cache.rec_state, *ring[:2], ring[2] >= 0))
         return self.output(hidden_states, a_self, self_w, second, None)
 
     def output(self, hidden_states, a_self, self_w, second, dropout):
@@ -605,60 +627,6 @@ class BSTDecoderLayer(BSTLayer):
         h = hidden_states + (attn if dropout is None or self.config.meliad_dropout else dropout(attn))
         h = h + self.dropout(self.mlp(self.post_attention_norm(h)))
         return h, self_w, second_w
-
-
-class BSTContextLayer(BSTDecoderLayer):
-    """A BST layer (paper Sec. 3): step 3 runs the SSM (``ssm``) over the sequence (the normed input, or with
-    ``ssm_input="raw"`` the layer input), builds context states (``context``) and cross-attends to them."""
-
-    def build_state_attention(self, config: BSTConfig):
-        self.ssm = SSM_KERNELS[config.ssm_kind](config.ssm_channels, config.ssm_output_channels, config)
-        self.context = CONTEXT_BUILDERS[config.context_mode](config)
-        self.cross_attn = BSTCrossAttention(config)
-
-    def attend_states(self, hidden_states, xn, k, v, layer_cache, inputs: SequencePass):
-        x = self.dropout(hidden_states) if self.config.ssm_input == "raw" else xn
-        keys, values, mask, zero_first = self.context(
-            self.ssm, x, layer_cache, inputs.positions, inputs.doc_start, inputs.lengths, inputs.fill_cache,
-            tables=inputs.ssm_tables,
-        )  # fmt: skip
-        return self.cross_attn(xn, keys, values, mask, zero_first, inputs.weights)
-
-    def step_states(self, hidden_states, xn, ring, layer_cache, plan: StepPlan):
-        x = hidden_states if self.config.ssm_input == "raw" else xn
-        keys, values, mask, any_valid = self.context(self.ssm, x, layer_cache, plan=plan)
-        return self.cross_attn.step(xn, keys, values, mask, any_valid, plan.weights)
-
-
-class BSTRecurrentLayer(BSTDecoderLayer):
-    """A Block-Recurrent Transformer layer (the paper's BRecT:fixed:skip baseline): step 3 cross-attends to the
-    recurrent state (``recurrent``), which absorbs the previous and current block at each block end."""
-
-    def build_state_attention(self, config: BSTConfig):
-        self.recurrent = BSTRecurrentState(config)
-        self.cross_attn = BSTCrossAttention(config)
-
-    def attend_states(self, hidden_states, xn, k, v, layer_cache, inputs: SequencePass):
-        positions = inputs.positions
-        continued = layer_cache is not None and positions is not None
-        previous = self.self_attn.previous_block(layer_cache, positions) if continued else None
-        keys, values = self.recurrent(
-            k, v, previous, inputs.lengths, layer_cache, positions, inputs.doc_start, inputs.fill_cache
-        )
-        return self.cross_attn(xn, keys, values, weights=inputs.weights)
-
-    def step_states(self, hidden_states, xn, ring, layer_cache, plan: StepPlan):
-        rec = self.recurrent
-        if maybe_any(plan.fresh):  # a document starting here reads the initial state
-            state = rec.initial_state.to(layer_cache.rec_state.dtype).expand_as(layer_cache.rec_state)
-            rec_k, rec_v = rec.keys_values(state)
-            layer_cache.set(plan.fresh, rec_state=state, rec_k=rec_k, rec_v=rec_v)
-        out = self.cross_attn.step(xn, layer_cache.rec_k, layer_cache.rec_v, weights=plan.weights)
-        if maybe_any(plan.block_end):  # at a block's last token the state absorbs the ring (keys, values, positions)
-            state = rec.update(layer_cache.rec_state, ring[0], ring[1], ring[2] >= 0)
-            rec_k, rec_v = rec.keys_values(state)
-            layer_cache.set(plan.block_end, rec_state=state, rec_k=rec_k, rec_v=rec_v)
-        return out
 
 
 class BSTGSSLayer(BSTLayer):
@@ -705,14 +673,6 @@ class BSTGSSLayer(BSTLayer):
         return self.output(hidden_states, y, v)
 
 
-DECODER_LAYER_CLASSES = {
-    "block": BSTDecoderLayer,
-    "bst": BSTContextLayer,
-    "recurrent": BSTRecurrentLayer,
-    "gss": BSTGSSLayer,
-}
-
-
 def load_offloaded_layers_whole(model):
     """Makes each decoder layer that a ``device_map`` offloaded load all its weights when called (accelerate's
     ``preload_module_classes``, which transformers does not pass): BST layers read submodules' weights in methods."""
@@ -742,7 +702,7 @@ class BSTPreTrainedModel(PreTrainedModel):
     config_class = BSTConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
-    _no_split_modules = ["BSTDecoderLayer", "BSTContextLayer", "BSTRecurrentLayer", "BSTGSSLayer"]
+    _no_split_modules = ["BSTDecoderLayer", "BSTGSSLayer"]
     _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_sdpa = True
     _supports_flex_attn = True
@@ -836,7 +796,10 @@ class BSTModel(BSTPreTrainedModel):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            [DECODER_LAYER_CLASSES[config.layer_kind(i)](config, i) for i in range(config.num_hidden_layers)]
+            [
+                (BSTGSSLayer if config.layer_kind(i) == "gss" else BSTDecoderLayer)(config, i)
+                for i in range(config.num_hidden_layers)
+            ]
         )
         self.norm = BSTRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.dropout = nn.Dropout(config.dropout)
@@ -983,7 +946,7 @@ class BSTModel(BSTPreTrainedModel):
         )  # fmt: skip
         self._check_unstruct_length(seq_len, cache, not chunk.fresh)
         if not (self.gradient_checkpointing and self.training):  # (a checkpointed layer recomputes its own)
-            chunk.ssm_tables = ChunkTables(layer.ssm for layer in self.layers if isinstance(layer, BSTContextLayer))
+            chunk.ssm_tables = ChunkTables(layer.ssm for layer in self.layers if layer.layer_type == "bst")
         if not cfg.meliad_dropout:  # embedding dropout, on every chunk (a streamed segment continuing a cache too)
             hidden = self.dropout(hidden)
         hidden = chunk.into_layers(hidden)
