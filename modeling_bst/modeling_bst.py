@@ -114,11 +114,6 @@ def plain_linears(*modules) -> bool:
     )  # fmt: skip
 
 
-def plain_embedding(module) -> bool:
-    """Whether ``module`` is a plain ``nn.Embedding`` (no max_norm or hooks): its weight may be used directly."""
-    return type(module) is nn.Embedding and module.max_norm is None and _plain(module)
-
-
 def learned_mask_path(module, mask) -> bool:
     """Whether [`attention`] takes [`learned_mask_attention`]: SDPA, eager, CPU, a mask that needs a gradient."""
     return (
@@ -327,7 +322,8 @@ class BSTBlockSelfAttention(nn.Module):
             return self.buckets(distances), outside
 
         buckets, outside = constant_memo(self, ("window", chunk, span, str(device)), build)
-        if plain_embedding(self.relative_bias):  # scale the (buckets, H) table once, then look it up
+        table = self.relative_bias
+        if type(table) is nn.Embedding and table.max_norm is None and _plain(table):  # scale the table, then look up
             per_distance = F.embedding(buckets, self.relative_bias.weight * self.scale).to(dtype)  # (n, H)
         else:
             per_distance = self.relative_bias(buckets).to(dtype) * self.scale.to(dtype)
