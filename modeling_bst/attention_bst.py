@@ -30,8 +30,7 @@ FLEX_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def use_flex(module, q: torch.Tensor, dropout: float, *tensors: torch.Tensor) -> bool:
-    """Whether a full-sequence attention runs on FlexAttention: ``flex_attention`` without dropout, on a device with an
-    exact kernel, no float64 or backward on the CPU; else SDPA (same result)."""
+    """Whether a full-sequence attention runs on FlexAttention (``flex_attention``, an exact kernel, no dropout)."""
     if module.config._attn_implementation != "flex_attention" or dropout > 0:
         return False
     if flex_kernel(q.device.type) is None:
@@ -42,15 +41,10 @@ def use_flex(module, q: torch.Tensor, dropout: float, *tensors: torch.Tensor) ->
         return False
     if q.device.type != "cpu":
         return True
-    if q.dtype not in FLEX_DTYPES:
-        return False
-    if torch.is_grad_enabled():
-        if any(t.requires_grad for t in (q, *tensors)) or any(p.requires_grad for p in module.parameters()):
-            logger.warning_once(
-                "BST: flex_attention has no backward on CPU; full-sequence attention with gradients runs on SDPA."
-            )
-            return False
-    return True
+    grads = any(t.requires_grad for t in (q, *tensors)) or any(p.requires_grad for p in module.parameters())
+    if q.dtype in FLEX_DTYPES and torch.is_grad_enabled() and grads:
+        logger.warning_once("BST: flex_attention has no backward on CPU; attention with gradients runs on SDPA.")
+    return q.dtype in FLEX_DTYPES and not (torch.is_grad_enabled() and grads)
 
 
 def flex_kernel(device_type: str):
@@ -102,8 +96,8 @@ def positions_of(offset: int = 0):
     return lambda idx: idx - offset
 
 
-def groups_of(size: int, offset: int = 0):
-    return lambda idx: torch.div(idx - offset, size, rounding_mode="floor")
+def groups_of(size: int):
+    return lambda idx: torch.div(idx, size, rounding_mode="floor")
 
 
 def grouped_flex(module, q, k, v, q_group: int, kv_group: int, causal_within: str | None = None):
@@ -129,11 +123,8 @@ def grouped_flex(module, q, k, v, q_group: int, kv_group: int, causal_within: st
 def flex_block_attention(module, q, k, v, lengths, previous):
     """The block self-attention over ``q``/``k``/``v`` `(B, T, H, d)` after the cached block ``previous`` ``(k, v,
     valid)`` or None: the window as the band, held keys and padding in ``mask_mod``, the T5 bias as ``score_mod``."""
-    cfg = module.config
-    bsz, seq_len = q.shape[:2]
-    w = cfg.block_len
-    device = q.device
-    offset, keys_partial = 0, None
+    cfg, (bsz, seq_len), device = module.config, q.shape[:2], q.device
+    w, offset, keys_partial = cfg.block_len, 0, None
     if cfg.bidirectional:
         lowest, highest = -(2 * w - 1), 2 * w - 1
         lens = lengths if lengths is not None else torch.full((bsz,), seq_len, device=device)

@@ -1,5 +1,4 @@
-"""PyTorch Block-State Transformer (Fathi, Pilault et al., NeurIPS 2023), Hugging Face compatible: the attention
-modules, the four layer types of ``config.layer_types`` and the models (docs/architecture.md)."""
+"""PyTorch Block-State Transformer (Fathi, Pilault et al., 2023): attentions, layers, models (docs/architecture.md)."""
 
 import functools
 import math
@@ -74,8 +73,7 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling=1
 
 
 def attention(module, q, k, v, mask, dropout, return_weights: bool = False, absent=None):
-    """Unscaled attention on ``config._attn_implementation`` (flex: SDPA here). ``q`` `(N, H, Lq, d)`, ``k``/``v``
-    `(N, H, Lk, d)`, additive ``mask``, bool ``absent`` keys -> `(N, Lq, H, d)` (and the eager weights)."""
+    """Unscaled attention on the model's interface (flex: SDPA), `(N, H, L, d)` -> `(N, Lq, H, d)` (and weights)."""
     implementation = module.config._attn_implementation
     implementation = "sdpa" if implementation == "flex_attention" else implementation
     if not return_weights and mask is not None and learned_mask_path(module, mask):
@@ -96,8 +94,7 @@ def _input_shape(input_ids, inputs_embeds) -> tuple[int, int]:
 
 
 def query_chunk(config: BSTConfig, q: torch.Tensor) -> int:
-    """Queries per window of the full-sequence attentions: ``attention_query_chunk``, else W on an accelerator and
-    ``resolved_attention_query_chunk`` on the CPU."""
+    """Queries per window of the full-sequence attentions (``attention_query_chunk``; W on an accelerator)."""
     if config.attention_query_chunk is not None:
         return config.attention_query_chunk
     return config.block_len if on_accelerator(q) else config.resolved_attention_query_chunk
@@ -108,8 +105,7 @@ def _plain(m) -> bool:
 
 
 def plain_linears(*modules) -> bool:
-    """Whether ``modules`` are bias-free ``nn.Linear`` layers with plain weights of one dtype and device, nothing run
-    besides ``F.linear`` (no hooks, LoRA or quantized tensor): their weights may be stacked into one matmul."""
+    """Whether ``modules`` are plain bias-free ``nn.Linear`` of one dtype and device: their weights may be stacked."""
     first = modules[0].weight if isinstance(modules[0], nn.Linear) else None
     return first is not None and all(
         type(m) is nn.Linear and type(m.weight) is nn.Parameter and m.bias is None and _plain(m)
@@ -118,14 +114,8 @@ def plain_linears(*modules) -> bool:
     )  # fmt: skip
 
 
-def plain_embedding(module) -> bool:
-    """Whether ``module`` is a plain ``nn.Embedding`` (no max_norm or hooks): its weight may be used directly."""
-    return type(module) is nn.Embedding and module.max_norm is None and _plain(module)
-
-
 def learned_mask_path(module, mask) -> bool:
-    """Whether [`attention`] takes [`learned_mask_attention`]: SDPA on the CPU, eager, a mask that needs a gradient
-    (CUDA's memory-efficient SDPA returns it itself)."""
+    """Whether [`attention`] takes [`learned_mask_attention`]: SDPA, eager, CPU, a mask that needs a gradient."""
     return (
         module.config._attn_implementation in ("sdpa", "flex_attention")
         and mask.requires_grad
@@ -141,8 +131,7 @@ def _contiguous_as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def learned_mask_attention(q, k, v, mask, dropout: float, absent=None) -> torch.Tensor:
-    """SDPA's math path for a mask that needs a gradient on the CPU (whose fused kernel gives none), without its
-    extra copies; arguments as [`attention`]."""
+    """SDPA's math path, without its copies, for a mask that needs a gradient on the CPU; arguments as [`attention`]."""
     dtype = q.dtype
     with torch.autocast(q.device.type, enabled=False):
         compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
@@ -161,8 +150,7 @@ def _split_heads(config, x):
 
 
 class BSTRecurrentState(nn.Module):
-    """BRecT:fixed:skip recurrent cell: per block ``z = [attn(Qr, Kr, Vr) ; attn(Q2r, K_tok, V_tok)] Wo_r``,
-    ``s' = g * s + (1 - g) * z``, ``g = sigmoid(b)``."""
+    """BRecT:fixed:skip recurrent cell: ``z = [attn(Qr, Kr, Vr) ; attn(Q2r, K, V)] Wo_r``, ``s' = g s + (1 - g) z``."""
 
     def __init__(self, config: BSTConfig):
         super().__init__()
@@ -187,6 +175,11 @@ class BSTRecurrentState(nn.Module):
         k = _split_heads(self.config, self.k_proj(sn))
         return l2_normalize(k) if self.config.qk_norm else k, _split_heads(self.config, self.v_proj(sn))
 
+    def store(self, layer_cache, rows, state):
+        """Writes ``state`` and the keys/values read from it into ``layer_cache`` (in ``rows``; None: all)."""
+        rec_k, rec_v = self.keys_values(state)
+        layer_cache.set(rows, rec_state=state, rec_k=rec_k, rec_v=rec_v)
+
     def update(self, state, token_k, token_v, token_valid, state_kv=None):
         """Next state from the token keys/values `(B, 2W, H, d_h)` and their validity `(B, 2W)`."""
         cfg = self.config
@@ -205,8 +198,7 @@ class BSTRecurrentState(nn.Module):
         return gated_state_update(state, z, self.gate_bias)
 
     def forward(self, k, v, previous, lengths=None, layer_cache=None, positions=None, doc_start=None, fill=False):
-        """The state keys/values each block reads, `(B, nb, S, H, d_h)` x 2, from the token keys/values `(B, T, H,
-        d_h)`, block by block (the package's only sequential loop); ``previous``: the cached block, or None."""
+        """The state keys/values `(B, nb, S, H, d_h)` each block reads, from the tokens' `(B, T, H, d_h)`, in a loop."""
         bsz, seq_len, heads, hd = k.shape
         w = self.config.block_len
         nb = seq_len // w
@@ -220,27 +212,22 @@ class BSTRecurrentState(nn.Module):
             previous = (zeros, zeros, torch.zeros(bsz, w, dtype=torch.bool, device=kb.device))
         prev_k, prev_v, prev_valid = previous
         cur_valid = torch.ones(bsz, w, dtype=torch.bool, device=kb.device)
-        states, keys, values = [state], [], []
+        states, read = [state], []
         for b in range(nb):
             kcat = torch.cat([prev_k if b == 0 else kb[:, b - 1], kb[:, b]], 1)
             vcat = torch.cat([prev_v if b == 0 else vb[:, b - 1], vb[:, b]], 1)
             valid = torch.cat([prev_valid if b == 0 else cur_valid, cur_valid], 1)
-            state_kv = self.keys_values(states[-1])  # read by block b's tokens and by the update
-            keys.append(state_kv[0])
-            values.append(state_kv[1])
-            states.append(self.update(states[-1], kcat, vcat, valid, state_kv))
+            read.append(self.keys_values(states[-1]))  # read by block b's tokens and by the update
+            states.append(self.update(states[-1], kcat, vcat, valid, read[-1]))
         if fill:  # the state after each row's real tokens
             lens = lengths if lengths is not None else torch.full((bsz,), nb * w, device=kb.device)
-            new_state = torch.stack(states, 1)[torch.arange(bsz, device=kb.device), lens // w].detach()
-            rec_k, rec_v = (t.detach() for t in self.keys_values(new_state))
-            layer_cache.set(rec_state=new_state, rec_k=rec_k, rec_v=rec_v)
-        return torch.stack(keys, 1), torch.stack(values, 1)
+            with torch.no_grad():
+                self.store(layer_cache, None, torch.stack(states, 1)[torch.arange(bsz, device=kb.device), lens // w])
+        return tuple(torch.stack(x, 1) for x in zip(*read))
 
 
 class BSTBlockSelfAttention(nn.Module):
-    """Block self-attention (paper Sec. 3.1): each token over exactly the W previous tokens (the W most recent with
-    ``attend_self``), T5 relative bias, L2-normalised queries/keys, a learned per-head scale. Full-sequence forms:
-    FlexAttention, [`dense`] (the weights) or [`windowed`]; ``step``: one token over the cache's ring."""
+    """Block self-attention (paper Sec. 3.1) over the W previous tokens, T5 bias, L2-normalised q/k, per-head scale."""
 
     def __init__(self, config: BSTConfig, ring: int):
         super().__init__()
@@ -290,26 +277,21 @@ class BSTBlockSelfAttention(nn.Module):
         return layer_cache.window(positions, self.block_len)
 
     def forward(self, q, k, v, lengths=None, layer_cache=None, positions=None, weights=False):
-        """``q``/``k``/``v`` `(B, T, H, d_h)` (T a multiple of W), after the cached block of ``layer_cache`` at
-        ``positions`` if given -> `(B, T, H * d_h)` and (``weights`` = n > 0, eager) the first n queries' weights
-        `(B, H, n, K)` by key column."""
+        """`(B, T, H, d_h)` each -> `(B, T, H * d_h)`, and with ``weights`` = n the first n queries' `(B, H, n, K)`."""
         bsz, seq_len, heads, hd = q.shape
         drop = self.config.attention_dropout if self.training else 0.0
-        previous = None
-        if layer_cache is not None and positions is not None and not self.config.bidirectional:
-            previous = self.previous_block(layer_cache, positions)
-        probs = None
+        continued = layer_cache is not None and positions is not None and not self.config.bidirectional
+        previous = self.previous_block(layer_cache, positions) if continued else None
         if weights:
             out, probs = self.dense(q, k, v, previous, lengths, weights, drop)
         elif use_flex(self, q, drop, k, v):
-            out = flex_block_attention(self, q, k, v, lengths, previous)
+            out, probs = flex_block_attention(self, q, k, v, lengths, previous), None
         else:
-            out = self.windowed(q, k, v, previous, lengths, drop)
+            out, probs = self.windowed(q, k, v, previous, lengths, drop), None
         return out.reshape(bsz, seq_len, heads * hd), probs
 
     def dense(self, q, k, v, previous, lengths, n: int, dropout):
-        """Every query over every key under one mask (eager): the output of the first n queries (zeros after) and the
-        weights `(B, H, n, K)` it is made of."""
+        """Every query over every key under one mask: the first n queries' output (zeros after) and weights."""
         seq_len, w = q.shape[1], self.block_len
         first = 0 if previous is None else -w
         if previous is not None:
@@ -331,18 +313,17 @@ class BSTBlockSelfAttention(nn.Module):
         return F.pad(out, (0, 0, 0, 0, 0, seq_len - n)), probs
 
     def window_bias(self, chunk: int, span: int, dtype, device) -> torch.Tensor:
-        """Additive mask `(H, c, K)` of a window (scaled T5 bias, causal window): c queries at 0 .. c-1 over the
-        K = ``span`` keys from -W on (a Toeplitz skew of the per-distance table; docs/architecture.md)."""
+        """Additive mask `(H, c, K)` of c queries over ``span`` keys from -W on (docs/architecture.md)."""
         w = self.block_len
 
         def build():  # parameter-free: the bucket of every distance a window spans, which are outside the window
             distances = torch.arange(-w - chunk + 1, span - w, device=device)
-            return self.buckets(distances), None if self.config.bidirectional else ~self.window_valid(distances)[
-                :, None
-            ]
+            outside = None if self.config.bidirectional else ~self.window_valid(distances)[:, None]
+            return self.buckets(distances), outside
 
         buckets, outside = constant_memo(self, ("window", chunk, span, str(device)), build)
-        if plain_embedding(self.relative_bias):  # scale the (buckets, H) table once, then look it up
+        table = self.relative_bias
+        if type(table) is nn.Embedding and table.max_norm is None and _plain(table):  # scale the table, then look up
             per_distance = F.embedding(buckets, self.relative_bias.weight * self.scale).to(dtype)  # (n, H)
         else:
             per_distance = self.relative_bias(buckets).to(dtype) * self.scale.to(dtype)
@@ -356,27 +337,21 @@ class BSTBlockSelfAttention(nn.Module):
         return tiled[:, : chunk * (n - 1)].view(-1, chunk, n - 1)[:, :, :span]
 
     def keys_absent(self, previous, lengths, bsz: int, seq_len: int, chunk: int, span: int, device):
-        """Which of each window's keys are not held, `(B * T / c, 1, 1, K)`: before the sequence (or not held in the
-        cached block), bidirectional: the padding."""
-        w = self.block_len
+        """Which of each window's keys are not held, `(B * T / c, 1, 1, K)` (before the sequence, or padding)."""
         if previous is not None:
-            absent = F.pad(~previous[2], (0, seq_len))
-        elif lengths is not None and self.config.bidirectional:
-            pos = torch.arange(-w, seq_len + span - w - chunk, device=device)
-            absent = (pos < 0) | (pos >= lengths[:, None])
-        else:
+            return F.pad(~previous[2], (0, seq_len)).unfold(1, span, chunk).reshape(-1, 1, 1, span)
 
-            def build():
-                pos = torch.arange(-w, seq_len + span - w - chunk, device=device)
-                return ((pos < 0) | (pos >= seq_len)).unfold(0, span, chunk)  # (T / c, K)
+        def outside(length):  # keys before the sequence or at/after ``length``, per window: (..., T / c, K)
+            pos = torch.arange(-self.block_len, seq_len + span - self.block_len - chunk, device=device)
+            return ((pos < 0) | (pos >= length)).unfold(-1, span, chunk)
 
-            absent = constant_memo(self, ("absent", seq_len, chunk, span, str(device)), build)
-            return absent.expand(bsz, -1, -1).reshape(-1, 1, 1, span)
-        return absent.unfold(1, span, chunk).reshape(-1, 1, 1, span)
+        if lengths is not None and self.config.bidirectional:
+            return outside(lengths[:, None]).reshape(-1, 1, 1, span)
+        absent = constant_memo(self, ("absent", seq_len, chunk, span, str(device)), lambda: outside(seq_len))
+        return absent.expand(bsz, -1, -1).reshape(-1, 1, 1, span)
 
     def windowed(self, q, k, v, previous, lengths, dropout):
-        """Queries in windows of c ([`query_chunk`]; bidirectional W) over the keys each reaches, under one mask, in
-        one attention call; a query without any key gets zeros."""
+        """Queries in windows of c ([`query_chunk`]) over the keys each reaches, in one attention call."""
         bsz, seq_len, heads, hd = q.shape
         w, bidirectional = self.block_len, self.config.bidirectional
         chunk = w if bidirectional else query_chunk(self.config, q)
@@ -418,8 +393,7 @@ class BSTBlockSelfAttention(nn.Module):
         return torch.cat([out[:, :1] * keep, out[:, 1:]], 1)
 
     def step(self, q, k, v, layer_cache: BSTLayerCache, plan: StepPlan):
-        """One token per row: writes its key/value into the ring, attends over the window. Returns `(B, 1, H *
-        d_h)`, the weights over the ring (with ``plan.weights``) and the ring ``(keys, values, key positions)``."""
+        """One token per row over the ring -> `(B, 1, H d_h)`, weights, the ring ``(keys, values, positions)``."""
         bsz, _, heads, hd = q.shape
         p = plan.positions
         ring_k, ring_v, kpos = layer_cache.write_ring(
@@ -440,8 +414,7 @@ class BSTBlockSelfAttention(nn.Module):
         return (out * any_key).reshape(bsz, 1, heads * hd), probs, (ring_k, ring_v, kpos)
 
     def step_bias_table(self, memo, dtype):
-        """Scaled T5 bias per distance 0 .. R-1 and a masked column R, `(H, R + 1)`, kept in a decoding run's
-        ``memo`` while the parameters are unchanged."""
+        """Scaled T5 bias per distance 0 .. R-1 and a masked column R, `(H, R + 1)`, memoised for a decoding run."""
 
         def compute():
             table = (
@@ -453,8 +426,7 @@ class BSTBlockSelfAttention(nn.Module):
 
 
 class BSTCrossAttention(nn.Module):
-    """The second attention of a BST or BRecT layer: block b's queries over block b's keys/values (context states or
-    the recurrent state)."""
+    """The second attention of a BST or BRecT layer: block b's queries over block b's context or recurrent states."""
 
     def __init__(self, config: BSTConfig):
         super().__init__()
@@ -472,8 +444,7 @@ class BSTCrossAttention(nn.Module):
         return q * self.scale.to(q.dtype)[:, None]
 
     def forward(self, xn, keys, values, mask=None, zero_first=False, weights=False):
-        """``xn`` `(B, T, D)` over ``keys``/``values`` `(B, nb, S, H, d_h)`, additive ``mask`` `(W, S)` within a
-        block, ``zero_first``: each block's first query gets zeros -> `(B, T, H * d_h)`, weights `(B, H, n, S)`."""
+        """``xn`` `(B, T, D)` over `(B, nb, S, H, d_h)` states, ``mask`` `(W, S)` -> `(B, T, H d_h)`, weights."""
         cfg = self.config
         bsz, seq_len, _ = xn.shape
         w, heads, hd = self.block_len, cfg.num_attention_heads, cfg.head_dim
@@ -506,8 +477,7 @@ class BSTCrossAttention(nn.Module):
         return out.reshape(bsz, seq_len, heads * hd), probs
 
     def step(self, xn, keys, values, mask=None, any_valid=None, weights=False):
-        """One token: ``xn`` `(B, 1, D)` over ``keys``/``values`` `(B, S, H, d_h)`, ``mask`` `(B, 1, 1, S)`; rows
-        without ``any_valid`` get zeros -> `(B, 1, H * d_h)` and the weights `(B, H, 1, S)` (with ``weights``)."""
+        """One token `(B, 1, D)` over `(B, S, H, d_h)` states -> `(B, 1, H d_h)` (zeros without ``any_valid``)."""
         q = self.query(xn).transpose(1, 2)  # (B, H, 1, d)
         out, probs = attention(self, q, keys.transpose(1, 2), values.transpose(1, 2), mask, 0.0, True)
         if any_valid is not None:
@@ -529,9 +499,7 @@ class BSTMLP(nn.Module):
 
 
 class BSTLayer(GradientCheckpointingLayer):
-    """The call every decoder layer shares, ``layer(hidden_states, layer_cache, chunk)``: the [`_Chunk`] runs its
-    ``sequence`` (a [`SequencePass`]) and ``step`` (a [`StepPlan`]) forms, each returning ``(hidden_states,
-    self_attention_weights, second_attention_weights)``; without a chunk, one fresh sequence."""
+    """The call every decoder layer shares, ``layer(hidden_states, layer_cache, chunk)`` (docs/architecture.md)."""
 
     def __init__(self, config: BSTConfig, layer_idx: int):
         super().__init__()
@@ -549,9 +517,7 @@ class BSTLayer(GradientCheckpointingLayer):
 
 
 class BSTDecoderLayer(BSTLayer):
-    """A block layer (the paper's Slide layer) and the base of the BST and BRecT layers: 1. RMS norm; 2. block
-    self-attention; 3. the second attention ([`attend_states`] / [`step_states`]: none here); 4. both concatenated,
-    output projection, residual; 5. RMS norm, MLP, residual."""
+    """A block (Slide), BST or BRecT layer, by ``layer_type``: norm, self-attention, second attention, MLP."""
 
     def __init__(self, config: BSTConfig, layer_idx: int):
         super().__init__(config, layer_idx)
@@ -559,40 +525,58 @@ class BSTDecoderLayer(BSTLayer):
         # The decoding ring: the W-token window and the newest token; BRecT's state update reads two blocks.
         ring = 2 * config.block_len if self.layer_type == "recurrent" else config.block_len + 1
         self.self_attn = BSTBlockSelfAttention(config, ring)
-        self.cross_attn = None
-        self.build_state_attention(config)
+        if self.layer_type == "bst":
+            self.ssm = SSM_KERNELS[config.ssm_kind](config.ssm_channels, config.ssm_output_channels, config)
+            self.context = CONTEXT_BUILDERS[config.context_mode](config)
+        elif self.layer_type == "recurrent":
+            self.recurrent = BSTRecurrentState(config)
+        self.cross_attn = None if self.layer_type == "block" else BSTCrossAttention(config)
         self.o_proj = nn.Linear(heads * hd * (1 if self.cross_attn is None else 2), d, bias=False)
         self.post_attention_norm = BSTRMSNorm(d, config.rms_norm_eps)
         self.mlp = BSTMLP(config)
-
-    def build_state_attention(self, config: BSTConfig):
-        """The modules of step 3."""
-
-    def attend_states(self, hidden_states, xn, k, v, layer_cache, inputs: SequencePass):
-        """Step 3, full sequence: ``(output (B, T, H d_h), weights)`` or None (``k``/``v``: the self-attention's)."""
-        return None
-
-    def step_states(self, hidden_states, xn, ring, layer_cache, plan: StepPlan):
-        """Step 3, one token (``ring``: the self-attention ring after this token's write)."""
-        return None
 
     def sequence(self, hidden_states, layer_cache, inputs: SequencePass):
         xn = self.dropout(self.input_norm(hidden_states))  # meliad's dropout on the norm
         q, k, v = self.self_attn.project(xn)  # (B, T, H, d_h)
         a_self, self_w = self.self_attn(q, k, v, inputs.lengths, layer_cache, inputs.positions, inputs.weights)
-        second = self.attend_states(hidden_states, xn, k, v, layer_cache, inputs)
+        second, positions = None, inputs.positions
+        if self.layer_type == "bst":  # step 3: SSM -> context states -> cross-attention
+            x = self.dropout(hidden_states) if self.config.ssm_input == "raw" else xn
+            keys, values, mask, zero_first = self.context(
+                self.ssm, x, layer_cache, positions, inputs.doc_start, inputs.lengths, inputs.fill_cache,
+                tables=inputs.ssm_tables,
+            )  # fmt: skip
+            second = self.cross_attn(xn, keys, values, mask, zero_first, inputs.weights)
+        elif self.layer_type == "recurrent":  # step 3: the recurrent state's keys/values per block -> cross-attention
+            continued = layer_cache is not None and positions is not None
+            previous = self.self_attn.previous_block(layer_cache, positions) if continued else None
+            keys, values = self.recurrent(
+                k, v, previous, inputs.lengths, layer_cache, positions, inputs.doc_start, inputs.fill_cache
+            )
+            second = self.cross_attn(xn, keys, values, weights=inputs.weights)
         if inputs.fill_cache:  # the keys/values of each row's real tokens
             lens = (
                 inputs.lengths if inputs.lengths is not None else torch.full(k.shape[:1], k.shape[1], device=k.device)
             )
-            layer_cache.fill_ring(ATTENTION_RING, k.detach(), v.detach(), lens, self.self_attn.ring, inputs.positions)
+            layer_cache.fill_ring(ATTENTION_RING, k.detach(), v.detach(), lens, self.self_attn.ring, positions)
         return self.output(hidden_states, a_self, self_w, second, self.dropout)
 
     def step(self, hidden_states, layer_cache, plan: StepPlan):
         xn = self.input_norm(hidden_states)
         q, k, v = self.self_attn.project(xn)
-        a_self, self_w, ring = self.self_attn.step(q, k, v, layer_cache, plan)
-        second = self.step_states(hidden_states, xn, ring, layer_cache, plan)
+        a_self, self_w, ring = self.self_attn.step(q, k, v, layer_cache, plan)  # ring: after this token's write
+        second, rec = None, getattr(self, "recurrent", None)
+        if self.layer_type == "bst":
+            x = hidden_states if self.config.ssm_input == "raw" else xn
+            keys, values, mask, any_valid = self.context(self.ssm, x, layer_cache, plan=plan)
+            second = self.cross_attn.step(xn, keys, values, mask, any_valid, plan.weights)
+        elif self.layer_type == "recurrent":
+            if maybe_any(plan.fresh):  # a document starting here reads the initial state
+                state = layer_cache.rec_state
+                rec.store(layer_cache, plan.fresh, rec.initial_state.to(state.dtype).expand_as(state))
+            second = self.cross_attn.step(xn, layer_cache.rec_k, layer_cache.rec_v, weights=plan.weights)
+            if maybe_any(plan.block_end):  # at a block's end the state absorbs the ring (keys, values, positions)
+                rec.store(layer_cache, plan.block_end, rec.update(layer_cache.rec_state, *ring[:2], ring[2] >= 0))
         return self.output(hidden_states, a_self, self_w, second, None)
 
     def output(self, hidden_states, a_self, self_w, second, dropout):
@@ -607,63 +591,8 @@ class BSTDecoderLayer(BSTLayer):
         return h, self_w, second_w
 
 
-class BSTContextLayer(BSTDecoderLayer):
-    """A BST layer (paper Sec. 3): step 3 runs the SSM (``ssm``) over the sequence (the normed input, or with
-    ``ssm_input="raw"`` the layer input), builds context states (``context``) and cross-attends to them."""
-
-    def build_state_attention(self, config: BSTConfig):
-        self.ssm = SSM_KERNELS[config.ssm_kind](config.ssm_channels, config.ssm_output_channels, config)
-        self.context = CONTEXT_BUILDERS[config.context_mode](config)
-        self.cross_attn = BSTCrossAttention(config)
-
-    def attend_states(self, hidden_states, xn, k, v, layer_cache, inputs: SequencePass):
-        x = self.dropout(hidden_states) if self.config.ssm_input == "raw" else xn
-        keys, values, mask, zero_first = self.context(
-            self.ssm, x, layer_cache, inputs.positions, inputs.doc_start, inputs.lengths, inputs.fill_cache,
-            tables=inputs.ssm_tables,
-        )  # fmt: skip
-        return self.cross_attn(xn, keys, values, mask, zero_first, inputs.weights)
-
-    def step_states(self, hidden_states, xn, ring, layer_cache, plan: StepPlan):
-        x = hidden_states if self.config.ssm_input == "raw" else xn
-        keys, values, mask, any_valid = self.context(self.ssm, x, layer_cache, plan=plan)
-        return self.cross_attn.step(xn, keys, values, mask, any_valid, plan.weights)
-
-
-class BSTRecurrentLayer(BSTDecoderLayer):
-    """A Block-Recurrent Transformer layer (the paper's BRecT:fixed:skip baseline): step 3 cross-attends to the
-    recurrent state (``recurrent``), which absorbs the previous and current block at each block end."""
-
-    def build_state_attention(self, config: BSTConfig):
-        self.recurrent = BSTRecurrentState(config)
-        self.cross_attn = BSTCrossAttention(config)
-
-    def attend_states(self, hidden_states, xn, k, v, layer_cache, inputs: SequencePass):
-        positions = inputs.positions
-        continued = layer_cache is not None and positions is not None
-        previous = self.self_attn.previous_block(layer_cache, positions) if continued else None
-        keys, values = self.recurrent(
-            k, v, previous, inputs.lengths, layer_cache, positions, inputs.doc_start, inputs.fill_cache
-        )
-        return self.cross_attn(xn, keys, values, weights=inputs.weights)
-
-    def step_states(self, hidden_states, xn, ring, layer_cache, plan: StepPlan):
-        rec = self.recurrent
-        if maybe_any(plan.fresh):  # a document starting here reads the initial state
-            state = rec.initial_state.to(layer_cache.rec_state.dtype).expand_as(layer_cache.rec_state)
-            rec_k, rec_v = rec.keys_values(state)
-            layer_cache.set(plan.fresh, rec_state=state, rec_k=rec_k, rec_v=rec_v)
-        out = self.cross_attn.step(xn, layer_cache.rec_k, layer_cache.rec_v, weights=plan.weights)
-        if maybe_any(plan.block_end):  # at a block's last token the state absorbs the ring (keys, values, positions)
-            state = rec.update(layer_cache.rec_state, ring[0], ring[1], ring[2] >= 0)
-            rec_k, rec_v = rec.keys_values(state)
-            layer_cache.set(plan.block_end, rec_state=state, rec_k=rec_k, rec_v=rec_v)
-        return out
-
-
 class BSTGSSLayer(BSTLayer):
-    """Gated State Space layer (Mehta et al., 2022), the GSS-Hybrid baseline: ``u = gelu(x_n W_u)``, ``v = gelu(x_n
-    W_v)``, ``out = x + ((S4D(u) W_y) * v) W_o``. No attention weights."""
+    """Gated State Space layer (GSS-Hybrid): ``x + ((S4D(gelu(x_n W_u)) W_y) * gelu(x_n W_v)) W_o``."""
 
     def __init__(self, config: BSTConfig, layer_idx: int):
         super().__init__(config, layer_idx)
@@ -705,17 +634,8 @@ class BSTGSSLayer(BSTLayer):
         return self.output(hidden_states, y, v)
 
 
-DECODER_LAYER_CLASSES = {
-    "block": BSTDecoderLayer,
-    "bst": BSTContextLayer,
-    "recurrent": BSTRecurrentLayer,
-    "gss": BSTGSSLayer,
-}
-
-
 def load_offloaded_layers_whole(model):
-    """Makes each decoder layer that a ``device_map`` offloaded load all its weights when called (accelerate's
-    ``preload_module_classes``, which transformers does not pass): BST layers read submodules' weights in methods."""
+    """Makes each decoder layer that a ``device_map`` offloaded load all its weights when called."""
     for name, layer in model.named_modules():
         hooks = [h for m in layer.modules() if getattr(h := getattr(m, "_hf_hook", None), "offload", False)]
         if type(layer).__name__ not in model._no_split_modules or not hooks:
@@ -731,18 +651,12 @@ def load_offloaded_layers_whole(model):
         )  # fmt: skip
 
 
-def fan_in_std(fan_in: int, config) -> float:
-    """1/sqrt(fan_in), divided by the std of a unit normal truncated at +-2 with ``init_truncation_correction``."""
-    std = 1.0 / math.sqrt(fan_in)
-    return std / 0.87962566103423978 if config.init_truncation_correction else std
-
-
 class BSTPreTrainedModel(PreTrainedModel):
     config: BSTConfig
     config_class = BSTConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
-    _no_split_modules = ["BSTDecoderLayer", "BSTContextLayer", "BSTRecurrentLayer", "BSTGSSLayer"]
+    _no_split_modules = ["BSTDecoderLayer", "BSTGSSLayer"]
     _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_sdpa = True
     _supports_flex_attn = True
@@ -762,7 +676,8 @@ class BSTPreTrainedModel(PreTrainedModel):
         cfg = self.config
 
         def trunc_normal(param, fan_in):
-            std = fan_in_std(fan_in, cfg)
+            std = 1.0 / math.sqrt(fan_in)  # with the correction, over the std of a unit normal truncated at +-2
+            std = std / 0.87962566103423978 if cfg.init_truncation_correction else std
             init.trunc_normal_(param, mean=0.0, std=std, a=-2 * std, b=2 * std)
 
         if isinstance(module, nn.Linear):
@@ -770,10 +685,7 @@ class BSTPreTrainedModel(PreTrainedModel):
             if module.bias is not None:
                 init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
-            t5 = (module.num_embeddings, module.embedding_dim) == (
-                cfg.relative_attention_num_buckets,
-                cfg.num_attention_heads,
-            )
+            t5 = module.weight.shape == (cfg.relative_attention_num_buckets, cfg.num_attention_heads)
             init.normal_(module.weight, 0.0, 0.1 if t5 else cfg.initializer_range)
         elif isinstance(module, BSTRMSNorm):
             init.ones_(module.weight)
@@ -816,8 +728,7 @@ class BSTPreTrainedModel(PreTrainedModel):
         return embeddings
 
     def ssm_parameter_names(self) -> list[str]:
-        """The SSM kernel parameters that train with ``config.ssm_lr`` and no weight decay (S4D's ``A_log_real``,
-        ``A_imag``, ``B``, ``log_dt``; the unstruct filter's but its ``bias``), in ``named_parameters`` order."""
+        """The SSM kernel parameters that train with ``config.ssm_lr`` and no weight decay, in parameter order."""
         ssm = set()
         for prefix, module in self.named_modules():
             if isinstance(module, S4DKernel):
@@ -828,15 +739,14 @@ class BSTPreTrainedModel(PreTrainedModel):
 
 
 class BSTModel(BSTPreTrainedModel):
-    """The BST decoder stack: ``embed_tokens`` -> ``layers`` -> ``norm``. Outputs in the caller's columns: hidden
-    states, and (eager) per layer the self-attention weights by key column and the second attention's over its block's
-    states (None for a block or GSS layer); docs/architecture.md."""
+    """The BST decoder stack: ``embed_tokens`` -> ``layers`` -> ``norm`` (outputs: docs/architecture.md)."""
 
     def __init__(self, config: BSTConfig):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        kinds = map(config.layer_kind, range(config.num_hidden_layers))
         self.layers = nn.ModuleList(
-            [DECODER_LAYER_CLASSES[config.layer_kind(i)](config, i) for i in range(config.num_hidden_layers)]
+            (BSTGSSLayer if k == "gss" else BSTDecoderLayer)(config, i) for i, k in enumerate(kinds)
         )
         self.norm = BSTRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.dropout = nn.Dropout(config.dropout)
@@ -852,16 +762,17 @@ class BSTModel(BSTPreTrainedModel):
     def _check_inputs(self, input_ids, inputs_embeds, attention_mask, cache):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
-        if input_ids is not None:
-            if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
-                raise TypeError(f"input_ids must be an integer tensor, got dtype {input_ids.dtype}.")
-            if input_ids.dim() != 2:
-                raise ValueError(f"input_ids must have shape (batch, sequence), got {tuple(input_ids.shape)}.")
+        if input_ids is not None and (
+            input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool
+        ):
+            raise TypeError(f"input_ids must be an integer tensor, got dtype {input_ids.dtype}.")
+        if input_ids is not None and input_ids.dim() != 2:
+            raise ValueError(f"input_ids must have shape (batch, sequence), got {tuple(input_ids.shape)}.")
         shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
         if shape[1] == 0 or shape[0] == 0:
             raise ValueError(f"Empty input: got a batch of shape {tuple(shape)}; need at least one token per row.")
         if attention_mask is not None and tuple(attention_mask.shape) != tuple(shape):
-            if not (cache is not None and attention_mask.shape[0] == shape[0]):
+            if cache is None or attention_mask.shape[0] != shape[0]:
                 raise ValueError(
                     f"attention_mask has shape {tuple(attention_mask.shape)} but the input has shape {tuple(shape)}."
                 )
@@ -871,17 +782,15 @@ class BSTModel(BSTPreTrainedModel):
                 f"The cache (`cache`/`past_key_values`) holds {rows.positions.shape[0]} rows but the input has {shape[0]}."
             )
         if input_ids is not None and self._validate_ids(input_ids, rows is not None and shape[1] == 1):
-            lo, hi = int(input_ids.min()), int(input_ids.max())
-            if lo < 0 or hi >= self.config.vocab_size:
-                bad = lo if lo < 0 else hi
+            bad = [i for i in (int(input_ids.min()), int(input_ids.max())) if not 0 <= i < self.config.vocab_size]
+            if bad:
                 raise ValueError(
-                    f"input_ids contains token id {bad} outside [0, vocab_size={self.config.vocab_size})."
+                    f"input_ids contains token id {bad[0]} outside [0, vocab_size={self.config.vocab_size})."
                 )
         return shape
 
     def _validate_ids(self, input_ids, decode_step: bool) -> bool:
-        """Whether to range-check token ids: eager, and on accelerators only outside training and decode steps (a
-        device sync)."""
+        """Whether to range-check token ids: eager, and on accelerators outside training and decode steps (a sync)."""
         return not tracing() and (not on_accelerator(input_ids) or not (self.training or decode_step))
 
     def _check_unstruct_length(self, seq_len, cache, continuing):
@@ -889,9 +798,8 @@ class BSTModel(BSTPreTrainedModel):
         if cfg.ssm_kind != "unstruct" or not cfg.bst_layer_indices or cfg.unstruct_finite_filter:
             return
         # (a traced step serves every position: only eager calls check a continued sequence)
-        done = (
-            int((cache.layers[0].positions - cache.layers[0].doc_start).max()) if continuing and not tracing() else 0
-        )
+        rows = cache.layers[0] if continuing and not tracing() else None
+        done = 0 if rows is None else int((rows.positions - rows.doc_start).max())
         if seq_len + done > cfg.max_position_embeddings:
             raise ValueError(
                 f"unstruct BST models handle at most max_position_embeddings={cfg.max_position_embeddings} "
@@ -911,8 +819,7 @@ class BSTModel(BSTPreTrainedModel):
         output_attentions: bool | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPastAndCrossAttentions:
-        """``cache`` (or ``past_key_values``): a [`BSTCache`] to continue. A packed row (``position_ids`` restarting,
-        or ``cu_seq_lens_q/k``) runs each document as a row of its own ([`_Documents`])."""
+        """``cache`` (or ``past_key_values``): a [`BSTCache`] to continue; a packed row runs per document."""
         cfg = self.config
         cache = None if cfg.bidirectional else cache
         if cache is not None:
@@ -922,17 +829,13 @@ class BSTModel(BSTPreTrainedModel):
         weights = output_attentions if output_attentions is not None else cfg.output_attentions
         if weights and cfg._attn_implementation != "eager":
             logger.warning_once(
-                f"BST: output_attentions=True needs the eager attention; attn_implementation="
-                f"{cfg._attn_implementation!r} returns no attention weights. Load the model with "
-                "attn_implementation='eager' to get them."
+                f"BST: attn_implementation={cfg._attn_implementation!r} returns no attention weights (output_attentions"
+                "=True): load the model with attn_implementation='eager' to get them."
             )
             weights = False
         # (the causal LM head passes the documents it found: ``_document_starts``)
-        starts = (
-            kwargs["_document_starts"]
-            if "_document_starts" in kwargs
-            else _Documents.starts(kwargs, attention_mask, shape)
-        )
+        starts = kwargs.get("_document_starts", ...)
+        starts = _Documents.starts(kwargs, attention_mask, shape) if starts is ... else starts
         if starts is None:
             return self.chunk_forward(
                 input_ids, attention_mask, cache, inputs_embeds, use_cache, output_hidden_states=hidden_states,
@@ -940,9 +843,8 @@ class BSTModel(BSTPreTrainedModel):
             )  # fmt: skip
         if cache is not None or use_cache:
             raise ValueError(
-                "A packed row (position_ids restarting inside a row, or cu_seq_lens_q/k) cannot fill or continue "
-                "a cache: its documents are separate sequences. Pass use_cache=False; generate from one row per "
-                "sequence."
+                "A packed row (position_ids restarting inside a row, or cu_seq_lens_q/k) cannot fill or continue a "
+                "cache: its documents are separate sequences. Pass use_cache=False; generate from one row per sequence."
             )
         if weights:
             raise ValueError("A packed row returns no attention weights: pass output_attentions=False.")
@@ -951,10 +853,8 @@ class BSTModel(BSTPreTrainedModel):
             self.chunk_forward(ids, mask, None, embeds, False, output_hidden_states=hidden_states, return_dict=True)
             for ids, embeds, mask in zip(docs.rows(input_ids), docs.rows(inputs_embeds), docs.masks)
         ]
-        hidden = None
-        if inner[0].hidden_states is not None:
-            per_layer = zip(*(out.hidden_states for out in inner))
-            hidden = tuple(None if h[0] is None else docs.columns(h) for h in per_layer)
+        per_layer = zip(*(out.hidden_states for out in inner)) if inner[0].hidden_states is not None else None
+        hidden = None if per_layer is None else tuple(None if h[0] is None else docs.columns(h) for h in per_layer)
         return BaseModelOutputWithPastAndCrossAttentions(
             last_hidden_state=docs.columns([out.last_hidden_state for out in inner]), hidden_states=hidden
         )
@@ -963,13 +863,10 @@ class BSTModel(BSTPreTrainedModel):
     def chunk_forward(
         self, input_ids, attention_mask, cache, inputs_embeds, use_cache, output_attentions=False, **kwargs
     ):
-        """One chunk continuing ``cache`` ([`_Chunk`]): [`forward`] without packed rows. Hidden states are recorded by
-        transformers' hooks (``_can_record_outputs``), the attention weights collected here."""
+        """One chunk continuing ``cache`` ([`_Chunk`]): [`forward`] without packed rows."""
         cfg = self.config
         given = cache
-        use_cache = (
-            use_cache if use_cache is not None else cfg.use_cache and not self.training
-        ) and not cfg.bidirectional
+        use_cache = (cfg.use_cache and not self.training if use_cache is None else use_cache) and not cfg.bidirectional
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         bsz, seq_len = hidden.shape[:2]
         if use_cache and cache is None:
@@ -983,27 +880,24 @@ class BSTModel(BSTPreTrainedModel):
         )  # fmt: skip
         self._check_unstruct_length(seq_len, cache, not chunk.fresh)
         if not (self.gradient_checkpointing and self.training):  # (a checkpointed layer recomputes its own)
-            chunk.ssm_tables = ChunkTables(layer.ssm for layer in self.layers if isinstance(layer, BSTContextLayer))
+            chunk.ssm_tables = ChunkTables(layer.ssm for layer in self.layers if layer.layer_type == "bst")
         if not cfg.meliad_dropout:  # embedding dropout, on every chunk (a streamed segment continuing a cache too)
             hidden = self.dropout(hidden)
         hidden = chunk.into_layers(hidden)
-        all_attn, all_cross = [], []
+        weights = []  # per layer (self-attention, second attention)
         for layer_idx, layer in enumerate(self.layers):
             out = layer(hidden, cache.layers[layer_idx] if cache is not None else None, chunk)
-            hidden, attn, cross = out if output_attentions else (out, None, None)
-            all_attn.append(attn)
-            all_cross.append(cross)
+            hidden, *layer_weights = out if output_attentions else (out, None, None)
+            weights.append(layer_weights)
         chunk.finish()
         hidden = self.norm(chunk.out_of_layers(hidden))
-        if cache is not None and self.training:
-            for layer_cache in cache.layers:
-                layer_cache.detach()
+        for layer_cache in cache.layers if cache is not None and self.training else ():
+            layer_cache.detach()
+        attentions, cross_attentions = zip(*weights) if output_attentions else (None, None)
         return BaseModelOutputWithPastAndCrossAttentions(
-            last_hidden_state=hidden,
-            **{CACHE_NAME: cache if use_cache or given is not None else None},
-            attentions=tuple(all_attn) if output_attentions else None,
-            cross_attentions=tuple(all_cross) if output_attentions else None,
-        )
+            last_hidden_state=hidden, **{CACHE_NAME: cache if use_cache or given is not None else None},
+            attentions=attentions, cross_attentions=cross_attentions,
+        )  # fmt: skip
 
 
 class BSTForCausalLM(BSTPreTrainedModel, GenerationMixin):
@@ -1023,8 +917,7 @@ class BSTForCausalLM(BSTPreTrainedModel, GenerationMixin):
         self.lm_head = new_embeddings
 
     def create_masks_for_generate(self, attention_mask=None, is_first_iteration=True, **kwargs):
-        """BST builds its masks from the 2-D padding mask, which only the first forward needs (decoded tokens are
-        real): decode steps get none, so one compiled step serves every position."""
+        """The 2-D padding mask on the first forward only (decoded tokens are real: one compiled step serves all)."""
         return attention_mask if is_first_iteration else None
 
     @cache_argument
@@ -1045,15 +938,9 @@ class BSTForCausalLM(BSTPreTrainedModel, GenerationMixin):
         """Causal LM forward; ``labels`` `(B, T)` are the input ids (shifted inside; -100 ignored)."""
         starts = _Documents.starts(kwargs, attention_mask, _input_shape(input_ids, inputs_embeds))
         outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            cache=cache,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            output_hidden_states=output_hidden_states,
-            output_attentions=output_attentions,
+            input_ids, attention_mask, cache, inputs_embeds, use_cache, output_hidden_states, output_attentions,
             _document_starts=starts,
-        )
+        )  # fmt: skip
         slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         hidden = self.final_dropout(outputs.last_hidden_state[:, slice_indices, :])
         scale = self.config.logit_scale
@@ -1067,18 +954,12 @@ class BSTForCausalLM(BSTPreTrainedModel, GenerationMixin):
                 labels = labels.masked_fill(starts, -100)  # a document's first token: not a target of the previous
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return CausalLMOutputWithCrossAttentions(
-            loss=loss,
-            logits=logits,
-            **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            cross_attentions=outputs.cross_attentions,
+            loss=loss, logits=logits, **{k: v for k, v in outputs.items() if k != "last_hidden_state"}
         )
 
 
 class BSTS4Layer(nn.Module):
-    """A plain S4 layer (the LRA classifier's head): RMS norm -> S4D over the full width -> GELU -> linear ->
-    residual; bidirectional with ``config.bidirectional``."""
+    """A plain S4 layer (the LRA classifier's head): RMS norm -> S4D -> GELU -> linear -> residual."""
 
     def __init__(self, config: BSTConfig):
         super().__init__()
@@ -1096,8 +977,7 @@ class BSTS4Layer(nn.Module):
 
 
 class BSTForSequenceClassification(BSTPreTrainedModel):
-    """BST encoder (+ ``num_s4_head_layers`` S4 layers), mean pooling over real tokens, a linear classifier (the
-    paper's LRA model: ``bidirectional=True``, BST layers, two S4 layers)."""
+    """BST encoder, ``num_s4_head_layers`` S4 layers, mean pooling over real tokens, a linear classifier (LRA)."""
 
     def __init__(self, config: BSTConfig):
         super().__init__(config)
@@ -1121,12 +1001,7 @@ class BSTForSequenceClassification(BSTPreTrainedModel):
         if _Documents.starts(kwargs, attention_mask, _input_shape(input_ids, inputs_embeds)) is not None:
             raise ValueError("A packed row (several documents per row) cannot be classified: pass one per row.")
         outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            inputs_embeds=inputs_embeds,
-            use_cache=False,
-            output_hidden_states=output_hidden_states,
-            output_attentions=output_attentions,
+            input_ids, attention_mask, None, inputs_embeds, False, output_hidden_states, output_attentions
         )
         hidden = outputs.last_hidden_state  # (B, T, D); padded positions are zero
         valid = attention_mask.bool() if attention_mask is not None else None

@@ -45,9 +45,7 @@ MODES = ("normal", "shuffled", "other_book", "zeroed")
 def ablate_context(model, mode: str):
     """Within the block, every BST cross-attention layer of ``model`` builds its context states as ``mode`` says
     (see the module docstring). Yields the number of layers patched."""
-    from modeling_bst.modeling_bst import BSTContextLayer
-
-    layers = [m for m in model.modules() if isinstance(m, BSTContextLayer)]
+    layers = [m for m in model.modules() if getattr(m, "layer_type", None) == "bst"]
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     originals = [m.context.sequence for m in layers]
