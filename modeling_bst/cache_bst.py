@@ -89,7 +89,6 @@ class BSTLayerCache(CacheLayerMixin):
             for name in self.names:
                 setattr(self, name, getattr(self, name, None))
 
-    # -- transformers' cache-layer interface ---------------------------------------------------------------------
     def lazy_initialization(self, key_states=None, value_states=None) -> None:
         """Nothing to do: the model layer fills the state on its first forward."""
 
@@ -115,7 +114,6 @@ class BSTLayerCache(CacheLayerMixin):
 
     prefetch = offload
 
-    # -- state ---------------------------------------------------------------------------------------------------
     def tensors(self) -> list:
         """``[(name, tensor)]`` of every batched state tensor held."""
         return [(name, getattr(self, name)) for name in self.names if getattr(self, name) is not None]
@@ -208,7 +206,6 @@ class BSTLayerCache(CacheLayerMixin):
             if common is None or common % self.block_len:
                 self._docs_on_grid = False  # a row may now start a document off the block grid
 
-    # -- row state (meaningful in the first layer) ------------------------------------------------------------
     @property
     def is_empty(self) -> bool:
         return self.positions is None
@@ -251,7 +248,6 @@ class BSTLayerCache(CacheLayerMixin):
         if self._common_position not in (UNKNOWN, None):
             self._common_position += seq_len
 
-    # -- rows of the batch -------------------------------------------------------------------------------------
     def _apply(self, fn):
         self._undo.clear()  # records are per row
         for name, t in self.tensors():
@@ -275,7 +271,6 @@ class BSTLayerCache(CacheLayerMixin):
     def detach(self):
         self._apply(lambda t: t.detach())
 
-    # -- rollback (assisted decoding) --------------------------------------------------------------------------------
     def activate_past_recording(self):
         """Record what each decoded position overwrites, so that [`crop`] can take back up to ``MAX_ROLLBACK``."""
         self.record_past = True
@@ -348,57 +343,43 @@ class BSTCache(Cache):
             layer.detach()
         return self
 
-    # -- pytree node: leaves are the row state, then each layer's states; the context only the structure -----------
-    def _pytree_flatten(self):
-        rows = self.layers[0]
-        leaves = [("positions", rows.positions), ("doc_start", rows.doc_start), ("seen_tokens", rows.seen)]
-        for i, layer in enumerate(self.layers):
-            leaves.extend((f"layers.{i}.{name}", getattr(layer, name)) for name in layer.names)
-        spec = tuple((layer._layer_type, layer.names) for layer in self.layers)
-        return leaves, ((rows.signature, rows.block_len), spec)
 
-    @classmethod
-    def _pytree_unflatten(cls, values, context) -> "BSTCache":
-        (signature, block_len), spec = context
-        values = iter(values)
-        positions, doc_start, seen = next(values), next(values), next(values)
-        layers = []
-        for i, (kind, names) in enumerate(spec):
-            layer = LAYER_CACHE_TYPES[kind]()
-            layer.names, layer.signature, layer.block_len, layer.layer_idx = names, signature, block_len, i
-            for name in names:
-                setattr(layer, name, next(values))
-            layer.rows = layers[0] if layers else layer
-            layers.append(layer)
-        if positions is not None:
-            layers[0].set_rows(positions, doc_start, seen, known=False)
-        return cls(layers=layers)
+def _flatten(cache, keys=False):  # leaves: the row state, then each layer's states; context: the structure
+    rows = cache.layers[0]
+    leaves = [("positions", rows.positions), ("doc_start", rows.doc_start), ("seen_tokens", rows.seen)]
+    leaves += [(f"layers.{i}.{n}", getattr(layer, n)) for i, layer in enumerate(cache.layers) for n in layer.names]
+    context = ((rows.signature, rows.block_len), tuple((layer._layer_type, layer.names) for layer in cache.layers))
+    return [(pytree.MappingKey(name), t) if keys else t for name, t in leaves], context
 
 
-def register_pytree():
-    """Register [`BSTCache`] as a pytree node (once per class object: a Hub copy of this module is its own class)."""
-    if BSTCache in pytree.SUPPORTED_NODES:
-        return
-
-    def flatten(cache, keys=False):
-        leaves, context = cache._pytree_flatten()
-        return [(pytree.MappingKey(name), t) if keys else t for name, t in leaves], context
-
-    def tuples(x):
-        return tuple(tuples(v) for v in x) if isinstance(x, list) else x
-
-    pytree.register_pytree_node(
-        BSTCache,
-        flatten,
-        BSTCache._pytree_unflatten,
-        serialized_type_name=f"{BSTCache.__module__}.{BSTCache.__qualname__}",
-        to_dumpable_context=json.dumps,
-        from_dumpable_context=lambda dumped: tuples(json.loads(dumped)),
-        flatten_with_keys_fn=lambda cache: flatten(cache, keys=True),
-    )
+def _unflatten(values, context) -> BSTCache:
+    (signature, block_len), spec = context
+    values = iter(values)
+    positions, doc_start, seen = next(values), next(values), next(values)
+    layers = [LAYER_CACHE_TYPES[kind]() for kind, _ in spec]
+    for i, (layer, (_, names)) in enumerate(zip(layers, spec)):
+        layer.names, layer.signature, layer.block_len, layer.layer_idx = names, signature, block_len, i
+        layer.rows = layers[0]
+        for name in names:
+            setattr(layer, name, next(values))
+    if positions is not None:
+        layers[0].set_rows(positions, doc_start, seen, known=False)
+    return BSTCache(layers=layers)
 
 
-register_pytree()
+def _tuples(x):
+    return tuple(_tuples(v) for v in x) if isinstance(x, list) else x
+
+
+pytree.register_pytree_node(  # for torch.export / torch.compile of decode steps
+    BSTCache,
+    _flatten,
+    _unflatten,
+    serialized_type_name=f"{__name__}.BSTCache",
+    to_dumpable_context=json.dumps,
+    from_dumpable_context=lambda dumped: _tuples(json.loads(dumped)),
+    flatten_with_keys_fn=lambda cache: _flatten(cache, keys=True),
+)
 
 
 __all__ = ["MAX_ROLLBACK", "BSTCache", "BSTLayerCache", "LAYER_CACHE_TYPES", "cache_signature", "own_layers"]
