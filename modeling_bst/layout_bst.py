@@ -144,16 +144,8 @@ class _Chunk:
                         "first chunk only."
                     )
             # A decode step (seq_len 1) reads no host mirror of a position: one traced step serves every position.
-            rows = self.rows
-            aligned = (
-                seq_len > 1
-                and seq_len % w == 0
-                and not self.record
-                and rows.common_position is not None
-                and rows.common_position % w == 0
-                and rows.docs_on_grid
-            )
-            head = seq_len if aligned else 0
+            common = self.rows.common_position if seq_len > 1 and seq_len % w == 0 and not self.record else None
+            head = seq_len if common is not None and common % w == 0 and self.rows.docs_on_grid else 0
         self.head = head
         self.columns = columns or 0 < head < seq_len
 
@@ -187,13 +179,9 @@ class _Chunk:
                 head = self.layout.from_blocks(head)
         if self.head < self.seq_len:
             tail, tail_attn, tail_cross = self.steps(layer, layer_cache, tail)
-            # the steps see more keys than the full-sequence part
-            attn = (
-                tail_attn
-                if attn is None
-                else torch.cat([F.pad(attn, (0, tail_attn.shape[-1] - attn.shape[-1])), tail_attn], 2)
-            )
-            cross = tail_cross if cross is None else torch.cat([cross, tail_cross], 2)
+            if attn is not None:  # the steps see more keys than the full-sequence part
+                tail_attn = torch.cat([F.pad(attn, (0, tail_attn.shape[-1] - attn.shape[-1])), tail_attn], 2)
+            attn, cross = tail_attn, (tail_cross if cross is None else torch.cat([cross, tail_cross], 2))
         if not self.head:
             return tail, attn, cross
         return (torch.cat([head, tail], 1) if self.head < self.seq_len else head), attn, cross

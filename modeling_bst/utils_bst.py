@@ -17,8 +17,7 @@ class Switch:
         self.enabled = enabled
 
     def __enter__(self):
-        self.previous = self.flag[0]
-        self.flag[0] = self.enabled
+        self.previous, self.flag[0] = self.flag[0], self.enabled
         return self
 
     def __exit__(self, *exc):
