@@ -100,7 +100,7 @@ def memoised(store: dict, slot, key: tuple, params, compute, max_bytes: int | No
 
 
 def step_memo(store: dict | None, slot, key: tuple, params, compute, max_bytes: int | None = None):
-    """[`memoised`] in a decoding run's memo ``store`` (docs/architecture.md, "Memos"): on an accelerator keyed on
+    """[`memoised`] in a decoding run's memo ``store`` (docs/architecture.md, "Memos and code paths"): on an accelerator keyed on
     each parameter's storage and version counter; without a store, with gradients or under tracing, computed."""
     params = list(params)
     if store is None or not params or tracing() or (torch.is_grad_enabled() and any(p.requires_grad for p in params)):
