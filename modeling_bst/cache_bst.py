@@ -1,23 +1,5 @@
-"""Bounded recurrent-mode cache of the Block-State Transformer: one transformers cache layer per layer type.
-
-Each class registers under its layer type (``"bst_block"``, ``"bst_context"``, ``"bst_recurrent"``, ``"bst_gss"``) in
-transformers' dynamic and static layer maps, so ``DynamicCache(config=...)`` (``generate``'s) and ``StaticCache(
-config=...)`` (compileable: built with ``max_cache_len``) are made of them. [`BSTCache`] is a ``Cache`` of them and a pytree node (``torch.export`` / ``torch.compile`` of decode
-steps). Model layer i reads ``cache.layers[i]``. A layer holds only state of bounded size (``names``, saved so):
-
-* ``k``, ``v`` `(B, R, H, d_h)`, ``kpos`` `(B, R)`: keys/values of the last R tokens at slot ``position % R`` (R = W + 1;
-  2W for BRecT layers), ``kpos`` -1 at an empty slot: indexed by each row's own position (left padding, documents);
-* ``ssm_state``: the S4D state `(B, Ds, N2)` or the unstruct input history `(B, Ds, max_position_embeddings)`, with
-  unstruct SH/MH decoding's ``pending`` chunk outputs (derived, not saved);
-* SH/MH ``ctx_k``, ``ctx_v``, ``ctx_pos``: a W-slot ring of the block's context keys/values; MF ``ctx_k``, ``ctx_v``
-  `(B, S, H, d_h)` (the block's context) and ``mf_last`` `(B, S, Ds)` (the latest SSM outputs);
-* ``rec_state`` `(B, S, D)`, ``rec_k``, ``rec_v``: the BRecT state and its keys/values.
-
-Row state lives in the first layer (every layer's ``rows``): ``positions`` `(B,)` real tokens per row, ``doc_start``
-`(B,)` where each row's document started, ``seen`` (0-d, positions processed, padding included), and host mirrors
-of them ([`host_mirror`]). Rollback: a recording layer keeps what each step overwrote ([`BSTLayerCache.crop`]).
-Without gradients states are written in place ([`assign`]), keeping their addresses (CUDA graphs): reads are views.
-"""
+"""Bounded recurrent-mode cache of the Block-State Transformer: one transformers cache layer per layer type, the
+states each holds and the row state in its first layer (docs/architecture.md, "The cache")."""
 
 import json
 from collections import deque
@@ -48,12 +30,18 @@ CONTEXT_RING = ("ctx_k", "ctx_v", "ctx_pos")
 
 SIGNATURE_FIELDS = """num_hidden_layers hidden_size num_attention_heads head_dim block_len context_mode ssm_kind ssm_channels
 ssm_state_size num_context_states layer_types num_recurrent_states mf_independent_filters max_position_embeddings""".split()
+# The states a layer of each type holds (a BST layer adds its context states in ``configure``).
+LAYER_STATES = {
+    "bst_block": ATTENTION_RING,
+    "bst_context": (*ATTENTION_RING, "ssm_state"),
+    "bst_recurrent": (*ATTENTION_RING, "rec_state", "rec_k", "rec_v"),
+    "bst_gss": ("ssm_state",),
+}
 
 
 def cache_signature(config) -> tuple:
     """The structural fields a cache depends on: a cache only fits models with the same signature."""
-    values = (getattr(config, name, None) for name in SIGNATURE_FIELDS)
-    return tuple(tuple(v) if isinstance(v, list) else v for v in values)
+    return tuple(tuple(v) if isinstance(v, list) else v for v in (getattr(config, n, None) for n in SIGNATURE_FIELDS))
 
 
 class BSTLayerCache(CacheLayerMixin):
@@ -70,17 +58,16 @@ class BSTLayerCache(CacheLayerMixin):
 
     def __init__(self, max_cache_len: int | None = None, **kwargs):
         super().__init__()
-        # A state has no length to size: ``max_cache_len`` only says the layer is static (compileable).
-        self.is_compileable = max_cache_len is not None
+        self.is_compileable = max_cache_len is not None  # a state has no length to size: only "static"
         self.signature = self.block_len = self.layer_idx = None
-        self.names = self.NAMES
+        self.names, self.rows = self.NAMES, self  # ``rows``: the layer holding the row state ([`configure`])
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything held (the structure stays)."""
         for name in self.names:
             setattr(self, name, None)
         self.pending, self.pending_offset = None, 0
-        self.rows = self  # the layer holding the row state ([`configure`]: the first)
-        self._empty_rows()
-
-    def _empty_rows(self):
         self.positions = self.doc_start = self.seen = None
         self.is_initialized = False
         self._seen_tokens, self._common_position, self._docs_on_grid = 0, None, True
@@ -102,9 +89,8 @@ class BSTLayerCache(CacheLayerMixin):
             for name in self.names:
                 setattr(self, name, getattr(self, name, None))
 
-    # -- transformers' cache-layer interface ---------------------------------------------------------------------
     def lazy_initialization(self, key_states=None, value_states=None) -> None:
-        """Nothing to do: the model layer fills the state on its first forward (new tensors: [`keep_address`])."""
+        """Nothing to do: the model layer fills the state on its first forward."""
 
     def update(self, key_states, value_states, *args, **kwargs):
         raise NotImplementedError("A BST cache layer is written by its model layer, not through Cache.update.")
@@ -128,14 +114,6 @@ class BSTLayerCache(CacheLayerMixin):
 
     prefetch = offload
 
-    def reset(self) -> None:
-        """Forget everything held (the structure stays)."""
-        for name in self.names:
-            setattr(self, name, None)
-        self.pending, self.pending_offset = None, 0
-        self._empty_rows()
-
-    # -- state ---------------------------------------------------------------------------------------------------
     def tensors(self) -> list:
         """``[(name, tensor)]`` of every batched state tensor held."""
         return [(name, getattr(self, name)) for name in self.names if getattr(self, name) is not None]
@@ -146,8 +124,7 @@ class BSTLayerCache(CacheLayerMixin):
             assign(self, name, where_rows(rows, new, getattr(self, name)))
 
     def set_ssm(self, state: torch.Tensor, pending: torch.Tensor | None = None, offset: int = 0, contiguous=True):
-        """The new SSM state, with a chunked step's ``pending`` outputs and ``offset``. ``contiguous`` False keeps an
-        eager unstruct history as the view into its slack buffer (a copy would cost O(Lmax) per step)."""
+        """The new SSM state, with a chunked step's ``pending`` outputs (``contiguous`` False: keep a view)."""
         if contiguous:
             assign(self, "ssm_state", state.contiguous())
         else:
@@ -159,8 +136,7 @@ class BSTLayerCache(CacheLayerMixin):
         return None if self.pending is None or self.pending_offset >= size else (self.pending, self.pending_offset)
 
     def fill_ring(self, ring: tuple, k, v, lengths, size: int, offset: torch.Tensor | None = None):
-        """Ring ``ring`` (attribute names) from a sequence ``k``/``v`` `(B, T, H, d)` of ``lengths`` real tokens per
-        row: its last ``size`` positions. With ``offset`` (a continued chunk) slots it does not reach keep theirs."""
+        """Ring ``ring`` (names) from ``k``/``v`` `(B, T, H, d)` of ``lengths`` tokens (``offset``: continuing it)."""
         new_k, pos = ring_from_sequence(k, lengths, size, offset)
         new_v, _ = ring_from_sequence(v, lengths, size, offset)
         old_k, old_v, old_pos = (getattr(self, name) for name in ring)
@@ -179,8 +155,7 @@ class BSTLayerCache(CacheLayerMixin):
         return tuple(getattr(self, name) for name in ring)
 
     def window(self, positions: torch.Tensor, count: int):
-        """The ``count`` positions before ``positions`` from the attention ring: keys, values `(B, count, H, d)` and
-        which are held (a slot holding another position is empty: a document start)."""
+        """Keys, values `(B, count, H, d)` of the ``count`` positions before ``positions`` and which are held."""
         pos = positions[:, None] - count + torch.arange(count, device=positions.device)[None]
         slots = pos.remainder(self.kpos.shape[1])
         valid = self.kpos.gather(1, slots) == pos
@@ -190,8 +165,7 @@ class BSTLayerCache(CacheLayerMixin):
         return [ring for ring in (ATTENTION_RING, CONTEXT_RING) if ring[2] in self.names]
 
     def capture(self, positions: torch.Tensor) -> dict:
-        """What one step at ``positions`` `(B,)` will overwrite: ring slots and the unstruct input that falls out are
-        copied, every other state cloned (steps write in place)."""
+        """What one step at ``positions`` `(B,)` will overwrite (steps write in place), for [`restore`]."""
         rows = torch.arange(positions.shape[0], device=positions.device)
         record, in_rings = {}, set()
         for ring in self.rings():
@@ -232,7 +206,6 @@ class BSTLayerCache(CacheLayerMixin):
             if common is None or common % self.block_len:
                 self._docs_on_grid = False  # a row may now start a document off the block grid
 
-    # -- row state (meaningful in the first layer) ------------------------------------------------------------
     @property
     def is_empty(self) -> bool:
         return self.positions is None
@@ -275,7 +248,6 @@ class BSTLayerCache(CacheLayerMixin):
         if self._common_position not in (UNKNOWN, None):
             self._common_position += seq_len
 
-    # -- rows of the batch ----------------------------------------------------------------------------------------
     def _apply(self, fn):
         self._undo.clear()  # records are per row
         for name, t in self.tensors():
@@ -299,7 +271,6 @@ class BSTLayerCache(CacheLayerMixin):
     def detach(self):
         self._apply(lambda t: t.detach())
 
-    # -- rollback (assisted decoding) --------------------------------------------------------------------------------
     def activate_past_recording(self):
         """Record what each decoded position overwrites, so that [`crop`] can take back up to ``MAX_ROLLBACK``."""
         self.record_past = True
@@ -315,40 +286,18 @@ class BSTLayerCache(CacheLayerMixin):
             self.advance(-n)
 
 
-class BlockLayerCache(BSTLayerCache):
-    """A Slide (block attention) layer: the ring of the last W + 1 tokens."""
-
-    _layer_type, NAMES = "bst_block", ATTENTION_RING
-
-
-class BSTContextLayerCache(BSTLayerCache):
-    """A BST layer: the attention ring, the SSM state and the context states (SH/MH ring or MF block context)."""
-
-    _layer_type, NAMES = "bst_context", (*ATTENTION_RING, "ssm_state")
-
-
-class RecurrentLayerCache(BSTLayerCache):
-    """A Block-Recurrent Transformer layer: the attention ring (2W) and the recurrent state with its keys/values."""
-
-    _layer_type, NAMES = "bst_recurrent", (*ATTENTION_RING, "rec_state", "rec_k", "rec_v")
-
-
-class GSSLayerCache(BSTLayerCache):
-    """A GSS layer (GSS-Hybrid): the SSM state."""
-
-    _layer_type, NAMES = "bst_gss", ("ssm_state",)
-
-
-LAYER_CACHE_TYPES = {
-    cls._layer_type: cls for cls in (BlockLayerCache, BSTContextLayerCache, RecurrentLayerCache, GSSLayerCache)
+LAYER_CACHE_TYPES = {  # registered in transformers' layer maps by ``__init_subclass__``
+    kind: type(name, (BSTLayerCache,), {"_layer_type": kind, "NAMES": LAYER_STATES[kind], "__module__": __name__})
+    for kind, name in zip(
+        LAYER_STATES, ("BlockLayerCache", "BSTContextLayerCache", "RecurrentLayerCache", "GSSLayerCache")
+    )
 }
+BSTContextLayerCache = LAYER_CACHE_TYPES["bst_context"]
 
 
 def own_layers(cache: Cache, config) -> Cache:
-    """Check that ``cache`` holds this model's layers (a [`BSTCache`], ``DynamicCache(config=...)`` or
-    ``StaticCache(config=...)``; an empty ``DynamicCache()`` takes them now) and give each its structure; returns
-    ``cache``. transformers' layer maps hold the last loaded copy of this code: a fresh layer of another copy
-    (another ``trust_remote_code`` folder, the installed package) is replaced by this copy's own."""
+    """Check that ``cache`` holds this model's layers (a fresh layer of another copy of this code is replaced) and
+    give each its structure; returns ``cache``."""
     if not isinstance(cache, Cache):
         raise TypeError(f"The cache must be a BSTCache or DynamicCache(config=...), got {type(cache).__name__}.")
     if not cache.layers and getattr(cache, "layer_class_to_replicate", None) is not None:
@@ -381,8 +330,7 @@ class BSTCache(Cache):
             own_layers(self, config)
 
     def reset_rows(self, rows: torch.Tensor) -> "BSTCache":
-        """Start a new document in the rows where ``rows`` (bool `(B,)`) is True, keeping the other rows' state, as
-        if their next token were the first of a sequence (streamed Transformer-XL / BRecT training, evaluation)."""
+        """Start a new document in the rows where ``rows`` (bool `(B,)`) is True, keeping the other rows' state."""
         if not self.layers[0].is_empty:
             rows = rows.to(device=self.layers[0].positions.device, dtype=torch.bool)
             for layer in self.layers[::-1]:  # the first layer's row state last: the others read it
@@ -395,57 +343,43 @@ class BSTCache(Cache):
             layer.detach()
         return self
 
-    # -- pytree node: leaves are the row state, then each layer's states; the context only the structure -----------
-    def _pytree_flatten(self):
-        rows = self.layers[0]
-        leaves = [("positions", rows.positions), ("doc_start", rows.doc_start), ("seen_tokens", rows.seen)]
-        for i, layer in enumerate(self.layers):
-            leaves.extend((f"layers.{i}.{name}", getattr(layer, name)) for name in layer.names)
-        spec = tuple((layer._layer_type, layer.names) for layer in self.layers)
-        return leaves, ((rows.signature, rows.block_len), spec)
 
-    @classmethod
-    def _pytree_unflatten(cls, values, context) -> "BSTCache":
-        (signature, block_len), spec = context
-        values = iter(values)
-        positions, doc_start, seen = next(values), next(values), next(values)
-        layers = []
-        for i, (kind, names) in enumerate(spec):
-            layer = LAYER_CACHE_TYPES[kind]()
-            layer.names, layer.signature, layer.block_len, layer.layer_idx = names, signature, block_len, i
-            for name in names:
-                setattr(layer, name, next(values))
-            layer.rows = layers[0] if layers else layer
-            layers.append(layer)
-        if positions is not None:
-            layers[0].set_rows(positions, doc_start, seen, known=False)
-        return cls(layers=layers)
+def _flatten(cache, keys=False):  # leaves: the row state, then each layer's states; context: the structure
+    rows = cache.layers[0]
+    leaves = [("positions", rows.positions), ("doc_start", rows.doc_start), ("seen_tokens", rows.seen)]
+    leaves += [(f"layers.{i}.{n}", getattr(layer, n)) for i, layer in enumerate(cache.layers) for n in layer.names]
+    context = ((rows.signature, rows.block_len), tuple((layer._layer_type, layer.names) for layer in cache.layers))
+    return [(pytree.MappingKey(name), t) if keys else t for name, t in leaves], context
 
 
-def register_pytree():
-    """Register [`BSTCache`] as a pytree node (once per class object: a Hub copy of this module is its own class)."""
-    if BSTCache in pytree.SUPPORTED_NODES:
-        return
-
-    def flatten(cache, keys=False):
-        leaves, context = cache._pytree_flatten()
-        return [(pytree.MappingKey(name), t) if keys else t for name, t in leaves], context
-
-    def tuples(x):
-        return tuple(tuples(v) for v in x) if isinstance(x, list) else x
-
-    pytree.register_pytree_node(
-        BSTCache,
-        flatten,
-        BSTCache._pytree_unflatten,
-        serialized_type_name=f"{BSTCache.__module__}.{BSTCache.__qualname__}",
-        to_dumpable_context=json.dumps,
-        from_dumpable_context=lambda dumped: tuples(json.loads(dumped)),
-        flatten_with_keys_fn=lambda cache: flatten(cache, keys=True),
-    )
+def _unflatten(values, context) -> BSTCache:
+    (signature, block_len), spec = context
+    values = iter(values)
+    positions, doc_start, seen = next(values), next(values), next(values)
+    layers = [LAYER_CACHE_TYPES[kind]() for kind, _ in spec]
+    for i, (layer, (_, names)) in enumerate(zip(layers, spec)):
+        layer.names, layer.signature, layer.block_len, layer.layer_idx = names, signature, block_len, i
+        layer.rows = layers[0]
+        for name in names:
+            setattr(layer, name, next(values))
+    if positions is not None:
+        layers[0].set_rows(positions, doc_start, seen, known=False)
+    return BSTCache(layers=layers)
 
 
-register_pytree()
+def _tuples(x):
+    return tuple(_tuples(v) for v in x) if isinstance(x, list) else x
+
+
+pytree.register_pytree_node(  # for torch.export / torch.compile of decode steps
+    BSTCache,
+    _flatten,
+    _unflatten,
+    serialized_type_name=f"{__name__}.BSTCache",
+    to_dumpable_context=json.dumps,
+    from_dumpable_context=lambda dumped: _tuples(json.loads(dumped)),
+    flatten_with_keys_fn=lambda cache: _flatten(cache, keys=True),
+)
 
 
 __all__ = ["MAX_ROLLBACK", "BSTCache", "BSTLayerCache", "LAYER_CACHE_TYPES", "cache_signature", "own_layers"]

@@ -55,8 +55,8 @@ def _error(message) -> BSTConfigError:
 
 
 def _layer_types(n, layer_types, indices) -> list[str]:
-    """The ``layer_types`` of an ``n``-layer config: ``layer_types`` (names or kinds) checked against the index fields
-    given with it (kind -> layers), or, when it is None, built from them. Errors name the fields."""
+    """``layer_types`` (names or kinds) checked against the index fields ``indices`` (kind -> layers), or built from
+    them when None, for ``n`` layers."""
     built = ["block"] * n
     for kind, layers in indices.items():
         field = LAYER_INDEX_FIELDS[kind]
@@ -121,15 +121,8 @@ def _errors_name_the_field(cls):
 @_errors_name_the_field
 @strict
 class BSTConfig(PreTrainedConfig):
-    r"""Configuration for [`BSTModel`], [`BSTForCausalLM`] and [`BSTForSequenceClassification`].
-
-    ``layer_types`` is the one record of the layer types. The index fields (``bst_layer_indices``, default ``[0, 7,
-    9]`` when neither it nor ``layer_types`` is given; ``recurrent_layer_indices``, ``gss_layer_indices``) are read
-    from it; as arguments and config.json keys they build it (given with it, they must agree). Assigning a layer field
-    is [`~BSTConfig.update_layers`]. config.json stores the index fields: transformers' generic ``PreTrainedConfig``
-    refuses layer types other than its own. Invalid values raise a [`BSTConfigError`] naming the field; fields are
-    described beside them, ``docs/paper-mapping.md`` has the choices behind the defaults.
-    """
+    r"""Configuration for [`BSTModel`], [`BSTForCausalLM`] and [`BSTForSequenceClassification`]: ``layer_types`` is the
+    one record of the layer types, the index fields are read from it (docs/architecture.md, "Configuration")."""
 
     model_type = "bst"
     keys_to_ignore_at_inference = ["past_key_values"]
@@ -221,11 +214,8 @@ class BSTConfig(PreTrainedConfig):
         super().__setattr__(name, value)
 
     def update_layers(self, **changes):
-        """Set any of ``num_hidden_layers``, ``layer_types`` and the index fields as one change, in any order:
-        ``layer_types`` is rebuilt as at construction, from the given fields and, without ``layer_types``, the
-        config's other index fields. Nothing changes if it raises."""
-        unknown = sorted(set(changes) - set(LAYER_FIELDS))
-        if unknown:
+        """Set any of ``num_hidden_layers``, ``layer_types`` and the index fields as one change (or none if it raises)."""
+        if unknown := sorted(set(changes) - set(LAYER_FIELDS)):
             raise TypeError(f"BSTConfig.update_layers takes {LAYER_FIELDS}; got {unknown}.")
         n, layer_types = changes.get("num_hidden_layers", self.num_hidden_layers), changes.get("layer_types")
         if type(n) is not int or n <= 0:
@@ -234,8 +224,7 @@ class BSTConfig(PreTrainedConfig):
             raise _error("layer_types must be a list of layer types, got None.")
         given = {kind: changes[field] for kind, field in LAYER_INDEX_FIELDS.items() if field in changes}
         if layer_types is None:  # the other kinds keep their layers, placed first: an overlap names the given field
-            kept = {kind: getattr(self, field) for kind, field in LAYER_INDEX_FIELDS.items() if kind not in given}
-            given = kept | given
+            given = {kind: getattr(self, f) for kind, f in LAYER_INDEX_FIELDS.items() if kind not in given} | given
         layer_types = _layer_types(n, layer_types, given)
         super().__setattr__("num_hidden_layers", n)
         super().__setattr__("layer_types", layer_types)
@@ -284,12 +273,9 @@ class BSTConfig(PreTrainedConfig):
     @property
     def resolved_attention_query_chunk(self) -> int:
         """Queries per sliding-window call on the CPU: W/4 for W >= 256, W/2 for W >= 128, else W, when not given."""
-        if self.attention_query_chunk is not None:
-            return self.attention_query_chunk
         w = self.block_len
-        if w >= 256 and w % 4 == 0:
-            return w // 4
-        return w // 2 if w >= 128 and w % 2 == 0 else w
+        split = 4 if w >= 256 and w % 4 == 0 else 2 if w >= 128 and w % 2 == 0 else 1
+        return self.attention_query_chunk or w // split
 
     @property
     def resolved_final_dropout(self) -> float:

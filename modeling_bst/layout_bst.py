@@ -1,6 +1,4 @@
-"""How one forward's input reaches the layers: a padded batch in the block layout of the full-sequence form
-([`_Layout`]), an input continuing the cache split into a full-sequence part and one-token steps ([`_Chunk`]), what
-one step shares across layers ([`StepPlan`]), packed documents ([`_Documents`])."""
+"""How one forward's input reaches the layers: block layout, full-sequence part and steps, packed documents."""
 
 from dataclasses import dataclass
 
@@ -12,8 +10,7 @@ from .utils_bst import gather_rows, host_can_branch
 
 
 class _Layout:
-    """A padded batch in the caller's columns <-> rows that start at their first real token, right-padded to a multiple
-    of W (the full-sequence form's layout); real tokens may be anywhere (left, right, holes)."""
+    """A padded batch in the caller's columns <-> rows from their first real token, right-padded to a multiple of W."""
 
     def __init__(self, attention_mask, shape, block_len: int, device, check: bool):
         bsz, seq_len = shape
@@ -33,7 +30,6 @@ class _Layout:
             # Aligned index of every column (valid where mask).
             self.column_index = (mask.long().cumsum(-1) - 1).clamp(min=0)
             self.real = torch.arange(seq_len, device=device)[None] < self.lengths[:, None]  # (B, T) aligned
-        # Layers need per-row lengths only when some positions are not real tokens.
         self.layer_lengths = self.lengths if (self.mask is not None or self.padded_len != seq_len) else None
 
     def to_blocks(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -51,8 +47,7 @@ class _Layout:
 
 
 def _step_weights_by_column(weights: torch.Tensor, kpos: torch.Tensor, positions: torch.Tensor, newest: int):
-    """Decode-step self-attention weights over the ring `(B, H, 1, R)` laid out by key column `(B, H, 1, newest+1)`:
-    the key at position ``kpos`` sits ``positions - kpos`` columns before the newest one (exact for left padding)."""
+    """Decode-step attention weights over the ring `(B, H, 1, R)` -> by key column `(B, H, 1, newest + 1)`."""
     column = kpos - positions[:, None] + newest  # (B, R)
     valid = (kpos >= 0) & (column >= 0)
     out = weights.new_zeros(weights.shape[:-1] + (newest + 1,))
@@ -62,24 +57,18 @@ def _step_weights_by_column(weights: torch.Tensor, kpos: torch.Tensor, positions
 
 @dataclass
 class SequencePass:
-    """What the full-sequence form of one forward shares across the layers: real tokens per row ``lengths`` (None: all),
-    for a chunk continuing the cache its rows' ``positions`` and ``doc_start`` (None: fresh), whether layers write
-    the cache (``fill_cache``), and of how many leading positions they return attention weights (``weights``; 0:
-    none; the rest pads whole blocks)."""
+    """What the full-sequence form of one forward shares across the layers."""
 
-    lengths: torch.Tensor | None = None
-    positions: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None  # real tokens per row (None: all)
+    positions: torch.Tensor | None = None  # a chunk continuing the cache: its rows' positions (None: fresh)
     doc_start: torch.Tensor | None = None
-    fill_cache: bool = False
-    weights: int = 0
+    fill_cache: bool = False  # layers write the cache
+    weights: int = 0  # layers return attention weights of this many leading positions
     ssm_tables: object = None  # the forward's S4D chunk tables, shared by the layers (``ssm_bst.ChunkTables``)
 
 
 class StepPlan:
-    """What one recurrent step at ``positions`` `(B,)` shares across the layers (row indices, ring slots, offsets in the
-    document, block starts and ends, what a layer derives from its ring), each built by the first layer that asks
-    ([`get`]). ``memo``: parameter-derived constants kept for a decoding run; ``weights``: layers return their
-    attention weights."""
+    """What one recurrent step at ``positions`` `(B,)` shares across the layers, each built by the first that asks."""
 
     def __init__(self, positions, doc_start, block_len: int, memo: dict | None, weights: bool = False):
         self.positions, self.doc_start, self.block_len, self.memo = positions, doc_start, block_len, memo
@@ -99,13 +88,11 @@ class StepPlan:
         return self.get(("slot", size), lambda: self.positions.remainder(size))
 
     @property
-    def offset(self) -> torch.Tensor:
-        """Each row's position in its current document (blocks count from its start)."""
+    def offset(self) -> torch.Tensor:  # in the row's document
         return self.get("offset", lambda: self.positions - self.doc_start)
 
     @property
-    def fresh(self) -> torch.Tensor:
-        """Rows whose document starts at this token."""
+    def fresh(self) -> torch.Tensor:  # rows whose document starts here
         return self.get("fresh", lambda: self.positions == self.doc_start)
 
     @property
@@ -118,13 +105,8 @@ class StepPlan:
 
 
 class _Chunk:
-    """One forward's input as a chunk continuing the cache (empty for a fresh sequence): the full-sequence form over the
-    first ``head`` columns, one-token steps over the rest. A fresh input runs whole (rows packed by [`_Layout`]), but
-    for a recording cache (assisted decoding), whose last ``MAX_ROLLBACK`` positions run as steps so that ``crop``
-    can take them back; a continuing chunk runs whole when it is whole blocks on every row's grid, else as steps
-    (unpadded). Between layers the hidden states are in the caller's columns when they are recorded or the chunk has
-    both forms, else in the layout of its one form, converted once on entry and exit. The row state (in the cache's
-    first layer) advances after the last layer ([`finish`])."""
+    """One forward's input as a chunk continuing the cache: the full-sequence form over the first ``head`` columns,
+    one-token steps over the rest (docs/architecture.md, "A forward's layout")."""
 
     def __init__(
         self, cache, attention_mask, shape, config, device, check: bool, memo=None, weights=False, columns=False
@@ -162,16 +144,8 @@ class _Chunk:
                         "first chunk only."
                     )
             # A decode step (seq_len 1) reads no host mirror of a position: one traced step serves every position.
-            rows = self.rows
-            aligned = (
-                seq_len > 1
-                and seq_len % w == 0
-                and not self.record
-                and rows.common_position is not None
-                and rows.common_position % w == 0
-                and rows.docs_on_grid
-            )
-            head = seq_len if aligned else 0
+            common = self.rows.common_position if seq_len > 1 and seq_len % w == 0 and not self.record else None
+            head = seq_len if common is not None and common % w == 0 and self.rows.docs_on_grid else 0
         self.head = head
         self.columns = columns or 0 < head < seq_len
 
@@ -189,8 +163,7 @@ class _Chunk:
         return hidden if self.columns or not self.fresh else self.layout.from_blocks(hidden)
 
     def run(self, layer, layer_cache, hidden):
-        """One layer over the chunk: the full-sequence form over the head, the steps over the tail. Returns the next
-        hidden states and, with ``weights``, the self- and second attention weights over the chunk's positions."""
+        """One layer over the chunk -> hidden states, with ``weights`` the self- and second attention weights."""
         head, tail = (hidden[:, : self.head], hidden[:, self.head :]) if self.columns else (hidden, hidden)  # one used
         attn = cross = None
         if self.head:
@@ -206,13 +179,9 @@ class _Chunk:
                 head = self.layout.from_blocks(head)
         if self.head < self.seq_len:
             tail, tail_attn, tail_cross = self.steps(layer, layer_cache, tail)
-            # the steps see more keys than the full-sequence part
-            attn = (
-                tail_attn
-                if attn is None
-                else torch.cat([F.pad(attn, (0, tail_attn.shape[-1] - attn.shape[-1])), tail_attn], 2)
-            )
-            cross = tail_cross if cross is None else torch.cat([cross, tail_cross], 2)
+            if attn is not None:  # the steps see more keys than the full-sequence part
+                tail_attn = torch.cat([F.pad(attn, (0, tail_attn.shape[-1] - attn.shape[-1])), tail_attn], 2)
+            attn, cross = tail_attn, (tail_cross if cross is None else torch.cat([cross, tail_cross], 2))
         if not self.head:
             return tail, attn, cross
         return (torch.cat([head, tail], 1) if self.head < self.seq_len else head), attn, cross
@@ -231,9 +200,7 @@ class _Chunk:
         return self.plans
 
     def steps(self, layer, layer_cache, hidden):
-        """The recurrent form over the columns of ``hidden`` `(B, n, D)`, one token per row at a time. The
-        self-attention weights of a step cover the ring; they are laid out by key column here (one row per step,
-        keys up to the newest), which no hook on a layer call could do."""
+        """The recurrent form over the columns of ``hidden`` `(B, n, D)`, one token per row at a time."""
         n = hidden.shape[1]
         newest = (self.head if self.fresh else self.rows.seen_tokens) if self.weights else 0  # a host read
         outs, attns, crosses, undo = [], [], [], []
@@ -266,10 +233,7 @@ class _Chunk:
 
 
 class _Documents:
-    """A packed batch: rows holding several documents (TRL's ``SFTTrainer(packing=True)``,
-    ``DataCollatorWithFlattening``), a document starting where ``position_ids`` restart or at the offsets of
-    ``cu_seq_lens_q/k``. [`rows`] lays them out one document per row, in groups of similar width (W times a power of
-    two blocks), [`columns`] maps outputs back; each document runs exactly as alone."""
+    """A packed batch (rows holding several documents) laid out one document per row, in groups of similar width."""
 
     KEYS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "seq_idx", "max_length_q", "max_length_k")
 

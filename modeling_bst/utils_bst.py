@@ -1,6 +1,4 @@
-"""Tensor helpers shared by the BST modules: whether code is traced, which code path a tensor takes (CPU or
-accelerator), row gathers and ring layouts, state writes that keep a tensor's address, and memos of values derived
-from parameters or shapes."""
+"""Tensor helpers of the BST modules: tracing, the code path a tensor takes, row gathers, rings, state writes, memos."""
 
 import torch
 
@@ -19,34 +17,25 @@ class Switch:
         self.enabled = enabled
 
     def __enter__(self):
-        self.previous = self.flag[0]
-        self.flag[0] = self.enabled
+        self.previous, self.flag[0] = self.flag[0], self.enabled
         return self
 
     def __exit__(self, *exc):
         self.flag[0] = self.previous
 
 
-# Set by [`accelerator_code_path`]: CPU tensors take the code path of an accelerator.
-_ACCELERATOR_PATH = [False]
-
-
 class accelerator_code_path(Switch):
-    """Context manager: inside it the model takes, on CPU tensors, the code path it takes on an accelerator (no host
-    reads of tensor values, the attention forms chosen for GPU kernels). The results are the same; this is for
-    counting and testing that path where no GPU is (``benchmarks/train_ops.py``, the tests)."""
+    """Context manager: inside it the model takes, on CPU tensors, the code path of an accelerator (same results)."""
 
-    flag = _ACCELERATOR_PATH
+    flag = [False]
 
 
-# A host mirror ([`host_mirror`]) that is not known (derived from the tensors on its next eager read).
-UNKNOWN = "unknown"
+UNKNOWN = "unknown"  # a host mirror to derive from the tensors on its next eager read
 
 
 def host_mirror(source: str, empty, traced):
-    """A row-state property kept on the host (``_<name>``), so that the model picks its path without reading
-    tensors: once ``UNKNOWN`` it is derived by the decorated function on the next eager read; ``empty`` while the
-    tensor ``source`` is None, ``traced`` under tracing (raised if an exception)."""
+    """A property kept on the host (``_<name>``): ``empty`` while ``source`` is None, ``traced`` under tracing (raised
+    if an exception), derived by the decorated function when ``UNKNOWN``."""
 
     def wrap(derive):
         attr = "_" + derive.__name__
@@ -69,15 +58,11 @@ def host_mirror(source: str, empty, traced):
 
 def on_accelerator(t: torch.Tensor) -> bool:
     """Whether ``t`` takes the accelerator code path: it is on an accelerator, or inside [`accelerator_code_path`]."""
-    return t.device.type != "cpu" or _ACCELERATOR_PATH[0]
+    return t.device.type != "cpu" or accelerator_code_path.flag[0]
 
 
 def host_can_branch(t: torch.Tensor) -> bool:
-    """Whether Python may read values of ``t``: a CPU tensor in eager mode, where no device sync is involved.
-
-    Under tracing (``torch.export``, ``torch.compile``, ``torch.jit``) or on an accelerator, code must not branch on
-    tensor values: the callers then take the branch-free form, which gives the same result.
-    """
+    """Whether Python may read values of ``t`` (a CPU tensor in eager mode); else callers take a branch-free form."""
     return not on_accelerator(t) and not tracing()
 
 
@@ -93,12 +78,8 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def memoised(store: dict, slot, key: tuple, params, compute, max_bytes: int | None = None):
-    """``compute()``, reused from ``store[slot]`` while ``key`` and the tensors ``params`` are unchanged.
-
-    The memo keeps a copy of ``params`` and is used only when they are still equal (``torch.equal``): any change
-    (optimiser step, ``load_state_dict``, ``p.data`` edits, ``.to()``) recomputes, so reuse is exact. Values over
-    ``max_bytes`` are not kept. Callers use it only where no gradient has to flow to ``params``.
-    """
+    """``compute()``, reused from ``store[slot]`` while ``key`` and the values of the tensors ``params`` are unchanged
+    (values over ``max_bytes`` are not kept); only where no gradient has to flow to ``params``."""
     params = list(params)
     memo = store.get(slot)
     if (
@@ -119,13 +100,8 @@ def memoised(store: dict, slot, key: tuple, params, compute, max_bytes: int | No
 
 
 def step_memo(store: dict | None, slot, key: tuple, params, compute, max_bytes: int | None = None):
-    """``compute()`` kept in ``store[slot]`` (a decoding run's memo, [`StepPlan.memo`]) and reused while ``key`` and
-    the tensors ``params`` are unchanged; recomputed every time without a store, when gradients flow to ``params``
-    (the graph must reach them) and under tracing (the graph computes them). On the CPU "unchanged" is checked on
-    the values ([`memoised`]); on an accelerator, where reading values back is a device sync per step, on each
-    parameter's storage and version counter, which every in-place change through autograd's view of it moves
-    (optimiser steps, ``load_state_dict``, ``torch.no_grad()`` edits, ``.to()``): an edit through ``p.data`` during
-    one decoding run is not seen there. Values over ``max_bytes`` are not kept."""
+    """[`memoised`] in a decoding run's memo ``store`` (docs/architecture.md, "Memos and code paths"): on an accelerator keyed on
+    each parameter's storage and version counter; without a store, with gradients or under tracing, computed."""
     params = list(params)
     if store is None or not params or tracing() or (torch.is_grad_enabled() and any(p.requires_grad for p in params)):
         return compute()
@@ -135,15 +111,12 @@ def step_memo(store: dict | None, slot, key: tuple, params, compute, max_bytes: 
     return memoised(store, slot, key, params, compute, max_bytes)
 
 
-# Entries a module's [`constant_memo`] keeps (index maps and masks of recent shapes).
-CONSTANT_MEMO_ENTRIES = 16
+CONSTANT_MEMO_ENTRIES = 16  # entries a module's [`constant_memo`] keeps
 
 
 def constant_memo(module, key: tuple, compute):
-    """``compute()`` for tensors that depend on no parameter (index maps, windows, masks of a shape), built once per
-    ``key`` (which names the device and dtype) and kept on ``module`` (not in its state dict). A training or
-    prefill forward then does not rebuild them. Under tracing they are computed in the graph (the compiler folds
-    them), so a compiled graph holds no stale tensor."""
+    """``compute()`` for tensors that depend on no parameter, once per ``key`` (naming device and dtype), kept on
+    ``module``; under tracing computed in the graph."""
     if tracing():
         return compute()
     store = module.__dict__.setdefault("_constant_memo", {})
@@ -168,8 +141,7 @@ def write_rows(buffer: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, va
 
 
 def keep_address(*tensors: torch.Tensor | None):
-    """Mark CUDA state tensors as static addresses for ``torch.compile`` (CUDA graphs take them as static inputs,
-    which a step may write in place); unguarded, so a new tensor re-records rather than recompiles."""
+    """Mark CUDA state tensors as static addresses for ``torch.compile``'s CUDA graphs (unguarded: a new one re-records)."""
     if tracing():
         return
     for t in tensors:
@@ -180,9 +152,7 @@ def keep_address(*tensors: torch.Tensor | None):
 
 
 def assign(owner, attr: str, new: torch.Tensor | None):
-    """``owner.attr = new``: copied into the old tensor when that is possible and safe (no gradient mode, same
-    shape, dtype and device, contiguous, not a view of ``new``'s memory), else the attribute takes ``new`` (marked
-    with [`keep_address`])."""
+    """``owner.attr = new``: copied into the old tensor where that is safe, else the attribute takes ``new``."""
     old = getattr(owner, attr, None)
     if (
         new is not None
@@ -202,17 +172,15 @@ def assign(owner, attr: str, new: torch.Tensor | None):
 
 
 def where_rows(rows: torch.Tensor | None, new: torch.Tensor, old: torch.Tensor | None) -> torch.Tensor:
-    """``new`` in the rows where ``rows`` (bool `(B,)`) is True, ``old`` elsewhere (all rows when ``rows`` is None);
-    contiguous (a compiled step is specialised on strides)."""
+    """``new`` in the rows where ``rows`` (bool `(B,)`; None: all) is True, ``old`` elsewhere; contiguous."""
     if rows is not None and old is not None:
         new = torch.where(rows.reshape((-1,) + (1,) * (new.dim() - 1)), new.to(old.dtype), old)
     return new.contiguous()
 
 
 def ring_from_sequence(x: torch.Tensor, lengths: torch.Tensor, ring: int, offset: torch.Tensor | None = None):
-    """Ring (slot = absolute position % ``ring``) of the last ``ring`` real positions of each row of ``x``
-    `(B, T, ...)` (rows start at 0; ``offset`` `(B,)` absolute position of ``x[:, 0]``) -> values `(B, ring, ...)`,
-    absolute positions `(B, ring)` (-1: empty slot)."""
+    """The last ``ring`` real positions of ``x`` `(B, T, ...)` at slot position % ``ring`` (``offset``: position of
+    ``x[:, 0]``) -> values `(B, ring, ...)`, positions `(B, ring)` (-1: empty)."""
     pos = lengths[:, None] - ring + torch.arange(ring, device=x.device)[None]  # (B, R), relative to x
     valid = pos >= 0
     vals = gather_rows(x, pos.clamp(min=0))
