@@ -242,10 +242,10 @@ direct_register_custom_op(op_name="bst_layer", op_func=bst_layer, mutates_args=[
 
 
 def compiled_layers(vllm_config: VllmConfig | None = None) -> bool:
-    """Whether the model runs its layers as vLLM compiles its own models (``BST_VLLM_COMPILE=1``): the dense parts
-    traced by ``@support_torch_compile`` (compiled unless ``enforce_eager``), the state in custom ops. Off: the
-    layers run eagerly, without custom ops."""
-    value = os.environ.get("BST_VLLM_COMPILE", "0")
+    """Whether the model runs its layers as vLLM compiles its own models (``BST_VLLM_COMPILE=1``, the default): the
+    dense parts traced by ``@support_torch_compile`` (compiled unless ``enforce_eager``), the state in custom ops.
+    ``BST_VLLM_COMPILE=0``: the layers run eagerly, without custom ops."""
+    value = os.environ.get("BST_VLLM_COMPILE", "1")
     if value not in ("0", "1"):
         raise ValueError(f"BST serving: BST_VLLM_COMPILE must be 0 or 1, not {value!r}.")
     return value == "1"
