@@ -576,10 +576,16 @@ class BSTLayerMath(nn.Module):
         xn = rms_norm(x, self.input_norm.weight, self.eps)
         if self.kind == "gss":
             return self.gss(x, xn, lambda u: self._ssm_packed(u, batch, state))
-        q, k, v, qc = self.project(xn)  # (N, H, d)
+        return self.finish(x, *self.prefill_mix(x, xn, *self.project(xn), batch, state))
+
+    def prefill_mix(self, x, xn, q, k, v, qc, batch: Prefill, state):
+        """The stateful part of [`prefill`] in a block or BST layer: the block self-attention and the context
+        attention (None in a block layer) of the packed tokens from their input ``x``, normed input ``xn`` and
+        projections ``q``, ``k``, ``v``, ``qc`` `(N, H, d_h)`; the state advanced. Returns the two attention
+        outputs `(N, H d_h)`."""
         a_self = self._self_attention_packed(q, k, v, batch, state).flatten(1)
         a_second = self._context_packed(x, xn, qc, batch, state) if self.kind == "bst" else None
-        return self.finish(x, a_self, a_second)
+        return a_self, a_second
 
     def _prefill_per_request(self, x, batch: Prefill, state):
         out = torch.empty_like(x)
@@ -827,8 +833,6 @@ class BSTLayerMath(nn.Module):
     def decode(self, x: torch.Tensor, positions: torch.Tensor, state: tuple[torch.Tensor, ...], slots: torch.Tensor):
         """One token per request: ``x`` `(B, D)` at ``positions`` `(B,)`; ``state``: the state tensors of all slots
         `(num_slots, ...)`, rows ``slots`` `(B,)` read and written. Returns `(B, D)`."""
-        cfg = self.config
-        bsz = x.shape[0]
         xn = rms_norm(x, self.input_norm.weight, self.eps)
         if self.kind == "gss":
             ssm_state = self.part(state, "gss")
@@ -839,7 +843,15 @@ class BSTLayerMath(nn.Module):
                 return y
 
             return self.gss(x, xn, step)
-        q, k, v, qc = self.project(xn)  # (B, H, d)
+        return self.finish(x, *self.decode_mix(x, xn, *self.project(xn), positions, state, slots))
+
+    def decode_mix(self, x, xn, q, k, v, qc, positions, state, slots):
+        """The stateful part of [`decode`] (not of a GSS layer): the block self-attention over the ring and the
+        second attention (context or recurrent state; None in a block layer) of the tokens whose input ``x``,
+        normed input ``xn`` and projections ``q``, ``k``, ``v``, ``qc`` (`(B, H, d_h)`, [`project`]) are given;
+        the state advanced. Returns the two attention outputs `(B, H d_h)`."""
+        cfg = self.config
+        bsz = x.shape[0]
         attn_k, attn_v = self.part(state, "attn_k"), self.part(state, "attn_v")
         ring = attn_k.shape[1]
         write = positions % ring
@@ -861,7 +873,7 @@ class BSTLayerMath(nn.Module):
             a_second = self.recurrent_decode(qc, positions, state, slots, ring_k, ring_v)
         else:
             a_second = None
-        return self.finish(x, a_self, a_second)
+        return a_self, a_second
 
     def _ring_positions(self, positions: torch.Tensor, ring: int) -> torch.Tensor:
         """The position each ring slot holds for a decode query at ``positions`` `(B,)`: slot j the newest token at

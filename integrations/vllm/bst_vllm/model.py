@@ -20,15 +20,18 @@ the copy functions [`BSTForCausalLM.get_mamba_state_copy_func`] returns: one per
 tensor of the source slot (no part of a BST state shifts with the position).
 """
 
+import os
 from collections.abc import Iterable
 
 import torch
 from torch import nn
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.mamba.mamba_utils import MambaCopySpec
 from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree, SupportsMambaPrefixCaching
+from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from .config import check_supported
@@ -79,7 +82,82 @@ class BSTServingLayer(BSTLayerMath, MambaBase):
         return MambaAttentionBackendEnum.SHORT_CONV
 
     # -- forward --------------------------------------------------------------------------------------------------
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, step: "Step | None") -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The layer as vLLM compiles it ([`compiled_layers`]): the dense parts (norms, projections, ``o_proj``,
+        MLP) traced, everything that touches the state in one custom op (``torch.ops.vllm.bst_mixer``; GSS and
+        Block-Recurrent layers whole in ``torch.ops.vllm.bst_layer``)."""
+        if self.kind in ("gss", "recurrent"):
+            out = torch.empty_like(hidden)
+            torch.ops.vllm.bst_layer(hidden, positions, out, self.prefix)
+            return out
+        xn = rms_norm(hidden, self.input_norm.weight, self.eps)
+        q, k, v, qc = self.project(xn)
+        mixed = hidden.new_empty(hidden.shape[0], self.o_proj.in_features)
+        torch.ops.vllm.bst_mixer(hidden, xn, q, k, v, qc, positions, mixed, self.prefix)
+        return self.finish(hidden, mixed, None)
+
+    def _input_weight(self) -> torch.Tensor:
+        # Traced code cannot read the weights' versions: the stacked weight is fixed once the weights are loaded.
+        stacked = getattr(self, "input_weight", None)
+        return super()._input_weight() if stacked is None else stacked
+
+    def weights_loaded(self):
+        """Fix the stacked input projection ([`BSTLayerMath._input_weight`]) for the compiled forward."""
+        if self.kind != "gss":
+            self.register_buffer("input_weight", super()._input_weight(), persistent=False)
+
+    def step(self, positions: torch.Tensor) -> "Step | None":
+        """This engine step's [`Step`], read once per forward for the layers of one state group (None in vLLM's
+        profiling run)."""
+        context = get_forward_context()
+        metadata = context.attn_metadata
+        m = metadata.get(self.prefix) if isinstance(metadata, dict) else None
+        if m is None:
+            return None
+        steps = context.__dict__.setdefault("bst_steps", {})
+        if id(m) not in steps:
+            steps[id(m)] = Step.from_metadata(m, positions, self.block_len)
+        return steps[id(m)]
+
+    def mix(self, x, xn, q, k, v, qc, positions, out):
+        """``torch.ops.vllm.bst_mixer``: the stateful part of a block or BST layer ([`BSTLayerMath.decode_mix`],
+        [`BSTLayerMath.prefill_mix`]) of this step's tokens (``q``, ``k``, ``v``, ``qc`` `(N, H, d_h)`) into ``out`` `(N, H d_h (2 H d_h in a BST layer))`."""
+        step = self.step(positions)
+
+        def put(rows, parts):
+            a_self, a_second = parts
+            if a_second is None:
+                out[rows].copy_(a_self)
+            else:
+                torch.cat([a_self, a_second], -1, out=out[rows])
+
+        if step is None:
+            batch = Step.scratch(positions, self.block_len).prefill[0][2]
+            scratch = tuple(torch.zeros(1, *s, dtype=torch.float32, device=x.device) for s in self.shapes)
+            put(slice(None), self.prefill_mix(x, xn, q, k, v, qc, batch, scratch))
+            return
+        nd = step.num_decodes
+        if nd:
+            d = slice(0, nd)
+            parts = self.decode_mix(
+                x[d],
+                xn[d],
+                q[d],
+                k[d],
+                v[d],
+                None if qc is None else qc[d],
+                positions[d],
+                self.kv_cache,
+                step.decode_slots,
+            )
+            put(d, parts)
+        for start, end, run in step.prefill:
+            r = slice(nd + start, nd + end)
+            parts = self.prefill_mix(x[r], xn[r], q[r], k[r], v[r], None if qc is None else qc[r], run, self.kv_cache)
+            put(r, parts)
+
+    def run(self, hidden: torch.Tensor, positions: torch.Tensor, step: "Step | None") -> torch.Tensor:
+        """The whole layer eagerly over one engine ``step`` (None: vLLM's profiling run)."""
         if step is None:
             # vLLM's profiling / warm-up run: no state slots; one sequence on a scratch state.
             scratch = tuple(torch.zeros(1, *s, dtype=torch.float32, device=hidden.device) for s in self.shapes)
@@ -130,9 +208,55 @@ class Step:
         return cls(0, None, [(0, n, Prefill(starts[:1], zero, starts[1:], zero, n, n, block_len))])
 
 
+def bst_mixer(
+    x: torch.Tensor,
+    xn: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qc: torch.Tensor | None,
+    positions: torch.Tensor,
+    out: torch.Tensor,
+    layer_name: str,
+) -> None:
+    """The stateful part of the block or BST layer ``layer_name`` ([`BSTServingLayer.mix`]), written into ``out``."""
+    get_forward_context().no_compile_layers[layer_name].mix(x, xn, q, k, v, qc, positions, out)
+
+
+def bst_mixer_fake(x, xn, q, k, v, qc, positions, out, layer_name) -> None:
+    return None
+
+
+def bst_layer(hidden: torch.Tensor, positions: torch.Tensor, out: torch.Tensor, layer_name: str) -> None:
+    """The whole GSS or Block-Recurrent layer ``layer_name`` ([`BSTServingLayer.run`]), written into ``out``."""
+    layer = get_forward_context().no_compile_layers[layer_name]
+    out.copy_(layer.run(hidden, positions, layer.step(positions)))
+
+
+def bst_layer_fake(hidden, positions, out, layer_name) -> None:
+    return None
+
+
+direct_register_custom_op(op_name="bst_mixer", op_func=bst_mixer, mutates_args=["out"], fake_impl=bst_mixer_fake)
+direct_register_custom_op(op_name="bst_layer", op_func=bst_layer, mutates_args=["out"], fake_impl=bst_layer_fake)
+
+
+def compiled_layers(vllm_config: VllmConfig | None = None) -> bool:
+    """Whether the model runs its layers as vLLM compiles its own models (``BST_VLLM_COMPILE=1``, the default): the
+    dense parts traced by ``@support_torch_compile`` (compiled unless ``enforce_eager``), the state in custom ops.
+    ``BST_VLLM_COMPILE=0``: the layers run eagerly, without custom ops."""
+    value = os.environ.get("BST_VLLM_COMPILE", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"BST serving: BST_VLLM_COMPILE must be 0 or 1, not {value!r}.")
+    return value == "1"
+
+
+@support_torch_compile(enable_if=compiled_layers)
 class BSTModel(nn.Module):
-    def __init__(self, config, prefix: str):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
+        config = vllm_config.model_config.hf_config
+        self.compiled_layers = compiled_layers()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             [BSTServingLayer(config, i, f"{prefix}.layers.{i}") for i in range(config.num_hidden_layers)]
@@ -141,15 +265,16 @@ class BSTModel(nn.Module):
         self.norm.weight = nn.Parameter(torch.ones(config.hidden_size))
         self.eps = config.rms_norm_eps
 
-    def forward(self, input_ids, positions, inputs_embeds=None):
+    def forward(
+        self, input_ids: torch.Tensor | None, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds.float()
-        metadata = get_forward_context().attn_metadata
-        steps = {}  # layers of one state group share their metadata: the step is read once per group
-        for layer in self.layers:
-            m = metadata.get(layer.prefix) if isinstance(metadata, dict) else None
-            if m is not None and id(m) not in steps:
-                steps[id(m)] = Step.from_metadata(m, positions, layer.block_len)
-            hidden = layer(hidden, positions, None if m is None else steps[id(m)])
+        if self.compiled_layers:
+            for layer in self.layers:
+                hidden = layer(hidden, positions)
+        else:
+            for layer in self.layers:
+                hidden = layer.run(hidden, positions, layer.step(positions))
         return rms_norm(hidden, self.norm.weight, self.eps)
 
 
@@ -163,7 +288,7 @@ class BSTForCausalLM(nn.Module, HasInnerState, IsAttentionFree, SupportsMambaPre
         if vllm_config.parallel_config.tensor_parallel_size != 1:
             raise ValueError("BST serving: tensor_parallel_size must be 1 (the plugin's layers are not sharded).")
         self.config = config
-        self.model = BSTModel(config, "model")
+        self.model = BSTModel(vllm_config=vllm_config, prefix="model")
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.logit_scale = config.logit_scale
@@ -221,4 +346,6 @@ class BSTForCausalLM(nn.Module, HasInnerState, IsAttentionFree, SupportsMambaPre
         missing = set(params) - loaded
         if missing:
             raise ValueError(f"BST serving: the checkpoint lacks {sorted(missing)}.")
+        for layer in self.model.layers:
+            layer.weights_loaded()
         return loaded

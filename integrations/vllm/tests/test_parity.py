@@ -40,12 +40,21 @@ def test_fixture_prompts_span_several_blocks():
     assert len(lengths) == 8 and min(lengths) == 1 and max(lengths) >= 5 * block_len
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_offline_greedy_tokens_equal_generate(name):
+# Compiled mode (``BST_VLLM_COMPILE=1``, ``enforce_eager=False``): a model of each layer kind, both custom ops.
+COMPILED = ["slide", "bst-sh-s4", "bst-mf-s4", "brect-bst", "gss-bst"]
+
+
+@pytest.mark.parametrize(
+    "name, compiled", [(name, False) for name in MODELS] + [(name, True) for name in COMPILED if name in MODELS]
+)
+def test_offline_greedy_tokens_equal_generate(name, compiled, monkeypatch):
+    """Eager, and compiled as vLLM compiles its own models (dense parts traced and compiled by inductor, the state
+    in the plugin's custom ops)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=str(FIXTURES / name), dtype="float32", enforce_eager=True, seed=0, **ENGINE)
+    monkeypatch.setenv("BST_VLLM_COMPILE", "1" if compiled else "0")
+    llm = LLM(model=str(FIXTURES / name), dtype="float32", enforce_eager=not compiled, seed=0, **ENGINE)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=EXPECTED["max_new_tokens"], ignore_eos=True)
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in EXPECTED["prompts"]], params)
