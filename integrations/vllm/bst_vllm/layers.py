@@ -65,12 +65,7 @@ def load_functional():
 fb = load_functional()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``functional_bst.rms_norm`` (``x * rsqrt(mean(x^2) + eps) * weight``) as torch's one fused op, for the
-    float32 / float64 tensors the plugin runs on (fewer ops per decode step)."""
-    if x.dtype not in (torch.float32, torch.float64):
-        return fb.rms_norm(x, weight, eps)
-    return F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps)
+rms_norm = fb.rms_norm  # torch's fused rms_norm where the device has one
 
 
 # S4D outputs of a prefill chunk are computed in pieces of this many tokens (the model's chunk length).
