@@ -65,6 +65,20 @@ def write_tokenizer(folder: Path):
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(folder)
 
 
+# The BST:SH:S4 model's configuration fields (BST layers 0 and 2), shared with profile_layers.py.
+BST_FIELDS = dict(
+    vocab_size=VOCAB,
+    max_position_embeddings=MAX_LEN,
+    block_len=BLOCK_LEN,
+    bst_layer_indices=list(range(0, SIZE["num_hidden_layers"], 2)),
+    context_mode="sh",
+    ssm_kind="s4",
+    ssm_state_size=16,
+    tie_word_embeddings=True,
+    **SIZE,
+)
+
+
 def write_hf(folder: Path, family: str, **fields):
     """A random float32 checkpoint of transformers' ``<family>Config`` / ``<family>ForCausalLM`` with ``fields``."""
     import transformers
@@ -116,17 +130,7 @@ def write_bst(folder: Path):
     from safetensors.torch import save_file
 
     torch.manual_seed(0)
-    fields = dict(
-        vocab_size=VOCAB,
-        max_position_embeddings=MAX_LEN,
-        block_len=BLOCK_LEN,
-        bst_layer_indices=list(range(0, SIZE["num_hidden_layers"], 2)),
-        context_mode="sh",
-        ssm_kind="s4",
-        ssm_state_size=16,
-        tie_word_embeddings=True,
-        **SIZE,
-    )
+    fields = dict(BST_FIELDS)
     config = BSTServingConfig(**fields)
     tensors = {"model.embed_tokens.weight": torch.randn(VOCAB, SIZE["hidden_size"]), "model.norm.weight": None}
     tensors["model.norm.weight"] = torch.ones(SIZE["hidden_size"])

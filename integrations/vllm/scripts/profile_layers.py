@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark import BLOCK_LEN, MAX_LEN, SIZE, VOCAB  # noqa: E402
+from benchmark import BLOCK_LEN, BST_FIELDS, SIZE  # noqa: E402
 from bst_vllm.config import BSTServingConfig  # noqa: E402
 from bst_vllm.layers import BSTLayerMath, Prefill  # noqa: E402
 
@@ -46,16 +46,7 @@ class OpCounter(TorchDispatchMode):
 def build(slots: int):
     """The benchmark's model's layers (random weights of the benchmark's scales) and a state pool of ``slots``."""
     torch.manual_seed(0)
-    config = BSTServingConfig(
-        vocab_size=VOCAB,
-        max_position_embeddings=MAX_LEN,
-        block_len=BLOCK_LEN,
-        bst_layer_indices=list(range(0, SIZE["num_hidden_layers"], 2)),
-        context_mode="sh",
-        ssm_kind="s4",
-        ssm_state_size=16,
-        **SIZE,
-    )
+    config = BSTServingConfig(**BST_FIELDS)
     layers = []
     for kind in config.bst_layer_types:
         layer = BSTLayerMath(config, kind)
