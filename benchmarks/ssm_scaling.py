@@ -58,7 +58,7 @@ def set_path(module: torch.nn.Module, path: str):
         if isinstance(m, ssm_bst.S4DKernel):
             m.chunk_len = 0 if path == "whole" else ssm_bst.S4D_CHUNK_LEN
         if isinstance(m, TokenContextStates):
-            m.segment_len = 0 if path == "unsegmented" else type(m).segment_len  # the class's default
+            m.segment_len = MH_SEGMENT_LEN if m.mode == "mh" and path != "unsegmented" else 0
 
 
 def segmented(layer: torch.nn.Module) -> bool:

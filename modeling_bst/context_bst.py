@@ -13,7 +13,6 @@ from .ssm_bst import PerFilterS4D, S4DKernel, UnstructFilter, compute_dtype
 from .utils_bst import constant_memo, gather_rows, maybe_any, step_memo, tracing
 
 
-CHUNK_SPECTRUM_MEMO_BYTES = 128 * 2**20  # largest unstruct decoding-chunk spectrum kept per layer
 MH_SEGMENT_LEN = 256  # tokens per segment of MH's segmented S4 path ([`TokenContextStates.segmented_context`])
 
 
@@ -104,17 +103,45 @@ class BSTContextStates(nn.Module):
         if chunk is not None or seen <= ssm.decode_chunk:
             return chunk
         n = min(seen - 1, ssm.max_len)  # the previous inputs that can be non-zero
-        size = ssm.pending_fft_size(n)
-        key, build = (id(ssm), "unstruct_chunk"), lambda: ssm.pending_spectrum(size, constants)
-        spectrum = step_memo(memo, key, (size,), ssm.parameters(), build, CHUNK_SPECTRUM_MEMO_BYTES)
-        return ssm.pending_outputs(layer_cache.ssm_state, n, spectrum), 0
+        return ssm.pending_outputs(layer_cache.ssm_state, n, constants, memo), 0
 
 
 class TokenContextStates(BSTContextStates):
     """SH / MH: one context state per token, block b attends to its own W (triangular mask); a W-slot ring in the
-    cache. Subclasses give ``lift_and_project`` (SSM outputs `(..., C, Ds)` -> keys, values `(..., 1, H, d_h)`)."""
+    cache. SH (Listing 2): ``c_t = Norm(P_up y_t)`` projected to H heads; MH (Listing 3): H SSM outputs, each lifted
+    by its own D_s -> D projection to that head's K/V."""
 
-    segment_len = 0  # tokens per segment of [`segmented_context`] (0: off)
+    def __init__(self, config: BSTConfig):
+        super().__init__(config)
+        d, heads, hd = config.hidden_size, config.num_attention_heads, config.head_dim
+        if self.mode == "mh":
+            self.up_proj = nn.Parameter(torch.empty(heads, config.ssm_channels, d))  # (H, Ds, D)
+            self.k_proj = nn.Parameter(torch.empty(heads, d, hd))
+            self.v_proj = nn.Parameter(torch.empty(heads, d, hd))
+        else:
+            self.up_proj = nn.Linear(config.ssm_channels, d, bias=False)
+            self.k_proj = nn.Linear(d, heads * hd, bias=False)
+            self.v_proj = nn.Linear(d, heads * hd, bias=False)
+        self.segment_len = MH_SEGMENT_LEN if self.mode == "mh" else 0  # tokens per [`segmented_context`] segment
+
+    def lift_and_project(self, y: torch.Tensor):
+        """SSM outputs `(..., C, Ds)` -> keys, values `(..., 1, H, d_h)`."""
+        if self.mode == "mh":
+            c = self.dropout(self.norm(torch.einsum("...hs,hsd->...hd", y, self.up_proj.to(y.dtype))))  # (..., H, D)
+            k = torch.einsum("...hd,hde->...he", c, self.k_proj.to(c.dtype)).unsqueeze(-3)
+            v = torch.einsum("...hd,hde->...he", c, self.v_proj.to(c.dtype)).unsqueeze(-3)
+        else:
+            c = self.dropout(self.norm(self.up_proj(y[..., 0, :])))  # (..., D)
+            k = self._heads(self.k_proj(c)).unsqueeze(-3)
+            v = self._heads(self.v_proj(c)).unsqueeze(-3)
+        return (l2_normalize(k) if self.config.qk_norm else k), v
+
+    def lift_channel_major(self, y: torch.Tensor, bsz: int):
+        """MH's [`lift_and_project`] of SSM outputs `(H, Ds, B * n)` -> keys, values `(B, n, H, d_h)`."""
+        c = self.dropout(self.norm(torch.bmm(y.transpose(1, 2), self.up_proj.to(y.dtype))))  # (H, B*n, D)
+        kv = torch.bmm(c, torch.cat([self.k_proj, self.v_proj], -1).to(c.dtype))  # (H, B*n, 2 d_h)
+        k, v = kv.unflatten(1, (bsz, -1)).permute(1, 2, 0, 3).split(self.config.head_dim, -1)  # (B, n, H, d_h)
+        return (l2_normalize(k) if self.config.qk_norm else k), v
 
     def use_segments(self, ssm) -> bool:
         """Whether [`sequence`] runs [`segmented_context`]: ``segment_len`` set, a causal chunked S4D kernel, eager."""
@@ -173,49 +200,6 @@ class TokenContextStates(BSTContextStates):
         block_start = p - plan.offset.remainder(self.block_len)[:, None]
         valid = (cpos >= block_start) & context_valid(cpos, p, self.config.cross_mask)  # (B, W)
         return additive_mask(valid, dtype)[:, None, None, :], valid.any(-1)
-
-
-class SHContextStates(TokenContextStates):
-    """SH (single head, Listing 2): ``c_t = Norm(P_up y_t)``, projected to H heads by the context K/V projections."""
-
-    def __init__(self, config: BSTConfig):
-        super().__init__(config)
-        d, heads, hd = config.hidden_size, config.num_attention_heads, config.head_dim
-        self.up_proj = nn.Linear(config.ssm_channels, d, bias=False)
-        self.k_proj = nn.Linear(d, heads * hd, bias=False)
-        self.v_proj = nn.Linear(d, heads * hd, bias=False)
-
-    def lift_and_project(self, y: torch.Tensor):
-        c = self.dropout(self.norm(self.up_proj(y[..., 0, :])))  # (..., D)
-        k = self._heads(self.k_proj(c)).unsqueeze(-3)
-        v = self._heads(self.v_proj(c)).unsqueeze(-3)
-        return (l2_normalize(k) if self.config.qk_norm else k), v  # (..., 1, H, d_h)
-
-
-class MHContextStates(TokenContextStates):
-    """MH (multi-head, Listing 3): H SSM outputs, each lifted by its own D_s -> D projection to that head's K/V."""
-
-    segment_len = MH_SEGMENT_LEN
-
-    def __init__(self, config: BSTConfig):
-        super().__init__(config)
-        d, heads, hd = config.hidden_size, config.num_attention_heads, config.head_dim
-        self.up_proj = nn.Parameter(torch.empty(heads, config.ssm_channels, d))  # (H, Ds, D)
-        self.k_proj = nn.Parameter(torch.empty(heads, d, hd))
-        self.v_proj = nn.Parameter(torch.empty(heads, d, hd))
-
-    def lift_and_project(self, y: torch.Tensor):
-        c = self.dropout(self.norm(torch.einsum("...hs,hsd->...hd", y, self.up_proj.to(y.dtype))))  # (..., H, D)
-        k = torch.einsum("...hd,hde->...he", c, self.k_proj.to(c.dtype)).unsqueeze(-3)
-        v = torch.einsum("...hd,hde->...he", c, self.v_proj.to(c.dtype)).unsqueeze(-3)
-        return (l2_normalize(k) if self.config.qk_norm else k), v  # (..., 1, H, d_h)
-
-    def lift_channel_major(self, y: torch.Tensor, bsz: int):
-        """[`lift_and_project`] of SSM outputs `(H, Ds, B * n)` -> keys, values `(B, n, H, d_h)`, in that layout."""
-        c = self.dropout(self.norm(torch.bmm(y.transpose(1, 2), self.up_proj.to(y.dtype))))  # (H, B*n, D)
-        kv = torch.bmm(c, torch.cat([self.k_proj, self.v_proj], -1).to(c.dtype))  # (H, B*n, 2 d_h)
-        k, v = kv.unflatten(1, (bsz, -1)).permute(1, 2, 0, 3).split(self.config.head_dim, -1)  # (B, n, H, d_h)
-        return (l2_normalize(k) if self.config.qk_norm else k), v
 
 
 class MFContextStates(BSTContextStates):
@@ -300,4 +284,4 @@ def _s4_kernel(channels, out_channels, config):
 
 
 SSM_KERNELS = {"s4": _s4_kernel, "unstruct": UnstructFilter}
-CONTEXT_BUILDERS = {"sh": SHContextStates, "mh": MHContextStates, "mf": MFContextStates}
+CONTEXT_BUILDERS = {"sh": TokenContextStates, "mh": TokenContextStates, "mf": MFContextStates}

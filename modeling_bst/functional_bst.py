@@ -105,8 +105,10 @@ def _split(length: int, chunk: int):
     return inner, -(-length // inner)
 
 
-def s4d_vandermonde(coeff, dt_a, length: int, offset: int = 0, chunk: int = 64) -> torch.Tensor:
-    """``Re sum_n coeff[..., h, n] Abar[h, n] ** (offset + l)`` for ``l < length`` -> `(..., Ds, length)`."""
+def s4d_vandermonde(c, x, dt_a, length: int, offset: int = 0, chunk: int = 64) -> torch.Tensor:
+    """``2 Re sum_n C[c, h, n] x[..., h, n] Abar[h, n] ** (offset + l)`` for ``l < length`` -> `(..., C, Ds, length)`:
+    the kernel for ``x = Bbar``, the free response of a state ``x`` `(B, Ds, N2)` for ``offset = 1`` (pairs)."""
+    coeff = pair_mul(complex_pair(c.to(dt_a[0].dtype)), (x[0].unsqueeze(-3), x[1].unsqueeze(-3)))  # (..., C, Ds, N2)
     inner, outer = _split(length, chunk)
     p_in = pair_powers(dt_a, torch.arange(inner, device=dt_a[0].device))  # (Ds, N2, c)
     p_out = pair_powers(dt_a, offset + inner * torch.arange(outer, device=dt_a[0].device))  # (Ds, N2, a)
@@ -114,20 +116,7 @@ def s4d_vandermonde(coeff, dt_a, length: int, offset: int = 0, chunk: int = 64) 
     out = torch.einsum("...hna,hnc->...hac", weighted[0], p_in[0]) - torch.einsum(
         "...hna,hnc->...hac", weighted[1], p_in[1]
     )  # (..., Ds, a, c)
-    return out.flatten(-2)[..., :length]
-
-
-def s4d_kernel(c, dt_a, b_bar, length: int) -> torch.Tensor:
-    """The convolution kernel ``K[c, h, l] = 2 Re(sum_n C Bbar Abar^l)`` `(C, Ds, length)`."""
-    coeff = pair_mul(complex_pair(c.to(dt_a[0].dtype)), b_bar)  # (C, Ds, N2)
-    return 2 * s4d_vandermonde(coeff, dt_a, length)
-
-
-def s4d_free_response(c, dt_a, state, length: int) -> torch.Tensor:
-    """The outputs ``2 Re(C Abar^(t+1) x0)`` `(B, C, Ds, length)` of a state ``x0`` with no further input."""
-    x0 = complex_pair(state if state.is_complex() else state.to(dt_a[0].dtype))
-    coeff = pair_mul(complex_pair(c.to(dt_a[0].dtype)), (x0[0][:, None], x0[1][:, None]))  # (B, C, Ds, N2)
-    return 2 * s4d_vandermonde(coeff, dt_a, length, offset=1)
+    return 2 * out.flatten(-2)[..., :length]
 
 
 def s4d_final_state(z: torch.Tensor, dt_a, b_bar, state: torch.Tensor | None = None, chunk: int = 64) -> torch.Tensor:

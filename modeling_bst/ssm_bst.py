@@ -3,6 +3,7 @@
 ``block_end_outputs``); the maths is ``functional_bst.py``; docs/architecture.md, "SSM maths", describes both.
 """
 
+import functools
 import math
 
 import torch
@@ -11,9 +12,9 @@ from torch import nn
 from transformers import initialization as init
 
 from .functional_bst import (
-    causal_spectrum,
     chunk_exponents_layout,
     chunk_groups,
+    complex_pair,
     direct_causal_conv,
     fold_skip,
     s4d_chunk_scan,
@@ -21,14 +22,13 @@ from .functional_bst import (
     s4d_chunked_forward,
     s4d_discretize,
     s4d_final_state,
-    s4d_free_response,
-    s4d_kernel,
     s4d_step,
     s4d_step_constants,
+    s4d_vandermonde,
     spectrum_conv,
     unstruct_filters,
 )
-from .utils_bst import Switch, host_can_branch, memoised, tracing
+from .utils_bst import Switch, host_can_branch, memoised, step_memo, tracing
 
 
 def _no_autocast(device_type: str):
@@ -38,13 +38,6 @@ def _no_autocast(device_type: str):
 def compute_dtype(param: torch.Tensor) -> torch.dtype:
     """SSM maths runs in float32 (float64 when the model is float64), never in half precision."""
     return torch.float64 if param.dtype == torch.float64 else torch.float32
-
-
-def bidirectional_spectrum(k_fwd: torch.Tensor, k_bwd: torch.Tensor) -> torch.Tensor:
-    """Spectrum of the two-sided kernel (``k_fwd`` on lags 0..L-1, ``k_bwd`` on lags -1..-L)."""
-    length = k_fwd.shape[-1]
-    k = F.pad(k_fwd, (0, length)) + F.pad(k_bwd.flip(-1), (length, 0))  # (C, Ds, 2L): negative lags wrap around
-    return torch.fft.rfft(k, n=2 * length)
 
 
 def fft_conv(u: torch.Tensor, k_f: torch.Tensor) -> torch.Tensor:
@@ -131,23 +124,19 @@ def spectrum_memo_usable(module: nn.Module) -> bool:
     return not params or host_can_branch(params[0])
 
 
-_EXPONENT_TABLES: dict = {}  # [`chunk_exponents`] per layout, dtype and device
-
-
 def chunk_exponents(chunk: int, groups: int, conv: bool, dtype: torch.dtype, device):
     """[`chunk_exponents_layout`] as a `(2, E)` tensor and the offsets, kept per device and dtype in eager mode."""
-    if tracing():  # (dynamo would warn about the lru_cache wrapper)
-        exps, mask, offsets = chunk_exponents_layout.__wrapped__(chunk, groups, conv)
+    layout = chunk_exponents_layout.__wrapped__ if tracing() else chunk_exponents_layout  # (dynamo: no lru_cache)
+    exps, mask, offsets = layout(chunk, groups, conv)
+    if tracing():
         return torch.tensor([exps, mask], dtype=dtype, device=device), offsets
-    exps, mask, offsets = chunk_exponents_layout(chunk, groups, conv)
-    key = (chunk, groups, conv, dtype, torch.device(device))
-    table = _EXPONENT_TABLES.get(key)
-    if table is None:
-        if len(_EXPONENT_TABLES) > 256:  # many distinct lengths: start over rather than grow
-            _EXPONENT_TABLES.clear()
-        with torch.inference_mode(False):  # usable by later training steps (inference tensors are not)
-            table = _EXPONENT_TABLES[key] = torch.tensor([exps, mask], dtype=dtype, device=device)
-    return table, offsets
+    return _exponent_table(chunk, groups, conv, dtype, torch.device(device)), offsets
+
+
+@functools.lru_cache(maxsize=256)
+def _exponent_table(chunk: int, groups: int, conv: bool, dtype: torch.dtype, device) -> torch.Tensor:
+    with torch.inference_mode(False):  # usable by later training steps (inference tensors are not)
+        return torch.tensor(chunk_exponents_layout(chunk, groups, conv)[:2], dtype=dtype, device=device)
 
 
 class LongConv(nn.Module):
@@ -156,7 +145,9 @@ class LongConv(nn.Module):
     def spectrum(self, length: int) -> torch.Tensor:
         """FFT (size 2 ``length``) of the taps: `(C, Ds, length + 1)`."""
         forward, backward = self.taps(length)
-        return causal_spectrum(forward) if backward is None else bidirectional_spectrum(forward, backward)
+        if backward is not None:  # two-sided: lags -1..-L wrap around to the end
+            forward = F.pad(forward, (0, length)) + F.pad(backward.flip(-1), (length, 0))
+        return torch.fft.rfft(forward, n=2 * length)
 
     def long_conv(self, u: torch.Tensor) -> torch.Tensor:
         """``u`` `(B, Ds, L)` -> `(B, C, Ds, L)`: direct in [`real_arithmetic`], else by the memoised spectrum."""
@@ -219,7 +210,7 @@ class S4DKernel(LongConv):
         """The convolution kernel ``K`` `(C, Ds, length)`."""
         if dt_a is None:
             dt_a, d_b = self.discretize()
-        return s4d_kernel(self.C_backward if backward else self.C, dt_a, d_b, length)
+        return s4d_vandermonde(self.C_backward if backward else self.C, d_b, dt_a, length)
 
     def taps(self, length: int):
         """The kernel over ``length`` lags with D folded into lag 0, and the backward one (or None)."""
@@ -236,7 +227,9 @@ class S4DKernel(LongConv):
                 return self.chunked_forward(z, min(self.chunk_len, length), state, tables)
             y = self.long_conv(z.transpose(1, 2))  # (B, C, Ds, L)
             if state is not None:
-                y = y + s4d_free_response(self.C, self.discretize()[0], state, length)
+                dt_a = self.discretize()[0]
+                x0 = complex_pair(state if state.is_complex() else state.to(dt_a[0].dtype))
+                y = y + s4d_vandermonde(self.C, x0, dt_a, length, offset=1)
             return y.permute(0, 3, 1, 2)  # (B, L, C, Ds)
 
     def use_chunks(self, length: int, element_size: int) -> bool:
@@ -266,15 +259,15 @@ class S4DKernel(LongConv):
         """[`forward`] by [`s4d_chunked_forward`] (causal; ``z`` in the compute dtype)."""
         return s4d_chunked_forward(z, chunk, self.chunk_tables(chunk, -(-z.shape[1] // chunk), True, tables), state)
 
-    def chunk_start_states(self, z: torch.Tensor, chunk: int, state=None, constants=None) -> torch.Tensor:
-        """The states `(Ds, B, nc, 2 N2)` entering every chunk of ``z`` `(B, nc * chunk, Ds)` (compute dtype)."""
+    def chunk_start_states(self, z: torch.Tensor, chunk: int, state=None, constants=None, first: int = 0):
+        """The states `(Ds, B, nc, 2 N2)` entering chunks ``first ..`` of ``z`` `(B, nc * chunk, Ds)` (compute dtype)."""
         with _no_autocast(z.device.type):
             bsz, length, ds = z.shape
             nc = length // chunk
-            rw, _, *scan = constants if constants is not None else self.chunk_tables(chunk, nc)
+            rw, _, *scan = constants if constants is not None else self.chunk_tables(chunk, nc + first)
             u = z.reshape(bsz * nc, chunk, ds).permute(2, 0, 1)
             local = torch.bmm(u, rw[..., rw.shape[-1] - 2 * self.n_modes :])  # (Ds, B*nc, 2 N2)
-            return s4d_chunk_scan(local.view(ds, bsz, nc, -1), state, scan, nc).view(ds, bsz, nc, -1)
+            return s4d_chunk_scan(local.view(ds, bsz, nc, -1), state, scan, nc + first, first).view(ds, bsz, nc, -1)
 
     def channel_major_chunks(self, z: torch.Tensor, x0: torch.Tensor, chunk: int, constants=None) -> torch.Tensor:
         """[`chunked_forward`]'s outputs of whole chunks from their entering states ``x0``, `(C, Ds, B * L)`."""
@@ -306,13 +299,11 @@ class S4DKernel(LongConv):
             nb = length // block_len
             if nb == 0:
                 return z.new_zeros(bsz, 0, self.out_channels, ds)
-            w_local, readout, *scan = self.chunk_tables(block_len, nb + 1, False, tables)
-            u = z[:, : nb * block_len].reshape(bsz * nb, block_len, ds).permute(2, 0, 1)  # (Ds, B*nb, W)
-            local = torch.bmm(u, w_local)  # (Ds, B*nb, 2 N2)
-            x = s4d_chunk_scan(local.view(ds, bsz, nb, -1), state, scan, nb + 1, first=1)  # (Ds, B*nb, 2 N2)
+            constants = self.chunk_tables(block_len, nb + 1, False, tables)  # the states after blocks 0 .. nb-1
+            x = self.chunk_start_states(z[:, : nb * block_len], block_len, state, constants, first=1)
             z_end = z[:, block_len - 1 :: block_len].permute(2, 0, 1).unsqueeze(-1)  # (Ds, B, nb, 1)
             skip = (z_end * self.D.to(z.dtype).t()[:, None, None]).view(ds, bsz * nb, self.out_channels)
-            y = torch.baddbmm(skip, x, readout, alpha=2)  # (Ds, B*nb, C)
+            y = torch.baddbmm(skip, x.view(ds, bsz * nb, -1), constants[1], alpha=2)  # (Ds, B*nb, C)
             return y.view(ds, bsz, nb, self.out_channels).permute(1, 2, 3, 0)
 
     def empty_state(self, batch_size: int, device) -> torch.Tensor:
@@ -427,6 +418,7 @@ class Sin(nn.Module):
 # Unstruct decoding in chunks of M steps ([`UnstructFilter.pending_outputs`]); 512 by measurement (~60M bst-unstruct
 # at 64k context, 1 thread: 45.8 / 43.7 / 41.1 ms per token with M = 128 / 256 / 512; docs/performance.md).
 UNSTRUCT_DECODE_CHUNK = 512
+PENDING_BYTES = 128 * 2**20  # largest decoding-chunk spectrum kept per layer
 
 
 class UnstructFilter(LongConv):
@@ -515,23 +507,20 @@ class UnstructFilter(LongConv):
             y = y.permute(1, 2, 0)  # (B, C, Ds)
             return y + self.bias.to(dtype) * history[:, None, :, -1].to(dtype)
 
-    def pending_fft_size(self, n: int) -> int:
-        """FFT size for [`pending_outputs`] of ``n`` inputs: the smallest 2^k, 5 * 2^(k-3) or 3 * 2^(k-2) >= n + M."""
+    def pending_outputs(self, history: torch.Tensor, n: int, constants, memo: dict | None = None) -> torch.Tensor:
+        """The share `(B, C, Ds, M)` of the ``n`` newest inputs of ``history`` in the next M outputs, by one FFT of the
+        smallest size 2^k, 5 * 2^(k-3) or 3 * 2^(k-2) >= n + M (the taps' spectrum kept in a decoding ``memo``)."""
         need = n + self.decode_chunk
         power = 1 << (need - 1).bit_length()  # >= need
-        return min(size for size in (power, power * 5 // 8, power * 3 // 4) if size >= need)
+        size = min(size for size in (power, power * 5 // 8, power * 3 // 4) if size >= need)
+        dtype = compute_dtype(self.pos_emb)
 
-    def pending_spectrum(self, size: int, reversed_taps: torch.Tensor) -> torch.Tensor:
-        """rFFT (``size`` points) of the taps from ``reversed_taps``: `(C, Ds, size // 2 + 1)`."""
-        with _no_autocast(reversed_taps.device.type):
-            taps = reversed_taps.flip(1).permute(2, 0, 1)[..., :size]  # (C, Ds, min(Lmax, size)), lag order
-            return torch.fft.rfft(taps.to(compute_dtype(self.pos_emb)), n=size)
+        def build():  # (C, Ds, size // 2 + 1) from the taps in lag order
+            return torch.fft.rfft(constants.flip(1).permute(2, 0, 1)[..., :size].to(dtype), n=size)
 
-    def pending_outputs(self, history: torch.Tensor, n: int, spectrum: torch.Tensor) -> torch.Tensor:
-        """The share `(B, C, Ds, M)` of the ``n`` newest inputs of ``history`` in the next M outputs (one FFT)."""
         with _no_autocast(history.device.type):
-            size = self.pending_fft_size(n)
-            x = history[..., history.shape[-1] - n :].to(spectrum.real.dtype)  # (B, Ds, n)
+            spectrum = step_memo(memo, (id(self), "unstruct_chunk"), (size,), self.parameters(), build, PENDING_BYTES)
+            x = history[..., history.shape[-1] - n :].to(dtype)  # (B, Ds, n)
             y = torch.fft.irfft(torch.fft.rfft(x, n=size).unsqueeze(1) * spectrum.unsqueeze(0), n=size)
             return y[..., n : n + self.decode_chunk].contiguous()
 
@@ -559,11 +548,8 @@ class UnstructFilter(LongConv):
         history = append_history(state, z_t.to(state.dtype))
         if not output:
             return None, history
-        if pending is None:
-            return self.output_at_newest(history, seen=seen, reversed_taps=constants), history
-        return pending[0][..., pending[1]] + self.output_at_newest(
-            history, seen=pending[1] + 1, reversed_taps=constants
-        ), history
+        y = self.output_at_newest(history, seen=seen if pending is None else pending[1] + 1, reversed_taps=constants)
+        return (y if pending is None else pending[0][..., pending[1]] + y), history
 
     def block_end_outputs(self, z: torch.Tensor, block_len: int, state: torch.Tensor | None = None, tables=None):
         """Outputs at the last token of every block: `(B, nb*W, Ds)` -> `(B, nb, C, Ds)`."""
