@@ -100,18 +100,19 @@ def s4d_discretize(log_dt, a_log_real, a_imag, b, dtype: torch.dtype):
     return dt_a, pair_mul(complex_pair(b.to(dtype)), ratio)
 
 
-def _split(length: int, chunk: int):
+def _split_powers(dt_a, length: int, chunk: int, offset: int = 0):
+    """``Abar^l``, ``l < length``, as ``(c, a, Abar^(0..c-1), Abar^(offset + c (0..a-1)))``, pairs of `(Ds, N2, .)`."""
     inner = max(1, min(chunk, length))
-    return inner, -(-length // inner)
+    outer = -(-length // inner)
+    p_in = pair_powers(dt_a, torch.arange(inner, device=dt_a[0].device))
+    return inner, outer, p_in, pair_powers(dt_a, offset + inner * torch.arange(outer, device=dt_a[0].device))
 
 
 def s4d_vandermonde(c, x, dt_a, length: int, offset: int = 0, chunk: int = 64) -> torch.Tensor:
     """``2 Re sum_n C[c, h, n] x[..., h, n] Abar[h, n] ** (offset + l)`` for ``l < length`` -> `(..., C, Ds, length)`:
     the kernel for ``x = Bbar``, the free response of a state ``x`` `(B, Ds, N2)` for ``offset = 1`` (pairs)."""
     coeff = pair_mul(complex_pair(c.to(dt_a[0].dtype)), (x[0].unsqueeze(-3), x[1].unsqueeze(-3)))  # (..., C, Ds, N2)
-    inner, outer = _split(length, chunk)
-    p_in = pair_powers(dt_a, torch.arange(inner, device=dt_a[0].device))  # (Ds, N2, c)
-    p_out = pair_powers(dt_a, offset + inner * torch.arange(outer, device=dt_a[0].device))  # (Ds, N2, a)
+    _, _, p_in, p_out = _split_powers(dt_a, length, chunk, offset)
     weighted = pair_mul((coeff[0].unsqueeze(-1), coeff[1].unsqueeze(-1)), p_out)  # (..., Ds, N2, a)
     out = torch.einsum("...hna,hnc->...hac", weighted[0], p_in[0]) - torch.einsum(
         "...hna,hnc->...hac", weighted[1], p_in[1]
@@ -122,11 +123,9 @@ def s4d_vandermonde(c, x, dt_a, length: int, offset: int = 0, chunk: int = 64) -
 def s4d_final_state(z: torch.Tensor, dt_a, b_bar, state: torch.Tensor | None = None, chunk: int = 64) -> torch.Tensor:
     """The state ``Abar^L x0 + sum_j Abar^(L-1-j) Bbar z_j`` `(B, Ds, N2, 2)` after inputs ``z`` `(B, L, Ds)`."""
     bsz, length, ds = z.shape
-    inner, outer = _split(length, chunk)
+    inner, outer, p_in, p_out = _split_powers(dt_a, length, chunk)
     z_rev = F.pad(z.flip(1), (0, 0, 0, inner * outer - length))  # lag l = L-1-j first
     z_rev = z_rev.view(bsz, outer, inner, ds)  # (B, a, c, Ds)
-    p_in = pair_powers(dt_a, torch.arange(inner, device=z.device))  # (Ds, N2, c)
-    p_out = pair_powers(dt_a, inner * torch.arange(outer, device=z.device))  # (Ds, N2, a)
     partial = torch.einsum("bach,hnc->bhna", z_rev, p_in[0]), torch.einsum("bach,hnc->bhna", z_rev, p_in[1])
     x = pair_mul(partial, p_out)
     x = pair_mul((x[0].sum(-1), x[1].sum(-1)), b_bar)  # (B, Ds, N2)

@@ -105,7 +105,7 @@ def use_real_arithmetic() -> bool:
     return _REAL_ARITHMETIC[0] or (torch.compiler.is_exporting() and torch.onnx.is_in_onnx_export())
 
 
-S4D_CHUNK_LEN = 64  # S4D outputs beyond twice this length run chunk by chunk ([`S4DKernel.chunked_forward`])
+S4D_CHUNK_LEN = 64  # S4D outputs beyond twice this length run chunk by chunk ([`s4d_chunked_forward`])
 SPECTRUM_MEMO_BYTES = 512 * 2**20
 
 
@@ -224,7 +224,10 @@ class S4DKernel(LongConv):
             z = z.to(compute_dtype(self.log_dt))
             length = z.shape[1]
             if not use_real_arithmetic() and self.use_chunks(length, z.element_size()):
-                return self.chunked_forward(z, min(self.chunk_len, length), state, tables)
+                chunk = min(self.chunk_len, length)  # the real chunked form, [`s4d_chunked_forward`]
+                return s4d_chunked_forward(
+                    z, chunk, self.chunk_tables(chunk, -(-length // chunk), True, tables), state
+                )
             y = self.long_conv(z.transpose(1, 2))  # (B, C, Ds, L)
             if state is not None:
                 dt_a = self.discretize()[0]
@@ -233,7 +236,7 @@ class S4DKernel(LongConv):
             return y.permute(0, 3, 1, 2)  # (B, L, C, Ds)
 
     def use_chunks(self, length: int, element_size: int) -> bool:
-        """Whether [`forward`] runs [`chunked_forward`] (causal; not where a memoised spectrum serves)."""
+        """Whether [`forward`] runs the chunked form (causal; not where a memoised spectrum serves)."""
         if not self.chunk_len or self.bidirectional:
             return False
         if not spectrum_memo_usable(self):
@@ -255,10 +258,6 @@ class S4DKernel(LongConv):
 
         return memoised_spectrum(self, ("chunked", chunk, num_chunks, conv, compute_dtype(self.log_dt)), build)
 
-    def chunked_forward(self, z: torch.Tensor, chunk: int, state: torch.Tensor | None = None, tables=None):
-        """[`forward`] by [`s4d_chunked_forward`] (causal; ``z`` in the compute dtype)."""
-        return s4d_chunked_forward(z, chunk, self.chunk_tables(chunk, -(-z.shape[1] // chunk), True, tables), state)
-
     def chunk_start_states(self, z: torch.Tensor, chunk: int, state=None, constants=None, first: int = 0):
         """The states `(Ds, B, nc, 2 N2)` entering chunks ``first ..`` of ``z`` `(B, nc * chunk, Ds)` (compute dtype)."""
         with _no_autocast(z.device.type):
@@ -270,7 +269,7 @@ class S4DKernel(LongConv):
             return s4d_chunk_scan(local.view(ds, bsz, nc, -1), state, scan, nc + first, first).view(ds, bsz, nc, -1)
 
     def channel_major_chunks(self, z: torch.Tensor, x0: torch.Tensor, chunk: int, constants=None) -> torch.Tensor:
-        """[`chunked_forward`]'s outputs of whole chunks from their entering states ``x0``, `(C, Ds, B * L)`."""
+        """The chunked form's outputs of whole chunks from their entering states ``x0``, `(C, Ds, B * L)`."""
         with _no_autocast(z.device.type):
             bsz, length, ds = z.shape
             nc = length // chunk
@@ -368,14 +367,11 @@ class ChunkTables:
         ]
         self.built = {}
 
-    @staticmethod
-    def shape(kernel) -> tuple:
-        return kernel.n_modes, kernel.out_channels, kernel.log_dt.dtype, kernel.log_dt.device
-
     def get(self, kernel, chunk: int, num_chunks: int, conv: bool = True):
-        shape = self.shape(kernel)
+        """``kernel``'s tables, built with those of the listed kernels of its shape."""
+        shape = (kernel.n_modes, kernel.out_channels, kernel.log_dt.dtype, kernel.log_dt.device)
         key = (chunk, num_chunks, conv, *shape)
-        group = [k for k in self.kernels if self.shape(k) == shape]
+        group = [k for k in self.kernels if (k.n_modes, k.out_channels, k.log_dt.dtype, k.log_dt.device) == shape]
         if key not in self.built:
             self.built[key] = grouped_chunk_tables(group, chunk, num_chunks, conv)
         return self.built[key][group.index(kernel)]
@@ -473,12 +469,9 @@ class UnstructFilter(LongConv):
 
     def taps(self, total: int):
         """The filter over ``total`` lags with the bias folded into lag 0, and the backward one (or None)."""
-        h = self.filters(min(total, self.max_len))
-        h = F.pad(h, (0, total - h.shape[-1]))
-        bias = self.bias.to(h.dtype)
-        if self.bidirectional:
-            return fold_skip(h[0], bias), h[1]
-        return fold_skip(h, bias), None
+        h = F.pad(self.filters(min(total, self.max_len)), (0, max(0, total - self.max_len)))
+        forward, backward = h if self.bidirectional else (h, None)
+        return fold_skip(forward, self.bias.to(h.dtype)), backward
 
     def forward(self, z: torch.Tensor, history: torch.Tensor | None = None, tables=None) -> torch.Tensor:
         """``z`` `(B, L, Ds)` -> ``y`` `(B, L, C, Ds)` after the earlier inputs ``history`` (``tables`` unused)."""
@@ -490,21 +483,13 @@ class UnstructFilter(LongConv):
                 u = torch.cat([history.to(dtype), u], dim=-1)
             return self.long_conv(u)[..., -length:].permute(0, 3, 1, 2)
 
-    @staticmethod
-    def reverse_taps(taps: torch.Tensor) -> torch.Tensor:
-        """Taps `(C, Ds, Lh)` laid out as the history for [`step`]: `(Ds, Lh, C)`, newest lag last."""
-        return taps.flip(-1).permute(1, 2, 0).contiguous()
-
-    def output_at_newest(self, history, taps=None, seen: int | None = None, reversed_taps=None) -> torch.Tensor:
+    def output_at_newest(self, history: torch.Tensor, seen: int | None = None, constants=None) -> torch.Tensor:
         """The output `(B, C, Ds)` at the newest input of ``history`` `(B, Ds, Lh)`, over its last ``seen`` inputs."""
         with _no_autocast(history.device.type):
-            length = history.shape[-1]
             dtype = compute_dtype(self.pos_emb)
-            if reversed_taps is None:
-                reversed_taps = self.reverse_taps(taps if taps is not None else self.filters(length))
-            n = length if seen is None else max(1, min(seen, length))
-            y = torch.matmul(history[..., -n:].to(dtype).transpose(0, 1), reversed_taps[:, -n:].to(dtype))
-            y = y.permute(1, 2, 0)  # (B, C, Ds)
+            taps = constants if constants is not None else self.step_constants()  # (Ds, Lmax, C), newest lag last
+            n = history.shape[-1] if seen is None else max(1, min(seen, history.shape[-1]))
+            y = torch.matmul(history[..., -n:].to(dtype).transpose(0, 1), taps[:, -n:].to(dtype)).permute(1, 2, 0)
             return y + self.bias.to(dtype) * history[:, None, :, -1].to(dtype)
 
     def pending_outputs(self, history: torch.Tensor, n: int, constants, memo: dict | None = None) -> torch.Tensor:
@@ -539,8 +524,8 @@ class UnstructFilter(LongConv):
         return hist[..., -self.max_len :].contiguous()
 
     def step_constants(self):
-        """The taps laid out for stepping ([`reverse_taps`] of all ``Lmax`` of them)."""
-        return self.reverse_taps(self.filters(self.max_len))
+        """The taps laid out for stepping, `(Ds, Lmax, C)` with the newest lag last."""
+        return self.filters(self.max_len).flip(-1).permute(1, 2, 0).contiguous()
 
     def step(self, z_t, state, constants=None, seen: int | None = None, output: bool = True, pending=None):
         """``z_t`` `(B, Ds)` joins the history: the output `(B, C, Ds)` (None unless ``output``) and the new history;
@@ -548,7 +533,7 @@ class UnstructFilter(LongConv):
         history = append_history(state, z_t.to(state.dtype))
         if not output:
             return None, history
-        y = self.output_at_newest(history, seen=seen if pending is None else pending[1] + 1, reversed_taps=constants)
+        y = self.output_at_newest(history, seen if pending is None else pending[1] + 1, constants)
         return (y if pending is None else pending[0][..., pending[1]] + y), history
 
     def block_end_outputs(self, z: torch.Tensor, block_len: int, state: torch.Tensor | None = None, tables=None):

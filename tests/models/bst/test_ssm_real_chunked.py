@@ -1,4 +1,4 @@
-"""S4D's chunked training path in real arithmetic (``S4DKernel.chunked_forward``, ``chunk_start_states``,
+"""S4D's chunked training path in real arithmetic (``s4d_chunked_forward``, ``chunk_start_states``,
 ``channel_major_chunks``, ``block_end_outputs``): equal to the complex forms and to the recurrence in float64 (outputs
 and every gradient), no complex tensor in its forward or backward, few backend ops, one graph under torch.compile."""
 
