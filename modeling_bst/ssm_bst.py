@@ -428,8 +428,7 @@ class UnstructFilter(LongConv):
         self.emb_dim = config.unstruct_emb_dim
         self.bidirectional = config.bidirectional
         order = config.unstruct_order
-        self.decay_target = config.unstruct_decay_target
-        self.decay_fast, self.decay_slow = config.unstruct_decay_fast, config.unstruct_decay_slow
+        self.decay = (config.unstruct_decay_target, config.unstruct_decay_fast, config.unstruct_decay_slow)
         width = out_channels * channels * (2 if self.bidirectional else 1)
         dtype = ssm_dtype()
         self.pos_emb = nn.Parameter(torch.empty(1, self.max_len, self.emb_dim, dtype=dtype))
@@ -462,9 +461,10 @@ class UnstructFilter(LongConv):
             dtype = compute_dtype(self.pos_emb)
             # The layers are called as modules (adapters run), in their weights' dtype.
             layers = [lambda x, m=m: m(x.to(m.weight.dtype)) for m in [*self.mlp, self.out]]
-            decay = (self.decay_target, self.decay_fast, self.decay_slow)
             h = self.pos_emb[0, :length].to(dtype)
-            h = unstruct_filters(h, layers[:-1], layers[-1], self.sin.freq, self.max_len, decay, *self.filter_shape)
+            h = unstruct_filters(
+                h, layers[:-1], layers[-1], self.sin.freq, self.max_len, self.decay, *self.filter_shape
+            )
             return h if self.bidirectional else h[0]
 
     def taps(self, total: int):
