@@ -1,6 +1,5 @@
 """PyTorch Block-State Transformer (Fathi, Pilault et al., 2023): attentions, layers, models (docs/architecture.md)."""
 
-import functools
 import math
 from dataclasses import fields
 
@@ -17,6 +16,7 @@ from transformers.modeling_outputs import (
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import can_return_tuple, logging
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import capture_outputs
 
 from .attention_bst import BSTRMSNorm, flex_block_attention, grouped_flex, use_flex
@@ -39,27 +39,12 @@ from .utils_bst import constant_memo, gather_rows, host_can_branch, maybe_any, o
 
 logger = logging.get_logger(__name__)
 
-# The cache's name in the installed transformers' outputs: ``cache`` from 5.24 on, ``past_key_values`` in 5.23.
+# The cache's name in the installed transformers' outputs: ``cache`` from 5.24 on, ``past_key_values`` in 5.23 (whose
+# generate passes that name: accepted without a warning, ``cache_argument``).
 CACHE_NAME = (
     "cache" if "cache" in {f.name for f in fields(BaseModelOutputWithPastAndCrossAttentions)} else "past_key_values"
 )
-
-
-def cache_argument(forward):
-    """Lets ``forward(..., cache=None)`` also take the cache as ``past_key_values`` (as ``deprecate_kwarg`` would)."""
-
-    @functools.wraps(forward)
-    def wrapper(*args, **kwargs):
-        if "past_key_values" in kwargs:
-            other, cache = kwargs.pop("past_key_values"), kwargs.get("cache")
-            if cache is not None and other is not None and cache is not other:
-                raise ValueError(
-                    "Got two different caches, `cache` and `past_key_values`: pass the BSTCache once, under either name."
-                )
-            kwargs["cache"] = other if cache is None else cache
-        return forward(*args, **kwargs)
-
-    return wrapper
+cache_argument = deprecate_kwarg("past_key_values", "5.23", new_name="cache", raise_if_both_names=True)
 
 
 def eager_attention_forward(module, query, key, value, attention_mask, scaling=1.0, dropout=0.0, **kwargs):
