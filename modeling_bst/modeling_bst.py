@@ -29,7 +29,6 @@ from .functional_bst import (
     l2_normalize,
     masked_fill_value,
     t5_relative_bucket,
-    upcast,
     window_valid,
 )
 from .layout_bst import SequencePass, StepPlan, _Chunk, _Documents
@@ -47,29 +46,38 @@ CACHE_NAME = (
 cache_argument = deprecate_kwarg("past_key_values", "5.23", new_name="cache", raise_if_both_names=True)
 
 
-def eager_attention_forward(module, query, key, value, attention_mask, scaling=1.0, dropout=0.0, **kwargs):
-    """Reference attention. ``query`` `(N, H, Lq, d)`, ``key``/``value`` `(N, H, Lk, d)` -> `(N, Lq, H, d)`."""
-    weights = torch.matmul(query, key.transpose(-1, -2)) * scaling
-    if attention_mask is not None:
-        weights = weights + attention_mask
-    weights = torch.softmax(upcast(weights), dim=-1).to(query.dtype)
-    weights = F.dropout(weights, p=dropout, training=module.training)
-    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+def eager_attention_forward(module, query, key, value, attention_mask, dropout=0.0, absent=None, **kwargs):
+    """Unscaled attention written out (SDPA's math path: half precision in float32, no copy beyond one per input),
+    ``query`` `(N, H, Lq, d)`, ``key``/``value`` `(N, H, Lk, d)` -> `(N, Lq, H, d)` and the weights."""
+    dtype = query.dtype
+    with torch.autocast(query.device.type, enabled=False):
+        compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        q, k, v = (_contiguous_as(x, compute) for x in (query, key, value))  # the layout the matmuls read
+        scores = torch.matmul(q, k.transpose(-1, -2))
+        if attention_mask is not None:
+            scores.add_(attention_mask.to(compute))
+        if absent is not None:
+            scores.masked_fill_(absent, masked_fill_value(compute))
+        weights = torch.softmax(scores, dim=-1)
+        if dropout > 0:
+            weights = F.dropout(weights, p=dropout)
+        return _contiguous_as(torch.matmul(weights, v).transpose(1, 2), dtype), weights
 
 
 def attention(module, q, k, v, mask, dropout, return_weights: bool = False, absent=None):
     """Unscaled attention on the model's interface (flex: SDPA), `(N, H, L, d)` -> `(N, Lq, H, d)` (and weights)."""
     implementation = module.config._attn_implementation
     implementation = "sdpa" if implementation == "flex_attention" else implementation
-    if not return_weights and mask is not None and learned_mask_path(module, mask):
-        return learned_mask_attention(q, k, v, mask, dropout, absent)
-    if absent is not None:
-        mask = mask.masked_fill(absent, masked_fill_value(mask.dtype))
-    interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-    if torch.compiler.is_compiling():  # inductor may hand CPU flash attention a strided key: wrong values
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out, weights = interface(module, q, k, v, mask, dropout=dropout, scaling=1.0, is_causal=False)
-    return (out, weights) if return_weights else out
+    if implementation == "eager" or (not return_weights and mask is not None and learned_mask_path(module, mask)):
+        out, weights = eager_attention_forward(module, q, k, v, mask, dropout, absent)
+    else:
+        if absent is not None:
+            mask = mask.masked_fill(absent, masked_fill_value(mask.dtype))
+        if torch.compiler.is_compiling():  # inductor may hand CPU flash attention a strided key: wrong values
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+        out, weights = interface(module, q, k, v, mask, dropout=dropout, scaling=1.0, is_causal=False)
+    return (out, None if weights is None else weights.to(q.dtype)) if return_weights else out
 
 
 def _input_shape(input_ids, inputs_embeds) -> tuple[int, int]:
@@ -100,7 +108,7 @@ def plain_linears(*modules) -> bool:
 
 
 def learned_mask_path(module, mask) -> bool:
-    """Whether [`attention`] takes [`learned_mask_attention`]: SDPA, eager, CPU, a mask that needs a gradient."""
+    """Whether [`attention`] on SDPA writes it out ([`eager_attention_forward`]): CPU, a mask that needs a gradient."""
     return (
         module.config._attn_implementation in ("sdpa", "flex_attention")
         and mask.requires_grad
@@ -113,21 +121,6 @@ def learned_mask_path(module, mask) -> bool:
 def _contiguous_as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x`` in ``dtype``, contiguous, in one copy at most (a cast alone keeps ``x``'s strides)."""
     return x.to(dtype, memory_format=torch.contiguous_format) if x.dtype != dtype else x.contiguous()
-
-
-def learned_mask_attention(q, k, v, mask, dropout: float, absent=None) -> torch.Tensor:
-    """SDPA's math path, without its copies, for a mask that needs a gradient on the CPU; arguments as [`attention`]."""
-    dtype = q.dtype
-    with torch.autocast(q.device.type, enabled=False):
-        compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-        q, k, v = (_contiguous_as(x, compute) for x in (q, k, v))  # the layout the matmuls read: no further copy
-        scores = torch.matmul(q, k.transpose(-1, -2)).add_(mask.to(q.dtype))
-        if absent is not None:
-            scores.masked_fill_(absent, masked_fill_value(scores.dtype))
-        weights = torch.softmax(scores, dim=-1)
-        if dropout > 0:
-            weights = F.dropout(weights, p=dropout)
-        return _contiguous_as(torch.matmul(weights, v).transpose(1, 2), dtype)
 
 
 def _split_heads(config, x):
@@ -292,7 +285,7 @@ class BSTBlockSelfAttention(nn.Module):
         bias = (self.bias(rel).to(q.dtype) * self.scale.to(q.dtype)).permute(2, 0, 1)  # (H, T, K)
         mask = bias[None].masked_fill(~ok[:, None], masked_fill_value(q.dtype))
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        probs = eager_attention_forward(self, qt, kt, vt, mask, 1.0, dropout)[1]
+        probs = eager_attention_forward(self, qt, kt, vt, mask, dropout)[1].to(q.dtype)
         probs = (probs * ok.any(-1)[:, None, :, None].to(probs.dtype))[:, :, :n, : n - first]  # no key: zeros
         out = torch.matmul(probs, vt[:, :, : n - first]).transpose(1, 2)
         return F.pad(out, (0, 0, 0, 0, 0, seq_len - n)), probs
