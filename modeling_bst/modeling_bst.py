@@ -19,7 +19,7 @@ from transformers.utils import can_return_tuple, logging
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import capture_outputs
 
-from .attention_bst import BSTRMSNorm, flex_block_attention, grouped_flex, use_flex
+from .attention_bst import BSTRMSNorm
 from .cache_bst import ATTENTION_RING, BSTCache, BSTLayerCache, own_layers
 from .configuration_bst import BSTConfig
 from .context_bst import CONTEXT_BUILDERS, SSM_KERNELS, BSTContextStates
@@ -65,9 +65,8 @@ def eager_attention_forward(module, query, key, value, attention_mask, dropout=0
 
 
 def attention(module, q, k, v, mask, dropout, return_weights: bool = False, absent=None):
-    """Unscaled attention on the model's interface (flex: SDPA), `(N, H, L, d)` -> `(N, Lq, H, d)` (and weights)."""
+    """Unscaled attention on the model's interface, `(N, H, L, d)` -> `(N, Lq, H, d)` (and weights)."""
     implementation = module.config._attn_implementation
-    implementation = "sdpa" if implementation == "flex_attention" else implementation
     if implementation == "eager" or (not return_weights and mask is not None and learned_mask_path(module, mask)):
         out, weights = eager_attention_forward(module, q, k, v, mask, dropout, absent)
     else:
@@ -110,7 +109,7 @@ def plain_linears(*modules) -> bool:
 def learned_mask_path(module, mask) -> bool:
     """Whether [`attention`] on SDPA writes it out ([`eager_attention_forward`]): CPU, a mask that needs a gradient."""
     return (
-        module.config._attn_implementation in ("sdpa", "flex_attention")
+        module.config._attn_implementation == "sdpa"
         and mask.requires_grad
         and torch.is_grad_enabled()
         and not on_accelerator(mask)
@@ -262,8 +261,6 @@ class BSTBlockSelfAttention(nn.Module):
         previous = self.previous_block(layer_cache, positions) if continued else None
         if weights:
             out, probs = self.dense(q, k, v, previous, lengths, weights, drop)
-        elif use_flex(self, q, drop, k, v):
-            out, probs = flex_block_attention(self, q, k, v, lengths, previous), None
         else:
             out, probs = self.windowed(q, k, v, previous, lengths, drop), None
         return out.reshape(bsz, seq_len, heads * hd), probs
@@ -429,10 +426,6 @@ class BSTCrossAttention(nn.Module):
         nb, s = seq_len // w, keys.shape[2]
         drop = cfg.attention_dropout if self.training else 0.0
         q = self.query(xn)
-        if not weights and use_flex(self, q, drop, keys, values):
-            within = None if mask is None else cfg.cross_mask
-            out = grouped_flex(self, q, keys.flatten(1, 2), values.flatten(1, 2), w, s, within)
-            return out.reshape(bsz, seq_len, heads * hd), None
         qb = q.view(bsz * nb, w, heads, hd).transpose(1, 2)
         kb, vb = (x.reshape(bsz * nb, s, heads, hd).transpose(1, 2) for x in (keys, values))
         chunk = w if weights or mask is None else query_chunk(cfg, q)
@@ -637,7 +630,6 @@ class BSTPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["BSTDecoderLayer", "BSTGSSLayer"]
     _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_sdpa = True
-    _supports_flex_attn = True
     _is_stateful = False  # BSTCache.crop takes back drafted positions: assisted decoding works
     # SSM kernels stay float32 under fp16/bf16 and are never quantized (quantizers skip _keep_in_fp32_modules).
     _keep_in_fp32_modules_strict = ["ssm"]

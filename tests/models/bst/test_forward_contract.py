@@ -191,6 +191,15 @@ def test_output_attentions_under_sdpa_warns_once_and_returns_none(caplog):
     assert sum("output_attentions" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_attention_implementations_are_eager_and_sdpa_only():
+    """Eager and SDPA are switchable; FlexAttention is refused (it measured slower than SDPA: docs/performance.md)."""
+    model = make_model("sh-s4")
+    model.set_attn_implementation("eager")
+    assert model.config._attn_implementation == "eager"
+    with pytest.raises(ValueError, match="flex_attention"):
+        BSTForCausalLM._from_config(tiny_config(), attn_implementation="flex_attention")
+
+
 # -- bug 5: no host syncs in decode steps; torch.export ---------------------------------------------------------
 
 
