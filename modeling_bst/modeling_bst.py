@@ -176,30 +176,26 @@ class BSTRecurrentState(nn.Module):
 
     def forward(self, k, v, previous, lengths=None, layer_cache=None, positions=None, doc_start=None, fill=False):
         """The state keys/values `(B, nb, S, H, d_h)` each block reads, from the tokens' `(B, T, H, d_h)`, in a loop."""
-        bsz, seq_len, heads, hd = k.shape
-        w = self.config.block_len
-        nb = seq_len // w
-        kb, vb = k.view(bsz, nb, w, heads, hd), v.view(bsz, nb, w, heads, hd)
+        (bsz, seq_len), w = k.shape[:2], self.config.block_len
         if previous is not None:
             fresh = (positions == doc_start)[:, None, None]
-            state = torch.where(fresh, self.initial_state.to(kb.dtype), layer_cache.rec_state.to(kb.dtype))
-        else:
-            state = self.initial_state.to(kb.dtype).expand(bsz, -1, -1)
-            zeros = torch.zeros_like(kb[:, 0])
-            previous = (zeros, zeros, torch.zeros(bsz, w, dtype=torch.bool, device=kb.device))
-        prev_k, prev_v, prev_valid = previous
-        cur_valid = torch.ones(bsz, w, dtype=torch.bool, device=kb.device)
+            state = torch.where(fresh, self.initial_state.to(k.dtype), layer_cache.rec_state.to(k.dtype))
+        else:  # a fresh sequence: an empty block before the first
+            state = self.initial_state.to(k.dtype).expand(bsz, -1, -1)
+            zeros = k.new_zeros(bsz, w, *k.shape[2:])
+            previous = (zeros, zeros, torch.zeros(bsz, w, dtype=torch.bool, device=k.device))
+        # block b's update reads the tokens b W - W .. b W + W - 1 of these
+        keys, values = torch.cat([previous[0], k], 1), torch.cat([previous[1], v], 1)
+        valid = F.pad(previous[2], (0, seq_len), value=True)
         states, read = [state], []
-        for b in range(nb):
-            kcat = torch.cat([prev_k if b == 0 else kb[:, b - 1], kb[:, b]], 1)
-            vcat = torch.cat([prev_v if b == 0 else vb[:, b - 1], vb[:, b]], 1)
-            valid = torch.cat([prev_valid if b == 0 else cur_valid, cur_valid], 1)
-            read.append(self.keys_values(states[-1]))  # read by block b's tokens and by the update
-            states.append(self.update(states[-1], kcat, vcat, valid, read[-1]))
+        for start in range(0, seq_len, w):
+            read.append(self.keys_values(states[-1]))  # read by the block's tokens and by the update
+            two = slice(start, start + 2 * w)
+            states.append(self.update(states[-1], keys[:, two], values[:, two], valid[:, two], read[-1]))
         if fill:  # the state after each row's real tokens
-            lens = lengths if lengths is not None else torch.full((bsz,), nb * w, device=kb.device)
+            lens = lengths if lengths is not None else torch.full((bsz,), seq_len, device=k.device)
             with torch.no_grad():
-                self.store(layer_cache, None, torch.stack(states, 1)[torch.arange(bsz, device=kb.device), lens // w])
+                self.store(layer_cache, None, torch.stack(states, 1)[torch.arange(bsz, device=k.device), lens // w])
         return tuple(torch.stack(x, 1) for x in zip(*read))
 
 
