@@ -230,31 +230,19 @@ class BSTBlockSelfAttention(nn.Module):
 
     def buckets(self, relative_position):
         cfg = self.config
-        return t5_relative_bucket(
-            relative_position,
-            cfg.bidirectional,
-            cfg.relative_attention_num_buckets,
-            cfg.relative_attention_max_distance,
-        )
+        num_buckets, max_distance = cfg.relative_attention_num_buckets, cfg.relative_attention_max_distance
+        return t5_relative_bucket(relative_position, cfg.bidirectional, num_buckets, max_distance)
 
     def bias(self, relative_position):
         """T5 bias for relative positions `(...)` -> `(..., H)`."""
         return self.relative_bias(self.buckets(relative_position))
-
-    def window_valid(self, relative_position):
-        """The causal window on ``key_pos - query_pos``."""
-        return window_valid(relative_position, self.block_len, self.config.attend_self)
-
-    def previous_block(self, layer_cache: BSTLayerCache, positions):
-        """The cached block before ``positions``: keys, values `(B, W, H, d)` and which are held."""
-        return layer_cache.window(positions, self.block_len)
 
     def forward(self, q, k, v, lengths=None, layer_cache=None, positions=None, weights=False):
         """`(B, T, H, d_h)` each -> `(B, T, H * d_h)`, and with ``weights`` = n the first n queries' `(B, H, n, K)`."""
         bsz, seq_len, heads, hd = q.shape
         drop = self.config.attention_dropout if self.training else 0.0
         continued = layer_cache is not None and positions is not None and not self.config.bidirectional
-        previous = self.previous_block(layer_cache, positions) if continued else None
+        previous = layer_cache.window(positions, self.block_len) if continued else None  # keys, values, held
         if weights:
             out, probs = self.dense(q, k, v, previous, lengths, weights, drop)
         else:
@@ -273,7 +261,7 @@ class BSTBlockSelfAttention(nn.Module):
             ok = ((torch.div(key_pos, w, rounding_mode="floor")[None] - q_pos[:, None] // w).abs() <= 1)[None]
             ok = ok if lengths is None else ok & (key_pos < lengths[:, None, None])
         else:
-            ok = self.window_valid(rel)[None]
+            ok = window_valid(rel, w, self.config.attend_self)[None]
             ok = ok if previous is None else ok & F.pad(previous[2], (0, seq_len), value=True)[:, None, :]
         bias = (self.bias(rel).to(q.dtype) * self.scale.to(q.dtype)).permute(2, 0, 1)  # (H, T, K)
         mask = bias[None].masked_fill(~ok[:, None], masked_fill_value(q.dtype))
@@ -289,8 +277,8 @@ class BSTBlockSelfAttention(nn.Module):
 
         def build():  # parameter-free: the bucket of every distance a window spans, which are outside the window
             distances = torch.arange(-w - chunk + 1, span - w, device=device)
-            outside = None if self.config.bidirectional else ~self.window_valid(distances)[:, None]
-            return self.buckets(distances), outside
+            outside = ~window_valid(distances, w, self.config.attend_self)[:, None]
+            return self.buckets(distances), None if self.config.bidirectional else outside
 
         buckets, outside = constant_memo(self, ("window", chunk, span, str(device)), build)
         table = self.relative_bias
@@ -373,7 +361,7 @@ class BSTBlockSelfAttention(nn.Module):
 
         def window():  # each ring key's column of the bias table (R: outside the window), rows with any key
             rel = kpos - p[:, None]
-            valid = (kpos >= 0) & self.window_valid(rel)
+            valid = (kpos >= 0) & window_valid(rel, self.block_len, self.config.attend_self)
             return torch.where(valid, -rel, self.ring), valid.any(-1)[:, None, None, None]
 
         column, any_key = plan.get(("window", self.ring), window)
@@ -516,7 +504,7 @@ class BSTDecoderLayer(BSTLayer):
             second = self.cross_attn(xn, keys, values, mask, zero_first, inputs.weights)
         elif self.layer_type == "recurrent":  # step 3: the recurrent state's keys/values per block -> cross-attention
             continued = layer_cache is not None and positions is not None
-            previous = self.self_attn.previous_block(layer_cache, positions) if continued else None
+            previous = layer_cache.window(positions, self.config.block_len) if continued else None
             keys, values = self.recurrent(
                 k, v, previous, inputs.lengths, layer_cache, positions, inputs.doc_start, inputs.fill_cache
             )
@@ -807,13 +795,12 @@ class BSTModel(BSTPreTrainedModel):
                 input_ids, attention_mask, cache, inputs_embeds, use_cache, output_hidden_states=hidden_states,
                 output_attentions=bool(weights), return_dict=True,
             )  # fmt: skip
-        if cache is not None or use_cache:
+        if cache is not None or use_cache or weights:
             raise ValueError(
-                "A packed row (position_ids restarting inside a row, or cu_seq_lens_q/k) cannot fill or continue a "
-                "cache: its documents are separate sequences. Pass use_cache=False; generate from one row per sequence."
+                "A packed row (position_ids restarting inside a row, or cu_seq_lens_q/k) holds separate sequences: it "
+                "fills or continues no cache and returns no attention weights. Pass use_cache=False and "
+                "output_attentions=False; generate from one row per sequence."
             )
-        if weights:
-            raise ValueError("A packed row returns no attention weights: pass output_attentions=False.")
         docs = _Documents(starts, cfg.block_len)
         inner = [
             self.chunk_forward(ids, mask, None, embeds, False, output_hidden_states=hidden_states, return_dict=True)
