@@ -144,7 +144,6 @@ class BSTRecurrentState(nn.Module):
         self.self_scale = nn.Parameter(torch.empty(heads))
         self.cross_scale = nn.Parameter(torch.empty(heads))
         self.gate_bias = nn.Parameter(torch.empty(d))
-        self.is_causal = False
 
     def keys_values(self, state: torch.Tensor):
         """Keys/values the tokens read from the state: `(B, S, D)` -> 2 x `(B, S, H, d_h)`."""
@@ -213,7 +212,6 @@ class BSTBlockSelfAttention(nn.Module):
         self.v_proj = nn.Linear(d, heads * hd, bias=False)
         self.scale = nn.Parameter(torch.empty(heads))
         self.relative_bias = nn.Embedding(config.relative_attention_num_buckets, heads)
-        self.is_causal = False
 
     def project(self, xn):
         """Scaled queries, keys, values `(B, T, H, d_h)` of ``xn`` `(B, T, D)` (plain projections: one matmul)."""
@@ -394,7 +392,6 @@ class BSTCrossAttention(nn.Module):
         d, heads, hd = config.hidden_size, config.num_attention_heads, config.head_dim
         self.q_proj = nn.Linear(d, heads * hd, bias=False)
         self.scale = nn.Parameter(torch.empty(heads))
-        self.is_causal = False
 
     def query(self, xn):
         """Scaled queries `(B, T, H, d_h)` of the normalised input ``xn`` `(B, T, D)`."""
