@@ -70,13 +70,10 @@ PARTS = ("tests", "layer_speed", "train", "decode")
 BUDGETS = {"tests": 120, "layer_speed": 150, "train": 150, "decode": 120}
 GRACE = 20  # seconds a part may overrun its budget before it is killed
 LAYER_CONTENDERS = ["Slide", "BST:SH:S4", "BST:MH:S4", "BST:MF:S4", "BST:SH:unstruct", "BRecT"]
-# On a GPU also the Slide and SH layers with attn_implementation="flex_attention" (block masks, the T5 bias as a
-# score_mod); not in the CPU dry run, where compiling flex_attention with inductor alone takes minutes.
-FLEX_CONTENDERS = ["Slide (flex)", "BST:SH:S4 (flex)"]
 
 
 def layer_contenders(device: str) -> list[str]:
-    return LAYER_CONTENDERS + (FLEX_CONTENDERS if torch.device(device).type == "cuda" else [])
+    return list(LAYER_CONTENDERS)
 
 
 PLANS = {

@@ -116,7 +116,6 @@ def warm_up(seconds: float):
 
 
 # -- contenders ------------------------------------------------------------------------------------------------------
-FLEX = " (flex)"  # a contender name ending in it runs the same layer with attn_implementation="flex_attention"
 
 
 def bst_layer(
@@ -124,8 +123,6 @@ def bst_layer(
 ):
     """One layer of contender ``name`` at width ``hidden`` (heads of HEAD_DIM, MLP 4x; the paper's setup at D) and
     SSM input ``ssm_hidden`` (default ``hidden``); returns ``(layer, forward)``."""
-    flex = name.endswith(FLEX)
-    name = name.removesuffix(FLEX)
     common = dict(
         vocab_size=16,
         hidden_size=hidden,
@@ -153,8 +150,6 @@ def bst_layer(
             num_context_states=32,
         )
     config = BSTConfig(**common)
-    if flex:
-        config._attn_implementation = "flex_attention"
     model = BSTModel(config).eval().to(device)
     layer = model.layers[0]
     expected = {"Slide": "block", "BRecT": "recurrent"}.get(name, "bst")

@@ -1,6 +1,5 @@
 """PyTorch Block-State Transformer (Fathi, Pilault et al., 2023): attentions, layers, models (docs/architecture.md)."""
 
-import functools
 import math
 from dataclasses import fields
 
@@ -17,9 +16,10 @@ from transformers.modeling_outputs import (
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import can_return_tuple, logging
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import capture_outputs
 
-from .attention_bst import BSTRMSNorm, flex_block_attention, grouped_flex, use_flex
+from .attention_bst import BSTRMSNorm
 from .cache_bst import ATTENTION_RING, BSTCache, BSTLayerCache, own_layers
 from .configuration_bst import BSTConfig
 from .context_bst import CONTEXT_BUILDERS, SSM_KERNELS, BSTContextStates
@@ -29,7 +29,6 @@ from .functional_bst import (
     l2_normalize,
     masked_fill_value,
     t5_relative_bucket,
-    upcast,
     window_valid,
 )
 from .layout_bst import SequencePass, StepPlan, _Chunk, _Documents
@@ -39,52 +38,45 @@ from .utils_bst import constant_memo, gather_rows, host_can_branch, maybe_any, o
 
 logger = logging.get_logger(__name__)
 
-# The cache's name in the installed transformers' outputs: ``cache`` from 5.24 on, ``past_key_values`` in 5.23.
+# The cache's name in the installed transformers' outputs: ``cache`` from 5.24 on, ``past_key_values`` in 5.23 (whose
+# generate passes that name: accepted without a warning, ``cache_argument``).
 CACHE_NAME = (
     "cache" if "cache" in {f.name for f in fields(BaseModelOutputWithPastAndCrossAttentions)} else "past_key_values"
 )
+cache_argument = deprecate_kwarg("past_key_values", "5.23", new_name="cache", raise_if_both_names=True)
 
 
-def cache_argument(forward):
-    """Lets ``forward(..., cache=None)`` also take the cache as ``past_key_values`` (as ``deprecate_kwarg`` would)."""
-
-    @functools.wraps(forward)
-    def wrapper(*args, **kwargs):
-        if "past_key_values" in kwargs:
-            other, cache = kwargs.pop("past_key_values"), kwargs.get("cache")
-            if cache is not None and other is not None and cache is not other:
-                raise ValueError(
-                    "Got two different caches, `cache` and `past_key_values`: pass the BSTCache once, under either name."
-                )
-            kwargs["cache"] = other if cache is None else cache
-        return forward(*args, **kwargs)
-
-    return wrapper
-
-
-def eager_attention_forward(module, query, key, value, attention_mask, scaling=1.0, dropout=0.0, **kwargs):
-    """Reference attention. ``query`` `(N, H, Lq, d)`, ``key``/``value`` `(N, H, Lk, d)` -> `(N, Lq, H, d)`."""
-    weights = torch.matmul(query, key.transpose(-1, -2)) * scaling
-    if attention_mask is not None:
-        weights = weights + attention_mask
-    weights = torch.softmax(upcast(weights), dim=-1).to(query.dtype)
-    weights = F.dropout(weights, p=dropout, training=module.training)
-    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+def eager_attention_forward(module, query, key, value, attention_mask, dropout=0.0, absent=None, **kwargs):
+    """Unscaled attention written out (SDPA's math path: half precision in float32, no copy beyond one per input),
+    ``query`` `(N, H, Lq, d)`, ``key``/``value`` `(N, H, Lk, d)` -> `(N, Lq, H, d)` and the weights."""
+    dtype = query.dtype
+    with torch.autocast(query.device.type, enabled=False):
+        compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        q, k, v = (_contiguous_as(x, compute) for x in (query, key, value))  # the layout the matmuls read
+        scores = torch.matmul(q, k.transpose(-1, -2))
+        if attention_mask is not None:
+            scores.add_(attention_mask.to(compute))
+        if absent is not None:
+            scores.masked_fill_(absent, masked_fill_value(compute))
+        weights = torch.softmax(scores, dim=-1)
+        if dropout > 0:
+            weights = F.dropout(weights, p=dropout)
+        return _contiguous_as(torch.matmul(weights, v).transpose(1, 2), dtype), weights
 
 
 def attention(module, q, k, v, mask, dropout, return_weights: bool = False, absent=None):
-    """Unscaled attention on the model's interface (flex: SDPA), `(N, H, L, d)` -> `(N, Lq, H, d)` (and weights)."""
+    """Unscaled attention on the model's interface, `(N, H, L, d)` -> `(N, Lq, H, d)` (and weights)."""
     implementation = module.config._attn_implementation
-    implementation = "sdpa" if implementation == "flex_attention" else implementation
-    if not return_weights and mask is not None and learned_mask_path(module, mask):
-        return learned_mask_attention(q, k, v, mask, dropout, absent)
-    if absent is not None:
-        mask = mask.masked_fill(absent, masked_fill_value(mask.dtype))
-    interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-    if torch.compiler.is_compiling():  # inductor may hand CPU flash attention a strided key: wrong values
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out, weights = interface(module, q, k, v, mask, dropout=dropout, scaling=1.0, is_causal=False)
-    return (out, weights) if return_weights else out
+    if implementation == "eager" or (not return_weights and mask is not None and learned_mask_path(module, mask)):
+        out, weights = eager_attention_forward(module, q, k, v, mask, dropout, absent)
+    else:
+        if absent is not None:
+            mask = mask.masked_fill(absent, masked_fill_value(mask.dtype))
+        if torch.compiler.is_compiling():  # inductor may hand CPU flash attention a strided key: wrong values
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+        out, weights = interface(module, q, k, v, mask, dropout=dropout, scaling=1.0, is_causal=False)
+    return (out, None if weights is None else weights.to(q.dtype)) if return_weights else out
 
 
 def _input_shape(input_ids, inputs_embeds) -> tuple[int, int]:
@@ -115,9 +107,9 @@ def plain_linears(*modules) -> bool:
 
 
 def learned_mask_path(module, mask) -> bool:
-    """Whether [`attention`] takes [`learned_mask_attention`]: SDPA, eager, CPU, a mask that needs a gradient."""
+    """Whether [`attention`] on SDPA writes it out ([`eager_attention_forward`]): CPU, a mask that needs a gradient."""
     return (
-        module.config._attn_implementation in ("sdpa", "flex_attention")
+        module.config._attn_implementation == "sdpa"
         and mask.requires_grad
         and torch.is_grad_enabled()
         and not on_accelerator(mask)
@@ -128,21 +120,6 @@ def learned_mask_path(module, mask) -> bool:
 def _contiguous_as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x`` in ``dtype``, contiguous, in one copy at most (a cast alone keeps ``x``'s strides)."""
     return x.to(dtype, memory_format=torch.contiguous_format) if x.dtype != dtype else x.contiguous()
-
-
-def learned_mask_attention(q, k, v, mask, dropout: float, absent=None) -> torch.Tensor:
-    """SDPA's math path, without its copies, for a mask that needs a gradient on the CPU; arguments as [`attention`]."""
-    dtype = q.dtype
-    with torch.autocast(q.device.type, enabled=False):
-        compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-        q, k, v = (_contiguous_as(x, compute) for x in (q, k, v))  # the layout the matmuls read: no further copy
-        scores = torch.matmul(q, k.transpose(-1, -2)).add_(mask.to(q.dtype))
-        if absent is not None:
-            scores.masked_fill_(absent, masked_fill_value(scores.dtype))
-        weights = torch.softmax(scores, dim=-1)
-        if dropout > 0:
-            weights = F.dropout(weights, p=dropout)
-        return _contiguous_as(torch.matmul(weights, v).transpose(1, 2), dtype)
 
 
 def _split_heads(config, x):
@@ -167,7 +144,6 @@ class BSTRecurrentState(nn.Module):
         self.self_scale = nn.Parameter(torch.empty(heads))
         self.cross_scale = nn.Parameter(torch.empty(heads))
         self.gate_bias = nn.Parameter(torch.empty(d))
-        self.is_causal = False
 
     def keys_values(self, state: torch.Tensor):
         """Keys/values the tokens read from the state: `(B, S, D)` -> 2 x `(B, S, H, d_h)`."""
@@ -199,30 +175,26 @@ class BSTRecurrentState(nn.Module):
 
     def forward(self, k, v, previous, lengths=None, layer_cache=None, positions=None, doc_start=None, fill=False):
         """The state keys/values `(B, nb, S, H, d_h)` each block reads, from the tokens' `(B, T, H, d_h)`, in a loop."""
-        bsz, seq_len, heads, hd = k.shape
-        w = self.config.block_len
-        nb = seq_len // w
-        kb, vb = k.view(bsz, nb, w, heads, hd), v.view(bsz, nb, w, heads, hd)
+        (bsz, seq_len), w = k.shape[:2], self.config.block_len
         if previous is not None:
             fresh = (positions == doc_start)[:, None, None]
-            state = torch.where(fresh, self.initial_state.to(kb.dtype), layer_cache.rec_state.to(kb.dtype))
-        else:
-            state = self.initial_state.to(kb.dtype).expand(bsz, -1, -1)
-            zeros = torch.zeros_like(kb[:, 0])
-            previous = (zeros, zeros, torch.zeros(bsz, w, dtype=torch.bool, device=kb.device))
-        prev_k, prev_v, prev_valid = previous
-        cur_valid = torch.ones(bsz, w, dtype=torch.bool, device=kb.device)
+            state = torch.where(fresh, self.initial_state.to(k.dtype), layer_cache.rec_state.to(k.dtype))
+        else:  # a fresh sequence: an empty block before the first
+            state = self.initial_state.to(k.dtype).expand(bsz, -1, -1)
+            zeros = k.new_zeros(bsz, w, *k.shape[2:])
+            previous = (zeros, zeros, torch.zeros(bsz, w, dtype=torch.bool, device=k.device))
+        # block b's update reads the tokens b W - W .. b W + W - 1 of these
+        keys, values = torch.cat([previous[0], k], 1), torch.cat([previous[1], v], 1)
+        valid = F.pad(previous[2], (0, seq_len), value=True)
         states, read = [state], []
-        for b in range(nb):
-            kcat = torch.cat([prev_k if b == 0 else kb[:, b - 1], kb[:, b]], 1)
-            vcat = torch.cat([prev_v if b == 0 else vb[:, b - 1], vb[:, b]], 1)
-            valid = torch.cat([prev_valid if b == 0 else cur_valid, cur_valid], 1)
-            read.append(self.keys_values(states[-1]))  # read by block b's tokens and by the update
-            states.append(self.update(states[-1], kcat, vcat, valid, read[-1]))
+        for start in range(0, seq_len, w):
+            read.append(self.keys_values(states[-1]))  # read by the block's tokens and by the update
+            two = slice(start, start + 2 * w)
+            states.append(self.update(states[-1], keys[:, two], values[:, two], valid[:, two], read[-1]))
         if fill:  # the state after each row's real tokens
-            lens = lengths if lengths is not None else torch.full((bsz,), nb * w, device=kb.device)
+            lens = lengths if lengths is not None else torch.full((bsz,), seq_len, device=k.device)
             with torch.no_grad():
-                self.store(layer_cache, None, torch.stack(states, 1)[torch.arange(bsz, device=kb.device), lens // w])
+                self.store(layer_cache, None, torch.stack(states, 1)[torch.arange(bsz, device=k.device), lens // w])
         return tuple(torch.stack(x, 1) for x in zip(*read))
 
 
@@ -240,7 +212,6 @@ class BSTBlockSelfAttention(nn.Module):
         self.v_proj = nn.Linear(d, heads * hd, bias=False)
         self.scale = nn.Parameter(torch.empty(heads))
         self.relative_bias = nn.Embedding(config.relative_attention_num_buckets, heads)
-        self.is_causal = False
 
     def project(self, xn):
         """Scaled queries, keys, values `(B, T, H, d_h)` of ``xn`` `(B, T, D)` (plain projections: one matmul)."""
@@ -257,35 +228,21 @@ class BSTBlockSelfAttention(nn.Module):
 
     def buckets(self, relative_position):
         cfg = self.config
-        return t5_relative_bucket(
-            relative_position,
-            cfg.bidirectional,
-            cfg.relative_attention_num_buckets,
-            cfg.relative_attention_max_distance,
-        )
+        num_buckets, max_distance = cfg.relative_attention_num_buckets, cfg.relative_attention_max_distance
+        return t5_relative_bucket(relative_position, cfg.bidirectional, num_buckets, max_distance)
 
     def bias(self, relative_position):
         """T5 bias for relative positions `(...)` -> `(..., H)`."""
         return self.relative_bias(self.buckets(relative_position))
-
-    def window_valid(self, relative_position):
-        """The causal window on ``key_pos - query_pos``."""
-        return window_valid(relative_position, self.block_len, self.config.attend_self)
-
-    def previous_block(self, layer_cache: BSTLayerCache, positions):
-        """The cached block before ``positions``: keys, values `(B, W, H, d)` and which are held."""
-        return layer_cache.window(positions, self.block_len)
 
     def forward(self, q, k, v, lengths=None, layer_cache=None, positions=None, weights=False):
         """`(B, T, H, d_h)` each -> `(B, T, H * d_h)`, and with ``weights`` = n the first n queries' `(B, H, n, K)`."""
         bsz, seq_len, heads, hd = q.shape
         drop = self.config.attention_dropout if self.training else 0.0
         continued = layer_cache is not None and positions is not None and not self.config.bidirectional
-        previous = self.previous_block(layer_cache, positions) if continued else None
+        previous = layer_cache.window(positions, self.block_len) if continued else None  # keys, values, held
         if weights:
             out, probs = self.dense(q, k, v, previous, lengths, weights, drop)
-        elif use_flex(self, q, drop, k, v):
-            out, probs = flex_block_attention(self, q, k, v, lengths, previous), None
         else:
             out, probs = self.windowed(q, k, v, previous, lengths, drop), None
         return out.reshape(bsz, seq_len, heads * hd), probs
@@ -302,12 +259,12 @@ class BSTBlockSelfAttention(nn.Module):
             ok = ((torch.div(key_pos, w, rounding_mode="floor")[None] - q_pos[:, None] // w).abs() <= 1)[None]
             ok = ok if lengths is None else ok & (key_pos < lengths[:, None, None])
         else:
-            ok = self.window_valid(rel)[None]
+            ok = window_valid(rel, w, self.config.attend_self)[None]
             ok = ok if previous is None else ok & F.pad(previous[2], (0, seq_len), value=True)[:, None, :]
         bias = (self.bias(rel).to(q.dtype) * self.scale.to(q.dtype)).permute(2, 0, 1)  # (H, T, K)
         mask = bias[None].masked_fill(~ok[:, None], masked_fill_value(q.dtype))
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        probs = eager_attention_forward(self, qt, kt, vt, mask, 1.0, dropout)[1]
+        probs = eager_attention_forward(self, qt, kt, vt, mask, dropout)[1].to(q.dtype)
         probs = (probs * ok.any(-1)[:, None, :, None].to(probs.dtype))[:, :, :n, : n - first]  # no key: zeros
         out = torch.matmul(probs, vt[:, :, : n - first]).transpose(1, 2)
         return F.pad(out, (0, 0, 0, 0, 0, seq_len - n)), probs
@@ -318,8 +275,8 @@ class BSTBlockSelfAttention(nn.Module):
 
         def build():  # parameter-free: the bucket of every distance a window spans, which are outside the window
             distances = torch.arange(-w - chunk + 1, span - w, device=device)
-            outside = None if self.config.bidirectional else ~self.window_valid(distances)[:, None]
-            return self.buckets(distances), outside
+            outside = ~window_valid(distances, w, self.config.attend_self)[:, None]
+            return self.buckets(distances), None if self.config.bidirectional else outside
 
         buckets, outside = constant_memo(self, ("window", chunk, span, str(device)), build)
         table = self.relative_bias
@@ -402,7 +359,7 @@ class BSTBlockSelfAttention(nn.Module):
 
         def window():  # each ring key's column of the bias table (R: outside the window), rows with any key
             rel = kpos - p[:, None]
-            valid = (kpos >= 0) & self.window_valid(rel)
+            valid = (kpos >= 0) & window_valid(rel, self.block_len, self.config.attend_self)
             return torch.where(valid, -rel, self.ring), valid.any(-1)[:, None, None, None]
 
         column, any_key = plan.get(("window", self.ring), window)
@@ -435,7 +392,6 @@ class BSTCrossAttention(nn.Module):
         d, heads, hd = config.hidden_size, config.num_attention_heads, config.head_dim
         self.q_proj = nn.Linear(d, heads * hd, bias=False)
         self.scale = nn.Parameter(torch.empty(heads))
-        self.is_causal = False
 
     def query(self, xn):
         """Scaled queries `(B, T, H, d_h)` of the normalised input ``xn`` `(B, T, D)`."""
@@ -451,10 +407,6 @@ class BSTCrossAttention(nn.Module):
         nb, s = seq_len // w, keys.shape[2]
         drop = cfg.attention_dropout if self.training else 0.0
         q = self.query(xn)
-        if not weights and use_flex(self, q, drop, keys, values):
-            within = None if mask is None else cfg.cross_mask
-            out = grouped_flex(self, q, keys.flatten(1, 2), values.flatten(1, 2), w, s, within)
-            return out.reshape(bsz, seq_len, heads * hd), None
         qb = q.view(bsz * nb, w, heads, hd).transpose(1, 2)
         kb, vb = (x.reshape(bsz * nb, s, heads, hd).transpose(1, 2) for x in (keys, values))
         chunk = w if weights or mask is None else query_chunk(cfg, q)
@@ -549,7 +501,7 @@ class BSTDecoderLayer(BSTLayer):
             second = self.cross_attn(xn, keys, values, mask, zero_first, inputs.weights)
         elif self.layer_type == "recurrent":  # step 3: the recurrent state's keys/values per block -> cross-attention
             continued = layer_cache is not None and positions is not None
-            previous = self.self_attn.previous_block(layer_cache, positions) if continued else None
+            previous = layer_cache.window(positions, self.config.block_len) if continued else None
             keys, values = self.recurrent(
                 k, v, previous, inputs.lengths, layer_cache, positions, inputs.doc_start, inputs.fill_cache
             )
@@ -659,7 +611,6 @@ class BSTPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["BSTDecoderLayer", "BSTGSSLayer"]
     _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_sdpa = True
-    _supports_flex_attn = True
     _is_stateful = False  # BSTCache.crop takes back drafted positions: assisted decoding works
     # SSM kernels stay float32 under fp16/bf16 and are never quantized (quantizers skip _keep_in_fp32_modules).
     _keep_in_fp32_modules_strict = ["ssm"]
@@ -841,13 +792,12 @@ class BSTModel(BSTPreTrainedModel):
                 input_ids, attention_mask, cache, inputs_embeds, use_cache, output_hidden_states=hidden_states,
                 output_attentions=bool(weights), return_dict=True,
             )  # fmt: skip
-        if cache is not None or use_cache:
+        if cache is not None or use_cache or weights:
             raise ValueError(
-                "A packed row (position_ids restarting inside a row, or cu_seq_lens_q/k) cannot fill or continue a "
-                "cache: its documents are separate sequences. Pass use_cache=False; generate from one row per sequence."
+                "A packed row (position_ids restarting inside a row, or cu_seq_lens_q/k) holds separate sequences: it "
+                "fills or continues no cache and returns no attention weights. Pass use_cache=False and "
+                "output_attentions=False; generate from one row per sequence."
             )
-        if weights:
-            raise ValueError("A packed row returns no attention weights: pass output_attentions=False.")
         docs = _Documents(starts, cfg.block_len)
         inner = [
             self.chunk_forward(ids, mask, None, embeds, False, output_hidden_states=hidden_states, return_dict=True)

@@ -13,7 +13,7 @@
 #   (d) quality:M-sS the accelerator LM protocol's next runs (research/gpu_quality.sh), two models at a time
 #                    sharing the GPU (~7-8 minutes a pair): BST:MF:S4 with independent filters, BRecT, Transformer-XL,
 #                    GSS-Hybrid (Slide and BST:SH:S4 seeds 0-2 are in research/results/lm_long_gpu already)
-#   (e) layer_speed  paper Fig. 3 layer speed with flex attention (compiled) among the contenders
+#   (e) layer_speed  paper Fig. 3 layer speed (the layer contenders of benchmarks/gpu_suite.py)
 # Resumable: the parts finished in earlier sittings are listed in docs/results/gpu_sitting_state.txt (committed; one
 # line per part: name, UTC time, source commit, device, note); this sitting skips them and starts where the last one
 # stopped. A part that does not fit waits for the next sitting. Results are written under $OUT as they come (one

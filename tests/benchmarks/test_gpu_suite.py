@@ -128,26 +128,6 @@ def test_budget_skips_and_failures_are_recorded(tmp_path):
     assert "- train: timed out after 170 s" in md and "RuntimeError: boom" in md
 
 
-def test_gpu_layer_speed_times_flex_attention_too():
-    """On a GPU the layer benchmark also times Slide and SH with attn_implementation="flex_attention"; a "(flex)"
-    contender is the same layer (same weights -> same output within float rounding) on the flex backend."""
-    import torch
-
-    from benchmarks import layer_speed
-
-    assert gpu_suite.layer_contenders("cpu") == gpu_suite.LAYER_CONTENDERS
-    assert gpu_suite.layer_contenders("cuda")[-2:] == ["Slide (flex)", "BST:SH:S4 (flex)"]
-    x = torch.randn(1, 2 * layer_speed.W, layer_speed.D)
-    sdpa, _ = layer_speed.bst_layer("Slide", x.shape[1], 0)
-    flex, _ = layer_speed.bst_layer("Slide (flex)", x.shape[1], 0)
-    assert sdpa.config._attn_implementation != "flex_attention" == flex.config._attn_implementation
-    flex.load_state_dict(sdpa.state_dict())
-    with torch.no_grad():
-        a, b = sdpa(x), flex(x)
-    a, b = (a[0], b[0]) if isinstance(a, tuple) else (a, b)
-    torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
-
-
 def test_train_profile_names_the_top_ops(tmp_path):
     """--profile: a training step of BST and Llama under torch.profiler; the top ops by self time go into the part's
     data (and the markdown), the profiler's tables beside the part's result (the sitting brings them back)."""

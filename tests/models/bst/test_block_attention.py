@@ -7,11 +7,14 @@ without ``attend_self``, bidirectional with padding, query chunks, eager and SDP
 ``output_attentions`` laid out by key column.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from conftest import tiny_config
 
 from modeling_bst import BSTForCausalLM
+from modeling_bst.functional_bst import window_valid
 
 
 W, T, B = 4, 16, 3
@@ -67,7 +70,7 @@ def reference(attn, q, k, v, previous=None, lengths=None):
         if cfg.bidirectional:
             window = (torch.div(key_pos, W, rounding_mode="floor") - p // W).abs() <= 1
         else:
-            window = attn.window_valid(rel)
+            window = window_valid(rel, attn.block_len, attn.config.attend_self)
         ok = window[None] & key_ok  # (B, K)
         bias = (attn.bias(rel) * attn.scale).t()  # (H, K)
         logits = torch.einsum("bhd,bkhd->bhk", q[:, p], k) + bias
@@ -80,8 +83,8 @@ def reference(attn, q, k, v, previous=None, lengths=None):
 def run(attn, q, k, v, previous=None, lengths=None, weights=0, monkeypatch=None):
     layer_cache = positions = None
     if previous is not None:
-        monkeypatch.setattr(attn, "previous_block", lambda layer_cache, positions: previous)
-        layer_cache, positions = object(), torch.zeros(B, dtype=torch.long)
+        layer_cache = SimpleNamespace(window=lambda positions, block_len: previous)  # the cached block
+        positions = torch.zeros(B, dtype=torch.long)
     with torch.no_grad():
         out, probs = attn(q, k, v, lengths, layer_cache, positions, weights=weights)
     return out.view(q.shape), probs

@@ -191,6 +191,15 @@ def test_output_attentions_under_sdpa_warns_once_and_returns_none(caplog):
     assert sum("output_attentions" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_attention_implementations_are_eager_and_sdpa_only():
+    """Eager and SDPA are switchable; FlexAttention is refused (it measured slower than SDPA: docs/performance.md)."""
+    model = make_model("sh-s4")
+    model.set_attn_implementation("eager")
+    assert model.config._attn_implementation == "eager"
+    with pytest.raises(ValueError, match="flex_attention"):
+        BSTForCausalLM._from_config(tiny_config(), attn_implementation="flex_attention")
+
+
 # -- bug 5: no host syncs in decode steps; torch.export ---------------------------------------------------------
 
 
@@ -311,11 +320,10 @@ def test_the_cache_goes_in_under_either_name_and_comes_out_under_the_installed_o
     torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
     full = model(ids)[0][:, 9:]
     torch.testing.assert_close(outs[0], full, atol=1e-5, rtol=0)
-    # The same cache under both names is one cache; two different ones are refused.
-    cache = model(ids[:, :9], use_cache=True)[installed]
-    torch.testing.assert_close(model(ids[:, 9:], cache=cache, past_key_values=cache)[0], outs[0], atol=0, rtol=0)
-    with pytest.raises(ValueError, match="two different caches"):
-        model(ids[:, 9:], cache=first[installed], past_key_values=model(ids[:, :9], use_cache=True)[installed])
+    # A cache under both names is refused (transformers' `deprecate_kwarg`), the same one too.
+    for other in (first[installed], model(ids[:, :9], use_cache=True)[installed]):
+        with pytest.raises(ValueError, match="Both `past_key_values` and `cache` are set"):
+            model(ids[:, 9:], cache=first[installed], past_key_values=other)
 
 
 def test_generate_takes_a_returned_cache_under_the_installed_name():

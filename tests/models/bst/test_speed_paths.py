@@ -148,12 +148,12 @@ def test_unstruct_step_taps_follow_parameter_edits():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_learned_mask_attention_equals_sdpa(dtype):
+def test_written_out_attention_equals_sdpa(dtype):
     """The written-out path for a mask that needs a gradient computes what SDPA computes (its math path), in the
     output and in every gradient, the mask's included; bf16 is upcast the same way."""
     import torch.nn.functional as F
 
-    from modeling_bst.modeling_bst import learned_mask_attention
+    from modeling_bst.modeling_bst import eager_attention_forward
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(3, 4, n, 16, generator=gen, dtype=dtype, requires_grad=True) for n in (8, 24, 24))
@@ -161,7 +161,7 @@ def test_learned_mask_attention_equals_sdpa(dtype):
     mask[..., -5:] = torch.finfo(dtype).min  # finite masked keys, as the block masks have
     mask.requires_grad_(True)
     grad = torch.randn(3, 8, 4, 16, generator=gen, dtype=dtype)
-    ours = learned_mask_attention(q, k, v, mask, 0.0)
+    ours = eager_attention_forward(None, q, k, v, mask)[0]
     sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0).transpose(1, 2)
     tol = dict(rtol=0, atol=1e-6) if dtype == torch.float32 else dict(rtol=0, atol=1e-2)
     torch.testing.assert_close(ours, sdpa, **tol)
@@ -172,22 +172,23 @@ def test_learned_mask_attention_equals_sdpa(dtype):
 
 
 def test_training_block_attention_takes_the_learned_mask_path_with_sdpa_gradients(monkeypatch):
-    """Training a Slide/BST model on SDPA goes through ``learned_mask_attention`` and gives the same loss and
-    gradients as the model on eager attention (the reference)."""
+    """Training a Slide/BST model on SDPA writes the attention out (``eager_attention_forward``, for the mask's
+    gradient) and gives the same loss and gradients as the model on eager attention (the reference)."""
     import modeling_bst.modeling_bst as mb
 
     calls = []
-    original = mb.learned_mask_attention
-    monkeypatch.setattr(mb, "learned_mask_attention", lambda *a: calls.append(1) or original(*a))
+    original = mb.eager_attention_forward
+    monkeypatch.setattr(mb, "eager_attention_forward", lambda *a, **k: calls.append(1) or original(*a, **k))
     ids = torch.randint(0, 97, (2, SEQ_LEN), generator=torch.Generator().manual_seed(1))
     grads = {}
     for implementation in ("sdpa", "eager"):
+        calls.clear()
         model = make_model("sh-s4", dtype=torch.float64, attn_implementation=implementation)
         model.train()
         loss = model(ids, labels=ids).loss
         loss.backward()
         grads[implementation] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
-    assert calls, "SDPA training did not use learned_mask_attention"
+        assert calls, f"{implementation} training did not write the attention out"
     torch.testing.assert_close(grads["sdpa"][0], grads["eager"][0], rtol=0, atol=1e-12)
     for name, g in grads["eager"][1].items():
         torch.testing.assert_close(grads["sdpa"][1][name], g, rtol=0, atol=1e-10, msg=name)
