@@ -179,15 +179,22 @@ class Prefill:
         return out
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Softmax attention with an additive ``mask`` and no further scaling (queries carry the learned scale).
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, seen=None) -> torch.Tensor:
+    """Softmax attention with an additive ``mask`` and no further scaling (queries carry the learned scale), by torch's
+    fused ``scaled_dot_product_attention`` (on the CPU a flash kernel: no score tensor is written; the keys and
+    values may be strided views).
 
-    ``q`` `(..., H, Tq, d)`, ``k``/``v`` `(..., H, Tk, d)`, ``mask`` broadcastable to `(..., H, Tq, Tk)` (finite
-    large negative where masked) -> `(..., H, Tq, d)`; a query that sees no key gets zeros."""
-    scores = torch.matmul(q, k.transpose(-1, -2)) + mask
-    out = torch.matmul(torch.softmax(fb.upcast(scores), -1).to(q.dtype), v)
-    seen = (mask > fb.masked_fill_value(mask.dtype)).any(-1, keepdim=True)
-    return out * seen.to(out.dtype)
+    ``q`` `(..., H, Tq, d)`, ``k``/``v`` `(..., H, Tk, d)` with the same leading dimensions, ``mask`` (finite large
+    negative where masked; None: every key) `(..., H or 1, Tq, Tk)` with those leading dimensions or none (one mask
+    for all) -> `(..., H, Tq, d)`. A query that sees no key gets zeros: ``seen`` (broadcastable to the output, True
+    where a query sees a key) says which do, read from the mask when not given."""
+    if seen is None and mask is not None:
+        seen = (mask > fb.masked_fill_value(mask.dtype)).any(-1, keepdim=True)
+    if mask is not None and mask.dim() > 2:  # 4-D (or 2-D): the shapes torch's CPU flash kernel takes
+        mask = mask.reshape(-1, *mask.shape[-3:])
+    q4, k4, v4 = (t.reshape(-1, *t.shape[-3:]) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=1.0).view(q.shape)
+    return out if seen is None else out * seen
 
 
 def compute_dtype(param: torch.Tensor) -> torch.dtype:
@@ -537,9 +544,8 @@ class BSTLayerMath(nn.Module):
         if self.config.qk_norm:
             q, q2 = fb.l2_normalize(q), fb.l2_normalize(q2)
         q, q2 = q * r.self_scale[:, None], q2 * r.cross_scale[:, None]
-        zero = torch.zeros((), dtype=q.dtype, device=q.device)
         k, v = rec_kv
-        r_self = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), zero)  # (B, H, S_r, d)
+        r_self = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (B, H, S_r, d)
         mask = fb.additive_mask(valid, q2.dtype)[:, None, None, :]
         r_cross = attend(q2.transpose(1, 2), token_k.transpose(1, 2), token_v.transpose(1, 2), mask)
         z = r.o_proj(torch.cat([r_self.transpose(1, 2).flatten(2), r_cross.transpose(1, 2).flatten(2)], -1))
@@ -628,9 +634,17 @@ class BSTLayerMath(nn.Module):
         values = values.unfold(1, 2 * w, w).transpose(-1, -2)
         c = torch.arange(2 * w, device=q.device)
         bias = self.self_bias(c[None] - w - j[:, None]).to(q.dtype)  # (H, W, 2W): key c - W - query r
-        key_pos = (batch.first_block[:, None, None] + torch.arange(nb, device=q.device)[:, None] - 1) * w + c
-        mask = torch.where((key_pos >= 0)[:, :, None, None], bias, fb.masked_fill_value(q.dtype))
-        out = attend(queries, keys, values, mask)  # (P, nb, H, W, d)
+        # One mask for every block whose previous block exists: all but a sequence's first block, the first canvas
+        # block of a new request's chunk, whose previous-block keys are masked (its own mask, P blocks).
+        missing = ((batch.first_block == 0)[:, None] & (c < w))[:, None, None, None]  # (P, 1, 1, 1, 2W)
+        first = torch.where(missing, fb.masked_fill_value(q.dtype), bias)  # (P, 1, H, W, 2W)
+        out = torch.cat(
+            [
+                attend(queries[:, :1], keys[:, :1], values[:, :1], first),
+                attend(queries[:, 1:], keys[:, 1:], values[:, 1:], bias),
+            ],
+            1,
+        )  # (P, nb, H, W, d)
         out = out.transpose(2, 3).flatten(1, 2)[batch.req, batch.col]
         # The ring keeps the last R tokens: slot s holds the latest position = s (mod R) up to the chunk's end.
         s = torch.arange(ring, device=q.device)
@@ -659,8 +673,7 @@ class BSTLayerMath(nn.Module):
             first = (batch.first_block == 0)[:, None] & (torch.arange(nb, device=x.device) == 0)  # (P, nb)
             first = first[..., None, None, None]
             ck, cv = torch.where(first, k0, ck), torch.where(first, v0, cv)
-            zero = torch.zeros((), dtype=qc.dtype, device=x.device)
-            out = attend(queries, ck.permute(0, 1, 3, 2, 4), cv.permute(0, 1, 3, 2, 4), zero)  # (P, nb, H, W, d)
+            out = attend(queries, ck.permute(0, 1, 3, 2, 4), cv.permute(0, 1, 3, 2, 4))  # (P, nb, H, W, d)
             # The read-outs at the chunk's last block end, if it has one.
             end = torch.div(batch.last + 1, w, rounding_mode="floor") * w - 1
             at_end = ys[batch.rows, (end - batch.first_block * w).clamp(min=0)]
@@ -763,8 +776,7 @@ class BSTLayerMath(nn.Module):
                 vs.append(vb)
             blk = pos // w - b0
             keys, values = torch.stack(ks)[blk], torch.stack(vs)[blk]  # (T, S, H, d)
-            zero = torch.zeros((), dtype=qc.dtype, device=x.device)
-            out = attend(qc[:, :, None], keys.transpose(1, 2), values.transpose(1, 2), zero)  # (T, H, 1, d)
+            out = attend(qc[:, :, None], keys.transpose(1, 2), values.transpose(1, 2))  # (T, H, 1, d)
             ends = torch.nonzero((pos + 1) % w == 0)
             if len(ends):
                 last.copy_(y[int(ends[-1])])
@@ -806,11 +818,10 @@ class BSTLayerMath(nn.Module):
             rec_v.copy_(init_v)
         current, kv = rec[None], (rec_k[None], rec_v[None])
         qc = self.cross_query(xn).transpose(0, 1)  # (H, T, d)
-        zero = torch.zeros((), dtype=qc.dtype, device=xn.device)
         outs = []
         for b in range(p0 // w, (p0 + t - 1) // w + 1):
             a, e = max(p0, b * w), min(p0 + t, (b + 1) * w)
-            outs.append(attend(qc[:, a - p0 : e - p0], kv[0][0].transpose(0, 1), kv[1][0].transpose(0, 1), zero))
+            outs.append(attend(qc[:, a - p0 : e - p0], kv[0][0].transpose(0, 1), kv[1][0].transpose(0, 1)))
             if e == (b + 1) * w:  # the block ends in the chunk: the state absorbs blocks b - 1 and b
                 lo = max(0, (b - 1) * w)
                 n_missing = lo - (b - 1) * w  # positions before the sequence (block 0's previous block)
@@ -913,8 +924,7 @@ class BSTLayerMath(nn.Module):
             k0, v0 = self.mf_context(None)
             first = (positions < w)[:, None, None, None]
             kc, vc = torch.where(first, k0, kc), torch.where(first, v0, vc)
-            zero = torch.zeros((), dtype=qc.dtype, device=x.device)
-            out = attend(qc, kc.transpose(1, 2), vc.transpose(1, 2), zero).flatten(1)
+            out = attend(qc, kc.transpose(1, 2), vc.transpose(1, 2)).flatten(1)
             end = ((positions + 1) % w == 0)[:, None, None]
             mf_last[slots] = torch.where(end, y.to(last.dtype), last)
             return out
@@ -943,8 +953,7 @@ class BSTLayerMath(nn.Module):
         rec_k = torch.where(fresh[:, None, None, None], init_k, rec_k)
         rec_v = torch.where(fresh[:, None, None, None], init_v, rec_v)
         qc = qc[:, :, None]  # (B, H, 1, d)
-        zero = torch.zeros((), dtype=qc.dtype, device=qc.device)
-        out = attend(qc, rec_k.transpose(1, 2), rec_v.transpose(1, 2), zero).flatten(1)
+        out = attend(qc, rec_k.transpose(1, 2), rec_v.transpose(1, 2)).flatten(1)
         # At a block end the state absorbs the ring; computed for every request and kept where a block ends (no
         # host read of which ones do).
         end = ((positions + 1) % w == 0)[:, None, None]
