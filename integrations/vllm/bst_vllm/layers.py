@@ -267,7 +267,10 @@ class S4D:
         self.params = ssm.log_dt, ssm.A_log_real, ssm.A_imag, ssm.B, ssm.C, ssm.D
         self.dtype = compute_dtype(ssm.log_dt)
         self.discrete = fb.s4d_discretize(*self.params[:4], self.dtype)
-        self.step_constants = fb.s4d_step_constants(*self.params, self.dtype)
+        a_bar, b_bar, c2, skip = fb.s4d_step_constants(*self.params, self.dtype)
+        a_re, a_im = a_bar.unbind(-1)
+        conj = torch.tensor([1.0, -1.0], dtype=self.dtype, device=c2.device)
+        self.step_pairs = a_re[..., None], torch.stack([-a_im, a_im], -1), b_bar, (c2 * conj).flatten(-2), skip
         self._tables = {}
 
     def tables(self, chunk: int, num_chunks: int):
@@ -306,8 +309,15 @@ class S4D:
 
     def step(self, z: torch.Tensor, state: torch.Tensor):
         """One token of many requests: ``z`` `(B, Ds)`, ``state`` `(B, Ds, N2, 2)` -> ``y`` `(B, C, Ds)` and the new
-        state."""
-        return fb.s4d_step(z.to(self.dtype), state.to(self.dtype), self.step_constants)
+        state. ``fb.s4d_step``'s maths on the `(..., N2, 2)` pairs as they are stored (no split into real and
+        imaginary tensors): ``Abar x`` is ``x * (re, re) + swap(x) * (-im, im)``, the read-out ``Re(2 C x)`` one
+        product with ``2 C`` conjugated, summed over the pairs."""
+        a_re, a_rot, b_bar, c_conj, skip = self.step_pairs
+        z = z.to(self.dtype)
+        x = torch.addcmul(state.to(self.dtype) * a_re, state.flip(-1).to(self.dtype), a_rot)
+        x = torch.addcmul(x, b_bar, z.view(*z.shape, 1, 1))  # (B, Ds, N2, 2)
+        y = (x.view(x.shape[0], 1, x.shape[1], -1) * c_conj).sum(-1)  # (B, C, Ds)
+        return torch.addcmul(y, skip, z.unsqueeze(1)), x
 
 
 class PerFilterS4D:
@@ -664,14 +674,14 @@ class BSTLayerMath(nn.Module):
 
     def _gather_fresh(self, all_slots: torch.Tensor, batch: Prefill) -> torch.Tensor:
         """Rows ``batch.slots`` of a state tensor, zeros for new requests."""
-        rows = all_slots[batch.slots]
+        rows = all_slots.index_select(0, batch.slots)
         return torch.where(batch.fresh.view(-1, *[1] * (rows.dim() - 1)), 0, rows)
 
     def _ssm_packed(self, z, batch: Prefill, state):
         """The SSM over the packed chunks: `(N, C, Ds)`; the requests' SSM states advanced."""
         all_states = self.ssm_state(state)
         y, new_state = self.ssm_math().scan_packed(z, self._gather_fresh(all_states, batch), batch)
-        all_states[batch.slots] = new_state.to(all_states.dtype)
+        all_states.index_copy_(0, batch.slots, new_state.to(all_states.dtype))
         return y
 
     def _self_attention_packed(self, q, k, v, batch: Prefill, state):
@@ -681,7 +691,7 @@ class BSTLayerMath(nn.Module):
         w, rows, slots = self.block_len, batch.rows[:, None], batch.slots
         attn_k, attn_v = self.part(state, "attn_k"), self.part(state, "attn_v")
         ring = attn_k.shape[1]  # W, or 2W with Block-Recurrent layers
-        old_k, old_v = attn_k[slots], attn_v[slots]  # (P, R, H, d)
+        old_k, old_v = attn_k.index_select(0, slots), attn_v.index_select(0, slots)  # (P, R, H, d)
         # Key canvas: one block (the W positions before the chunk's first block) + the query canvas; the ring's
         # tokens at positions p0 - W .. p0 - 1 sit at columns first_col .. first_col + W - 1.
         j = torch.arange(w, device=q.device)
@@ -715,7 +725,8 @@ class BSTLayerMath(nn.Module):
         pos = last - (last - s) % ring  # (P, R)
         new = (pos >= batch.p0[:, None])[..., None, None]
         take = (batch.starts[:, None] + pos - batch.p0[:, None]).clamp(0, k.shape[0] - 1)
-        attn_k[slots], attn_v[slots] = torch.where(new, k[take], old_k), torch.where(new, v[take], old_v)
+        attn_k.index_copy_(0, slots, torch.where(new, k[take], old_k))
+        attn_v.index_copy_(0, slots, torch.where(new, v[take], old_v))
         return out
 
     def _context_packed(self, x, xn, qc, batch: Prefill, state):
@@ -726,7 +737,7 @@ class BSTLayerMath(nn.Module):
         queries = batch.canvas(qc).view(batch.num, nb, w, *qc.shape[1:]).transpose(2, 3)  # (P, nb, H, W, d)
         if self.mode == "mf":
             mf_last = self.part(state, "mf_last")
-            last = mf_last[slots]  # (P, S, Ds)
+            last = mf_last.index_select(0, slots)  # (P, S, Ds)
             ys = batch.canvas(y)  # (P, Lq, S, Ds)
             # Block m's context comes from the SSM outputs at the end of block m - 1: for m = 0 the saved read-outs
             # (the chunk starts inside or at that block), the learned initial context in a sequence's first block.
@@ -740,7 +751,7 @@ class BSTLayerMath(nn.Module):
             # The read-outs at the chunk's last block end, if it has one.
             end = torch.div(batch.last + 1, w, rounding_mode="floor") * w - 1
             at_end = ys[batch.rows, (end - batch.first_block * w).clamp(min=0)]
-            mf_last[slots] = torch.where((end >= batch.p0)[:, None, None], at_end.to(last.dtype), last)
+            mf_last.index_copy_(0, slots, torch.where((end >= batch.p0)[:, None, None], at_end.to(last.dtype), last))
             return out.transpose(2, 3).flatten(1, 2)[batch.req, batch.col].flatten(1)
         ck, cv = self.lift_tokens(y)  # (N, H, d)
         ctx_k, ctx_v = self.part(state, "ctx_k"), self.part(state, "ctx_v")
@@ -748,15 +759,16 @@ class BSTLayerMath(nn.Module):
         keys, values = batch.canvas(ck), batch.canvas(cv)  # (P, Lq, H, d)
         j = torch.arange(w, device=x.device)
         before = (j[None] < batch.first_col[:, None])[..., None, None]
-        keys[:, :w] = torch.where(before, ctx_k[slots], keys[:, :w])
-        values[:, :w] = torch.where(before, ctx_v[slots], values[:, :w])
+        keys[:, :w] = torch.where(before, ctx_k.index_select(0, slots), keys[:, :w])
+        values[:, :w] = torch.where(before, ctx_v.index_select(0, slots), values[:, :w])
         mask = fb.additive_mask(fb.context_valid(j[None], j[:, None], cfg.cross_mask), qc.dtype)  # (W, W)
         kb = keys.view(batch.num, nb, w, *ck.shape[1:]).transpose(2, 3)  # (P, nb, H, W, d)
         vb = values.view(batch.num, nb, w, *cv.shape[1:]).transpose(2, 3)
         out = attend(queries, kb, vb, mask)
         # Keep the context states of the last block's tokens (slot p % W).
         cols = (torch.div(batch.last, w, rounding_mode="floor") - batch.first_block)[:, None] * w + j
-        ctx_k[slots], ctx_v[slots] = keys[rows[:, None], cols], values[rows[:, None], cols]
+        ctx_k.index_copy_(0, slots, keys[rows[:, None], cols])
+        ctx_v.index_copy_(0, slots, values[rows[:, None], cols])
         return out.transpose(2, 3).flatten(1, 2)[batch.req, batch.col].flatten(1)
 
     # -- one request's chunk --------------------------------------------------------------------------------------
