@@ -130,8 +130,9 @@ class PluginStack:
 
     def step(self, ids, positions, slots) -> list[torch.Tensor]:
         h, out = self.embed_weight[torch.as_tensor(ids)], []
+        batch = layers.Decode(torch.as_tensor(positions), torch.as_tensor(slots), self.config)
         for layer, states in zip(self.layers, self.states):
-            h = layer.decode(h, torch.as_tensor(positions), states, torch.as_tensor(slots))
+            h = layer.decode(h, batch, states)
             out.append(h)
         return self.outputs(out)
 

@@ -79,8 +79,7 @@ def state_layout(config) -> dict[str, tuple[int, ...]]:
     w, heads, hd = config.block_len, config.num_attention_heads, config.head_dim
     layout = {}
     if kinds - {"gss"}:
-        ring = 2 * w if "recurrent" in kinds else w
-        layout["attn_k"] = layout["attn_v"] = (ring, heads, hd)
+        layout["attn_k"] = layout["attn_v"] = (ring_len(config), heads, hd)
     if "bst" in kinds:
         ds, n2 = config.ssm_channels, config.ssm_state_size // 2
         if config.ssm_kind == "unstruct":
@@ -99,6 +98,59 @@ def state_layout(config) -> dict[str, tuple[int, ...]]:
     if "gss" in kinds:
         layout["gss"] = (config.hidden_size // 4, config.ssm_state_size // 2, 2)
     return layout
+
+
+def ring_len(config) -> int:
+    """R, the attention ring's slots: W, or 2W in a model with Block-Recurrent layers (their state update reads the
+    previous and current block)."""
+    return 2 * config.block_len if "recurrent" in config.bst_layer_types else config.block_len
+
+
+def ring_positions(newest: torch.Tensor, ring: int) -> torch.Tensor:
+    """The position each of the ``ring`` slots holds when the newest token written is at ``newest`` `(B,)`: slot j
+    the latest position = j (mod R) up to it; negative: none yet. `(B, R)`."""
+    j = torch.arange(ring, device=newest.device)
+    return newest[:, None] - (newest[:, None] - j) % ring
+
+
+class Decode:
+    """The decode steps of one engine step: one token per request at ``positions`` `(B,)`, its state in row
+    ``slots[i]`` of every state tensor. What the layers read of the positions is computed here once per step (every
+    layer reads the same positions), with no host read:
+
+    * ``write``: the token's ring slot (position mod R); ``held`` `(B, 1, 1, R)`: the ring slots that hold a token
+      the query may see (all slots of a request past its first R tokens); ``sees_self``: which queries see a key
+      (all but a sequence's first token without ``attend_self``; True: all);
+    * ``ctx_write``: the token's context slot (position mod W), its context mask ([`context_mask`]);
+    * ``fresh``: new requests (position 0; a one-token prompt is scheduled as a decode, and its slot may hold an
+      earlier request's state), ``first_block`` (position < W), ``block_end`` (the token ends a block), and the
+      ring slots that hold a token after the token's write, ``held_after`` `(B, R)` (Block-Recurrent)."""
+
+    def __init__(self, positions: torch.Tensor, slots: torch.Tensor, config):
+        self.positions, self.slots, self.config = positions, slots, config
+        w, self.ring = config.block_len, ring_len(config)
+        self.write = positions % self.ring
+        newest = positions - (0 if config.attend_self else 1)
+        self.held = (ring_positions(newest, self.ring) >= 0)[:, None, None]
+        self.sees_self = True if config.attend_self else (positions > 0)[:, None, None, None]
+        self.ctx_write = positions % w
+        self.fresh = positions == 0
+        self.first_block = positions < w
+        self.block_end = self.ctx_write == w - 1
+        self.held_after = ring_positions(positions, self.ring) >= 0
+        self._context_masks = {}
+
+    def context_mask(self, dtype: torch.dtype):
+        """SH / MH: the additive mask of the decode queries over the W context slots of their block `(B, 1, 1, W)`
+        (``cross_mask``) and which queries see a context key (a block's first token under the strict mask does
+        not); built once per dtype."""
+        if dtype not in self._context_masks:
+            cross = self.config.cross_mask
+            j = torch.arange(self.config.block_len, device=self.positions.device)
+            mask = fb.additive_mask(fb.context_valid(j[None], self.ctx_write[:, None], cross), dtype)
+            seen = True if cross == "inclusive" else (self.ctx_write > 0)[:, None, None, None]
+            self._context_masks[dtype] = mask[:, None, None], seen
+        return self._context_masks[dtype]
 
 
 class Prefill:
@@ -179,15 +231,26 @@ class Prefill:
         return out
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Softmax attention with an additive ``mask`` and no further scaling (queries carry the learned scale).
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, seen=None) -> torch.Tensor:
+    """Softmax attention with an additive ``mask`` and no further scaling (queries carry the learned scale), by torch's
+    fused ``scaled_dot_product_attention`` (on the CPU a flash kernel: no score tensor is written; the keys and
+    values may be strided views).
 
-    ``q`` `(..., H, Tq, d)`, ``k``/``v`` `(..., H, Tk, d)`, ``mask`` broadcastable to `(..., H, Tq, Tk)` (finite
-    large negative where masked) -> `(..., H, Tq, d)`; a query that sees no key gets zeros."""
-    scores = torch.matmul(q, k.transpose(-1, -2)) + mask
-    out = torch.matmul(torch.softmax(fb.upcast(scores), -1).to(q.dtype), v)
-    seen = (mask > fb.masked_fill_value(mask.dtype)).any(-1, keepdim=True)
-    return out * seen.to(out.dtype)
+    ``q`` `(..., H, Tq, d)`, ``k``/``v`` `(..., H, Tk, d)` with the same leading dimensions, ``mask`` (finite large
+    negative where masked; None: every key) `(..., H or 1, Tq, Tk)` with those leading dimensions or none (one mask
+    for all) -> `(..., H, Tq, d)`. A query that sees no key gets zeros: ``seen`` (broadcastable to the output, True
+    where a query sees a key; True: all do) says which do, read from the mask when not given."""
+    if seen is None and mask is not None:
+        seen = (mask > fb.masked_fill_value(mask.dtype)).any(-1, keepdim=True)
+    seen = None if seen is True else seen
+    if mask is not None and mask.dim() in (3, 5):  # 4-D (or 2-D): the shapes torch's CPU flash kernel takes
+        mask = mask.reshape(-1, *mask.shape[-3:])
+    if q.dim() == 4:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+    else:
+        q4, k4, v4 = (t.reshape(-1, *t.shape[-3:]) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=1.0).view(q.shape)
+    return out if seen is None else out * seen
 
 
 def compute_dtype(param: torch.Tensor) -> torch.dtype:
@@ -204,7 +267,10 @@ class S4D:
         self.params = ssm.log_dt, ssm.A_log_real, ssm.A_imag, ssm.B, ssm.C, ssm.D
         self.dtype = compute_dtype(ssm.log_dt)
         self.discrete = fb.s4d_discretize(*self.params[:4], self.dtype)
-        self.step_constants = fb.s4d_step_constants(*self.params, self.dtype)
+        a_bar, b_bar, c2, skip = fb.s4d_step_constants(*self.params, self.dtype)
+        a_re, a_im = a_bar.unbind(-1)
+        conj = torch.tensor([1.0, -1.0], dtype=self.dtype, device=c2.device)
+        self.step_pairs = a_re[..., None], torch.stack([-a_im, a_im], -1), b_bar, (c2 * conj).flatten(-2), skip
         self._tables = {}
 
     def tables(self, chunk: int, num_chunks: int):
@@ -243,8 +309,15 @@ class S4D:
 
     def step(self, z: torch.Tensor, state: torch.Tensor):
         """One token of many requests: ``z`` `(B, Ds)`, ``state`` `(B, Ds, N2, 2)` -> ``y`` `(B, C, Ds)` and the new
-        state."""
-        return fb.s4d_step(z.to(self.dtype), state.to(self.dtype), self.step_constants)
+        state. ``fb.s4d_step``'s maths on the `(..., N2, 2)` pairs as they are stored (no split into real and
+        imaginary tensors): ``Abar x`` is ``x * (re, re) + swap(x) * (-im, im)``, the read-out ``Re(2 C x)`` one
+        product with ``2 C`` conjugated, summed over the pairs."""
+        a_re, a_rot, b_bar, c_conj, skip = self.step_pairs
+        z = z.to(self.dtype)
+        x = torch.addcmul(state.to(self.dtype) * a_re, state.flip(-1).to(self.dtype), a_rot)
+        x = torch.addcmul(x, b_bar, z.view(*z.shape, 1, 1))  # (B, Ds, N2, 2)
+        y = (x.view(x.shape[0], 1, x.shape[1], -1) * c_conj).sum(-1)  # (B, C, Ds)
+        return torch.addcmul(y, skip, z.unsqueeze(1)), x
 
 
 class PerFilterS4D:
@@ -344,6 +417,7 @@ class BSTLayerMath(nn.Module):
         self.mode = config.context_mode
         self._constants = None
         self._decode_bias = None
+        self._mf_initial = None
         self._stacked = None
         if kind == "gss":
             ds, width = d // 4, config.gss_expansion * d
@@ -519,6 +593,12 @@ class BSTLayerMath(nn.Module):
         k, v = self._heads(ctx.k_proj(c)), self._heads(ctx.v_proj(c))
         return (fb.l2_normalize(k) if cfg.qk_norm else k), v
 
+    def mf_initial(self):
+        """MF: the first block's context keys, values `(S, H, d_h)` ([`mf_context`] of None), computed once."""
+        if self._mf_initial is None:
+            self._mf_initial = self.mf_context(None)
+        return self._mf_initial
+
     def recurrent_keys_values(self, rec):
         """Block-Recurrent: the keys, values `(..., S_r, H, d_h)` the tokens read from the state ``rec``
         `(..., S_r, D)`."""
@@ -537,9 +617,8 @@ class BSTLayerMath(nn.Module):
         if self.config.qk_norm:
             q, q2 = fb.l2_normalize(q), fb.l2_normalize(q2)
         q, q2 = q * r.self_scale[:, None], q2 * r.cross_scale[:, None]
-        zero = torch.zeros((), dtype=q.dtype, device=q.device)
         k, v = rec_kv
-        r_self = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), zero)  # (B, H, S_r, d)
+        r_self = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (B, H, S_r, d)
         mask = fb.additive_mask(valid, q2.dtype)[:, None, None, :]
         r_cross = attend(q2.transpose(1, 2), token_k.transpose(1, 2), token_v.transpose(1, 2), mask)
         z = r.o_proj(torch.cat([r_self.transpose(1, 2).flatten(2), r_cross.transpose(1, 2).flatten(2)], -1))
@@ -595,14 +674,14 @@ class BSTLayerMath(nn.Module):
 
     def _gather_fresh(self, all_slots: torch.Tensor, batch: Prefill) -> torch.Tensor:
         """Rows ``batch.slots`` of a state tensor, zeros for new requests."""
-        rows = all_slots[batch.slots]
+        rows = all_slots.index_select(0, batch.slots)
         return torch.where(batch.fresh.view(-1, *[1] * (rows.dim() - 1)), 0, rows)
 
     def _ssm_packed(self, z, batch: Prefill, state):
         """The SSM over the packed chunks: `(N, C, Ds)`; the requests' SSM states advanced."""
         all_states = self.ssm_state(state)
         y, new_state = self.ssm_math().scan_packed(z, self._gather_fresh(all_states, batch), batch)
-        all_states[batch.slots] = new_state.to(all_states.dtype)
+        all_states.index_copy_(0, batch.slots, new_state.to(all_states.dtype))
         return y
 
     def _self_attention_packed(self, q, k, v, batch: Prefill, state):
@@ -612,7 +691,7 @@ class BSTLayerMath(nn.Module):
         w, rows, slots = self.block_len, batch.rows[:, None], batch.slots
         attn_k, attn_v = self.part(state, "attn_k"), self.part(state, "attn_v")
         ring = attn_k.shape[1]  # W, or 2W with Block-Recurrent layers
-        old_k, old_v = attn_k[slots], attn_v[slots]  # (P, R, H, d)
+        old_k, old_v = attn_k.index_select(0, slots), attn_v.index_select(0, slots)  # (P, R, H, d)
         # Key canvas: one block (the W positions before the chunk's first block) + the query canvas; the ring's
         # tokens at positions p0 - W .. p0 - 1 sit at columns first_col .. first_col + W - 1.
         j = torch.arange(w, device=q.device)
@@ -628,9 +707,17 @@ class BSTLayerMath(nn.Module):
         values = values.unfold(1, 2 * w, w).transpose(-1, -2)
         c = torch.arange(2 * w, device=q.device)
         bias = self.self_bias(c[None] - w - j[:, None]).to(q.dtype)  # (H, W, 2W): key c - W - query r
-        key_pos = (batch.first_block[:, None, None] + torch.arange(nb, device=q.device)[:, None] - 1) * w + c
-        mask = torch.where((key_pos >= 0)[:, :, None, None], bias, fb.masked_fill_value(q.dtype))
-        out = attend(queries, keys, values, mask)  # (P, nb, H, W, d)
+        # One mask for every block whose previous block exists: all but a sequence's first block, the first canvas
+        # block of a new request's chunk, whose previous-block keys are masked (its own mask, P blocks).
+        missing = ((batch.first_block == 0)[:, None] & (c < w))[:, None, None, None]  # (P, 1, 1, 1, 2W)
+        first = torch.where(missing, fb.masked_fill_value(q.dtype), bias)  # (P, 1, H, W, 2W)
+        out = torch.cat(
+            [
+                attend(queries[:, :1], keys[:, :1], values[:, :1], first),
+                attend(queries[:, 1:], keys[:, 1:], values[:, 1:], bias),
+            ],
+            1,
+        )  # (P, nb, H, W, d)
         out = out.transpose(2, 3).flatten(1, 2)[batch.req, batch.col]
         # The ring keeps the last R tokens: slot s holds the latest position = s (mod R) up to the chunk's end.
         s = torch.arange(ring, device=q.device)
@@ -638,7 +725,8 @@ class BSTLayerMath(nn.Module):
         pos = last - (last - s) % ring  # (P, R)
         new = (pos >= batch.p0[:, None])[..., None, None]
         take = (batch.starts[:, None] + pos - batch.p0[:, None]).clamp(0, k.shape[0] - 1)
-        attn_k[slots], attn_v[slots] = torch.where(new, k[take], old_k), torch.where(new, v[take], old_v)
+        attn_k.index_copy_(0, slots, torch.where(new, k[take], old_k))
+        attn_v.index_copy_(0, slots, torch.where(new, v[take], old_v))
         return out
 
     def _context_packed(self, x, xn, qc, batch: Prefill, state):
@@ -649,22 +737,21 @@ class BSTLayerMath(nn.Module):
         queries = batch.canvas(qc).view(batch.num, nb, w, *qc.shape[1:]).transpose(2, 3)  # (P, nb, H, W, d)
         if self.mode == "mf":
             mf_last = self.part(state, "mf_last")
-            last = mf_last[slots]  # (P, S, Ds)
+            last = mf_last.index_select(0, slots)  # (P, S, Ds)
             ys = batch.canvas(y)  # (P, Lq, S, Ds)
             # Block m's context comes from the SSM outputs at the end of block m - 1: for m = 0 the saved read-outs
             # (the chunk starts inside or at that block), the learned initial context in a sequence's first block.
             prev = torch.cat([last[:, None].to(ys.dtype), ys[:, w - 1 : nb * w - 1 : w]], 1)  # (P, nb, S, Ds)
             ck, cv = self.mf_context(prev)  # (P, nb, S, H, d)
-            k0, v0 = self.mf_context(None)
+            k0, v0 = self.mf_initial()
             first = (batch.first_block == 0)[:, None] & (torch.arange(nb, device=x.device) == 0)  # (P, nb)
             first = first[..., None, None, None]
             ck, cv = torch.where(first, k0, ck), torch.where(first, v0, cv)
-            zero = torch.zeros((), dtype=qc.dtype, device=x.device)
-            out = attend(queries, ck.permute(0, 1, 3, 2, 4), cv.permute(0, 1, 3, 2, 4), zero)  # (P, nb, H, W, d)
+            out = attend(queries, ck.permute(0, 1, 3, 2, 4), cv.permute(0, 1, 3, 2, 4))  # (P, nb, H, W, d)
             # The read-outs at the chunk's last block end, if it has one.
             end = torch.div(batch.last + 1, w, rounding_mode="floor") * w - 1
             at_end = ys[batch.rows, (end - batch.first_block * w).clamp(min=0)]
-            mf_last[slots] = torch.where((end >= batch.p0)[:, None, None], at_end.to(last.dtype), last)
+            mf_last.index_copy_(0, slots, torch.where((end >= batch.p0)[:, None, None], at_end.to(last.dtype), last))
             return out.transpose(2, 3).flatten(1, 2)[batch.req, batch.col].flatten(1)
         ck, cv = self.lift_tokens(y)  # (N, H, d)
         ctx_k, ctx_v = self.part(state, "ctx_k"), self.part(state, "ctx_v")
@@ -672,15 +759,16 @@ class BSTLayerMath(nn.Module):
         keys, values = batch.canvas(ck), batch.canvas(cv)  # (P, Lq, H, d)
         j = torch.arange(w, device=x.device)
         before = (j[None] < batch.first_col[:, None])[..., None, None]
-        keys[:, :w] = torch.where(before, ctx_k[slots], keys[:, :w])
-        values[:, :w] = torch.where(before, ctx_v[slots], values[:, :w])
+        keys[:, :w] = torch.where(before, ctx_k.index_select(0, slots), keys[:, :w])
+        values[:, :w] = torch.where(before, ctx_v.index_select(0, slots), values[:, :w])
         mask = fb.additive_mask(fb.context_valid(j[None], j[:, None], cfg.cross_mask), qc.dtype)  # (W, W)
         kb = keys.view(batch.num, nb, w, *ck.shape[1:]).transpose(2, 3)  # (P, nb, H, W, d)
         vb = values.view(batch.num, nb, w, *cv.shape[1:]).transpose(2, 3)
         out = attend(queries, kb, vb, mask)
         # Keep the context states of the last block's tokens (slot p % W).
         cols = (torch.div(batch.last, w, rounding_mode="floor") - batch.first_block)[:, None] * w + j
-        ctx_k[slots], ctx_v[slots] = keys[rows[:, None], cols], values[rows[:, None], cols]
+        ctx_k.index_copy_(0, slots, keys[rows[:, None], cols])
+        ctx_v.index_copy_(0, slots, values[rows[:, None], cols])
         return out.transpose(2, 3).flatten(1, 2)[batch.req, batch.col].flatten(1)
 
     # -- one request's chunk --------------------------------------------------------------------------------------
@@ -763,8 +851,7 @@ class BSTLayerMath(nn.Module):
                 vs.append(vb)
             blk = pos // w - b0
             keys, values = torch.stack(ks)[blk], torch.stack(vs)[blk]  # (T, S, H, d)
-            zero = torch.zeros((), dtype=qc.dtype, device=x.device)
-            out = attend(qc[:, :, None], keys.transpose(1, 2), values.transpose(1, 2), zero)  # (T, H, 1, d)
+            out = attend(qc[:, :, None], keys.transpose(1, 2), values.transpose(1, 2))  # (T, H, 1, d)
             ends = torch.nonzero((pos + 1) % w == 0)
             if len(ends):
                 last.copy_(y[int(ends[-1])])
@@ -806,11 +893,10 @@ class BSTLayerMath(nn.Module):
             rec_v.copy_(init_v)
         current, kv = rec[None], (rec_k[None], rec_v[None])
         qc = self.cross_query(xn).transpose(0, 1)  # (H, T, d)
-        zero = torch.zeros((), dtype=qc.dtype, device=xn.device)
         outs = []
         for b in range(p0 // w, (p0 + t - 1) // w + 1):
             a, e = max(p0, b * w), min(p0 + t, (b + 1) * w)
-            outs.append(attend(qc[:, a - p0 : e - p0], kv[0][0].transpose(0, 1), kv[1][0].transpose(0, 1), zero))
+            outs.append(attend(qc[:, a - p0 : e - p0], kv[0][0].transpose(0, 1), kv[1][0].transpose(0, 1)))
             if e == (b + 1) * w:  # the block ends in the chunk: the state absorbs blocks b - 1 and b
                 lo = max(0, (b - 1) * w)
                 n_missing = lo - (b - 1) * w  # positions before the sequence (block 0's previous block)
@@ -825,116 +911,102 @@ class BSTLayerMath(nn.Module):
         return torch.cat(outs, 1).transpose(0, 1).flatten(1)
 
     # -- one token of many requests -------------------------------------------------------------------------------
-    def decode(self, x: torch.Tensor, positions: torch.Tensor, state: tuple[torch.Tensor, ...], slots: torch.Tensor):
-        """One token per request: ``x`` `(B, D)` at ``positions`` `(B,)`; ``state``: the state tensors of all slots
-        `(num_slots, ...)`, rows ``slots`` `(B,)` read and written. Returns `(B, D)`."""
+    def decode(self, x: torch.Tensor, batch: Decode, state: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """One token per request: ``x`` `(B, D)`, the requests' positions and slots in ``batch``; ``state``: the state
+        tensors of all slots `(num_slots, ...)`, rows ``batch.slots`` read and written. Returns `(B, D)`."""
         xn = rms_norm(x, self.input_norm.weight, self.eps)
         if self.kind == "gss":
             ssm_state = self.part(state, "gss")
 
             def step(u):
-                y, new_state = self.ssm_math().step(u, self._gather_new(ssm_state, slots, positions))
-                ssm_state[slots] = new_state.to(ssm_state.dtype)
+                y, new_state = self.ssm_math().step(u, self._gather_new(ssm_state, batch))
+                ssm_state.index_copy_(0, batch.slots, new_state.to(ssm_state.dtype))
                 return y
 
             return self.gss(x, xn, step)
-        return self.finish(x, *self.decode_mix(x, xn, *self.project(xn), positions, state, slots))
+        return self.finish(x, *self.decode_mix(x, xn, *self.project(xn), batch, state))
 
-    def decode_mix(self, x, xn, q, k, v, qc, positions, state, slots):
+    def decode_mix(self, x, xn, q, k, v, qc, batch: Decode, state):
         """The stateful part of [`decode`] (not of a GSS layer): the block self-attention over the ring and the
         second attention (context or recurrent state; None in a block layer) of the tokens whose input ``x``,
         normed input ``xn`` and projections ``q``, ``k``, ``v``, ``qc`` (`(B, H, d_h)`, [`project`]) are given;
         the state advanced. Returns the two attention outputs `(B, H d_h)`."""
-        cfg = self.config
-        bsz = x.shape[0]
+        slots, write = batch.slots, batch.write
         attn_k, attn_v = self.part(state, "attn_k"), self.part(state, "attn_v")
-        ring = attn_k.shape[1]
-        write = positions % ring
         # Only the token's own slot is written (not the whole ring back): before the read with attend_self (the
         # token is one of its keys), after it otherwise.
-        if cfg.attend_self:
+        if self.config.attend_self:
             attn_k[slots, write], attn_v[slots, write] = k, v
-        ring_k, ring_v = attn_k[slots], attn_v[slots]  # (B, R, H, d)
-        bias = self.decode_bias(positions, ring).to(q.dtype)[:, :, None]  # (B, H, 1, R)
-        a_self = attend(q[:, :, None], ring_k.transpose(1, 2), ring_v.transpose(1, 2), bias).flatten(1)
-        if not cfg.attend_self:
+        ring_k, ring_v = attn_k.index_select(0, slots), attn_v.index_select(0, slots)  # (B, R, H, d)
+        bias = self.decode_bias(batch)
+        a_self = attend(q[:, :, None], ring_k.transpose(1, 2), ring_v.transpose(1, 2), bias, batch.sees_self)
+        if not self.config.attend_self:
             attn_k[slots, write], attn_v[slots, write] = k, v
             if self.kind == "recurrent":  # its state update reads the ring after the write
-                rows = torch.arange(bsz, device=x.device)
+                rows = torch.arange(slots.shape[0], device=x.device)
                 ring_k[rows, write], ring_v[rows, write] = k, v
         if self.kind == "bst":
-            a_second = self.context_decode(x, xn, qc, positions, state, slots)
+            a_second = self.context_decode(x, xn, qc, batch, state)
         elif self.kind == "recurrent":
-            a_second = self.recurrent_decode(qc, positions, state, slots, ring_k, ring_v)
+            a_second = self.recurrent_decode(qc, batch, state, ring_k, ring_v)
         else:
             a_second = None
-        return a_self, a_second
+        return a_self.flatten(1), a_second
 
-    def _ring_positions(self, positions: torch.Tensor, ring: int) -> torch.Tensor:
-        """The position each ring slot holds for a decode query at ``positions`` `(B,)`: slot j the newest token at
-        a position = j (mod R) before the query (or at it, with ``attend_self``); negative: none. `(B, R)`."""
-        j = torch.arange(ring, device=positions.device)
-        newest = positions[:, None] - (0 if self.config.attend_self else 1)
-        return newest - (newest - j[None]) % ring
-
-    def decode_bias(self, positions: torch.Tensor, ring: int) -> torch.Tensor:
-        """The scaled T5 bias of decode queries at ``positions`` `(B,)` over the ring's slots, masked outside the
-        window and where a slot holds no token yet: `(B, H, R)`. The relative positions depend on the position mod
-        R only, so the bias is one table of R rows, computed once."""
+    def decode_bias(self, batch: Decode) -> torch.Tensor:
+        """The scaled T5 bias of the decode queries over the ring's slots, masked outside the window and where a
+        slot holds no token yet: `(B, H, 1, R)`. The relative positions depend on the position mod R only, so the
+        bias is one table of R rows, computed once."""
         if self._decode_bias is None:
-            phase = torch.arange(ring, device=positions.device) + ring  # positions where every slot holds a token
-            rel = self._ring_positions(phase, ring) - phase[:, None]
-            self._decode_bias = self.self_bias(rel).permute(1, 0, 2)  # (R, H, R)
-        table = self._decode_bias[positions % ring]
-        held = (self._ring_positions(positions, ring) >= 0)[:, None]
-        return torch.where(held, table, fb.masked_fill_value(table.dtype))
+            ring = batch.ring
+            phase = torch.arange(ring, device=batch.positions.device) + ring  # every slot holds a token
+            rel = ring_positions(phase - (0 if self.config.attend_self else 1), ring) - phase[:, None]
+            self._decode_bias = self.self_bias(rel).permute(1, 0, 2)[:, :, None]  # (R, H, 1, R)
+        table = self._decode_bias
+        return torch.where(batch.held, table[batch.write], fb.masked_fill_value(table.dtype))
 
     @staticmethod
-    def _gather_new(all_slots: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rows ``slots`` of an SSM state tensor, zeros for a request at position 0 (a one-token prompt is scheduled
-        as a decode; its slot may hold an earlier request's state). The other parts of the state need no reset:
-        the ring and context keys a step reads are masked by position, MF and Block-Recurrent layers pick their
-        initial contexts by position."""
-        rows = all_slots[slots]
-        return torch.where((positions == 0).view(-1, *[1] * (rows.dim() - 1)), 0, rows)
+    def _gather_new(all_slots: torch.Tensor, batch: Decode) -> torch.Tensor:
+        """Rows ``batch.slots`` of an SSM state tensor, zeros for a request at position 0 (a one-token prompt is
+        scheduled as a decode; its slot may hold an earlier request's state). The other parts of the state need no
+        reset: the ring and context keys a step reads are masked by position, MF and Block-Recurrent layers pick
+        their initial contexts by position."""
+        rows = all_slots.index_select(0, batch.slots)
+        return torch.where(batch.fresh.view(-1, *[1] * (rows.dim() - 1)), 0, rows)
 
-    def context_decode(self, x, xn, qc, positions, state, slots):
-        w, cfg = self.block_len, self.config
+    def context_decode(self, x, xn, qc, batch: Decode, state):
+        cfg, slots = self.config, batch.slots
         src = x if cfg.ssm_input == "raw" else xn
         z = self.context.down_proj(src)
         ssm_state = self.ssm_state(state)
-        y, new_state = self.ssm_math().step(z, self._gather_new(ssm_state, slots, positions))  # (B, C, Ds)
-        ssm_state[slots] = new_state.to(ssm_state.dtype)
+        y, new_state = self.ssm_math().step(z, self._gather_new(ssm_state, batch))  # (B, C, Ds)
+        ssm_state.index_copy_(0, slots, new_state.to(ssm_state.dtype))
         qc = qc[:, :, None]  # (B, H, 1, d)
         if self.mode == "mf":
             mf_last = self.part(state, "mf_last")
-            last = mf_last[slots]  # (B, S, Ds)
+            last = mf_last.index_select(0, slots)  # (B, S, Ds)
             kc, vc = self.mf_context(last)  # (B, S, H, d)
-            k0, v0 = self.mf_context(None)
-            first = (positions < w)[:, None, None, None]
+            k0, v0 = self.mf_initial()
+            first = batch.first_block[:, None, None, None]
             kc, vc = torch.where(first, k0, kc), torch.where(first, v0, vc)
-            zero = torch.zeros((), dtype=qc.dtype, device=x.device)
-            out = attend(qc, kc.transpose(1, 2), vc.transpose(1, 2), zero).flatten(1)
-            end = ((positions + 1) % w == 0)[:, None, None]
-            mf_last[slots] = torch.where(end, y.to(last.dtype), last)
+            out = attend(qc, kc.transpose(1, 2), vc.transpose(1, 2)).flatten(1)
+            end = batch.block_end[:, None, None]
+            mf_last.index_copy_(0, slots, torch.where(end, y.to(last.dtype), last))
             return out
         ck, cv = self.lift_tokens(y)  # (B, H, d)
         ctx_k_all, ctx_v_all = self.part(state, "ctx_k"), self.part(state, "ctx_v")
-        ctx_k_all[slots, positions % w], ctx_v_all[slots, positions % w] = ck, cv  # the token's slot only
-        ctx_k, ctx_v = ctx_k_all[slots], ctx_v_all[slots]  # (B, W, H, d)
-        j = torch.arange(w, device=x.device)[None]
-        offset = (positions % w)[:, None]
-        mask = fb.additive_mask(fb.context_valid(j, offset, cfg.cross_mask), qc.dtype)
-        return attend(qc, ctx_k.transpose(1, 2), ctx_v.transpose(1, 2), mask[:, None, None]).flatten(1)
+        ctx_k_all[slots, batch.ctx_write], ctx_v_all[slots, batch.ctx_write] = ck, cv  # the token's slot only
+        ctx_k, ctx_v = ctx_k_all.index_select(0, slots), ctx_v_all.index_select(0, slots)  # (B, W, H, d)
+        mask, seen = batch.context_mask(qc.dtype)
+        return attend(qc, ctx_k.transpose(1, 2), ctx_v.transpose(1, 2), mask, seen).flatten(1)
 
-    def recurrent_decode(self, qc, positions, state, slots, ring_k, ring_v):
+    def recurrent_decode(self, qc, batch: Decode, state, ring_k, ring_v):
         """A Block-Recurrent layer's step: the token reads the state's keys/values (a new request: the learned
         initial state's); at a block end the state absorbs the ring's 2W tokens (``ring_k``/``ring_v`` `(B, 2W, H,
         d_h)` after the token's write)."""
-        w = self.block_len
+        slots, fresh = batch.slots, batch.fresh
         rec_all, rk_all, rv_all = self.part(state, "rec"), self.part(state, "rec_k"), self.part(state, "rec_v")
-        rec, rec_k, rec_v = rec_all[slots], rk_all[slots], rv_all[slots]
-        fresh = positions == 0
+        rec, rec_k, rec_v = (t.index_select(0, slots) for t in (rec_all, rk_all, rv_all))
         init = self.recurrent.initial_state
         if self._constants is None:  # the initial state's keys/values, computed once
             self._constants = self.recurrent_keys_values(init)
@@ -943,19 +1015,15 @@ class BSTLayerMath(nn.Module):
         rec_k = torch.where(fresh[:, None, None, None], init_k, rec_k)
         rec_v = torch.where(fresh[:, None, None, None], init_v, rec_v)
         qc = qc[:, :, None]  # (B, H, 1, d)
-        zero = torch.zeros((), dtype=qc.dtype, device=qc.device)
-        out = attend(qc, rec_k.transpose(1, 2), rec_v.transpose(1, 2), zero).flatten(1)
+        out = attend(qc, rec_k.transpose(1, 2), rec_v.transpose(1, 2)).flatten(1)
         # At a block end the state absorbs the ring; computed for every request and kept where a block ends (no
         # host read of which ones do).
-        end = ((positions + 1) % w == 0)[:, None, None]
-        ring = ring_k.shape[1]
-        p = positions[:, None]
-        kpos = p - (p - torch.arange(ring, device=qc.device)[None]) % ring  # the ring's positions after the write
-        new = self.recurrent_update(rec, (rec_k, rec_v), ring_k, ring_v, kpos >= 0)
+        end = batch.block_end[:, None, None]
+        new = self.recurrent_update(rec, (rec_k, rec_v), ring_k, ring_v, batch.held_after)
         new_k, new_v = self.recurrent_keys_values(new)
-        rec = torch.where(end, new, rec)
-        rec_k, rec_v = torch.where(end[..., None], new_k, rec_k), torch.where(end[..., None], new_v, rec_v)
-        rec_all[slots], rk_all[slots], rv_all[slots] = rec, rec_k, rec_v
+        rec_all.index_copy_(0, slots, torch.where(end, new, rec))
+        rk_all.index_copy_(0, slots, torch.where(end[..., None], new_k, rec_k))
+        rv_all.index_copy_(0, slots, torch.where(end[..., None], new_v, rec_v))
         return out
 
 

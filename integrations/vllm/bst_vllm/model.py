@@ -35,7 +35,7 @@ from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from .config import check_supported
-from .layers import BSTLayerMath, Prefill, rms_norm
+from .layers import BSTLayerMath, Decode, Prefill, rms_norm
 
 
 def copy_whole_state(state: torch.Tensor, block_ids: list[int], cur_block_idx: int, num_accepted_tokens: int):
@@ -116,7 +116,7 @@ class BSTServingLayer(BSTLayerMath, MambaBase):
             return None
         steps = context.__dict__.setdefault("bst_steps", {})
         if id(m) not in steps:
-            steps[id(m)] = Step.from_metadata(m, positions, self.block_len)
+            steps[id(m)] = Step.from_metadata(m, positions, self.config)
         return steps[id(m)]
 
     def mix(self, x, xn, q, k, v, qc, positions, out):
@@ -139,18 +139,8 @@ class BSTServingLayer(BSTLayerMath, MambaBase):
         nd = step.num_decodes
         if nd:
             d = slice(0, nd)
-            parts = self.decode_mix(
-                x[d],
-                xn[d],
-                q[d],
-                k[d],
-                v[d],
-                None if qc is None else qc[d],
-                positions[d],
-                self.kv_cache,
-                step.decode_slots,
-            )
-            put(d, parts)
+            qc_d = None if qc is None else qc[d]
+            put(d, self.decode_mix(x[d], xn[d], q[d], k[d], v[d], qc_d, step.decode, self.kv_cache))
         for start, end, run in step.prefill:
             r = slice(nd + start, nd + end)
             parts = self.prefill_mix(x[r], xn[r], q[r], k[r], v[r], None if qc is None else qc[r], run, self.kv_cache)
@@ -165,7 +155,7 @@ class BSTServingLayer(BSTLayerMath, MambaBase):
         outs = []
         if step.num_decodes:
             nd = step.num_decodes
-            outs.append(self.decode(hidden[:nd], positions[:nd], self.kv_cache, step.decode_slots))
+            outs.append(self.decode(hidden[:nd], step.decode, self.kv_cache))
         prefill = hidden[step.num_decodes :]
         for start, end, run in step.prefill:
             outs.append(self.prefill(prefill[start:end], run, self.kv_cache))
@@ -174,29 +164,32 @@ class BSTServingLayer(BSTLayerMath, MambaBase):
 
 class Step:
     """What every layer reads of one engine step, from vLLM's Mamba metadata (built once per step, not per layer):
-    the decodes (first in the batch, one token each) and their state slots, and the prefill chunks packed
-    ([`Prefill`], in runs of chunks of similar lengths: ``[(first token, end token, Prefill), ...]`` counted from
-    the first prefill token). Nothing here reads the device for the decodes (their path has no host sync); the
-    prefill runs come from the chunk lengths of ``query_start_loc_p`` (a host tensor on the CPU)."""
+    the decodes (first in the batch, one token each: [`Decode`], their positions' ring and context slots and masks)
+    and the prefill chunks packed ([`Prefill`], in runs of chunks of similar lengths: ``[(first token, end token,
+    Prefill), ...]`` counted from the first prefill token). Nothing here reads the device for the decodes (their
+    path has no host sync); the prefill runs come from the chunk lengths of ``query_start_loc_p`` (a host tensor
+    on the CPU)."""
 
-    def __init__(self, num_decodes: int, decode_slots, prefill: list):
-        self.num_decodes, self.decode_slots, self.prefill = num_decodes, decode_slots, prefill
+    def __init__(self, num_decodes: int, decode: Decode | None, prefill: list):
+        self.num_decodes, self.decode, self.prefill = num_decodes, decode, prefill
 
     @staticmethod
     def _column(slots):
         return slots[:, 0] if slots.dim() > 1 else slots
 
     @classmethod
-    def from_metadata(cls, metadata, positions: torch.Tensor, block_len: int) -> "Step":
+    def from_metadata(cls, metadata, positions: torch.Tensor, config) -> "Step":
         nd = metadata.num_decodes
-        decode_slots = cls._column(metadata.state_indices_tensor_d)[:nd].long() if nd else None
+        decode = None
+        if nd:
+            decode = Decode(positions[:nd], cls._column(metadata.state_indices_tensor_d)[:nd].long(), config)
         prefill = []
         if metadata.num_prefills:
             slots = cls._column(metadata.state_indices_tensor_p)[: metadata.num_prefills].long()
             end = metadata.num_decode_tokens + metadata.num_prefill_tokens
             tokens = positions[metadata.num_decode_tokens : end]
-            prefill = Prefill.groups(metadata.query_start_loc_p, tokens, slots, block_len)
-        return cls(nd, decode_slots, prefill)
+            prefill = Prefill.groups(metadata.query_start_loc_p, tokens, slots, config.block_len)
+        return cls(nd, decode, prefill)
 
     @classmethod
     def scratch(cls, positions: torch.Tensor, block_len: int) -> "Step":

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark import BLOCK_LEN, BST_FIELDS, SIZE  # noqa: E402
 from bst_vllm.config import BSTServingConfig  # noqa: E402
-from bst_vllm.layers import BSTLayerMath, Prefill  # noqa: E402
+from bst_vllm.layers import BSTLayerMath, Decode, Prefill  # noqa: E402
 
 
 class OpCounter(TorchDispatchMode):
@@ -64,9 +64,10 @@ def build(slots: int):
     return config, layers, states
 
 
-def run_decode(layers, states, x, positions, slots):
+def run_decode(layers, states, x, positions, slots, config):
+    batch = Decode(positions, slots, config)  # once per engine step, as the engine does
     for layer, state in zip(layers, states):
-        x = layer.decode(x, positions, state, slots)
+        x = layer.decode(x, batch, state)
     return x
 
 
@@ -76,8 +77,8 @@ def run_prefill(layers, states, x, batch):
     return x
 
 
-def decode_layer(layers, states, x, positions, slots, i):
-    return layers[i].decode(x, positions, states[i], slots)
+def decode_layer(layers, states, x, batch, i):
+    return layers[i].decode(x, batch, states[i])
 
 
 def prefill_layer(layers, states, x, batch, i):
@@ -134,11 +135,11 @@ def main():
         slots = torch.arange(1, bsz + 1)
         n = report(
             f"decode step, {bsz} request(s) at position {args.position}",
-            partial(run_decode, layers, states, x, positions, slots),
+            partial(run_decode, layers, states, x, positions, slots, config),
             args.repeat,
             args.top,
         )
-        kinds = per_layer_counts(layers, partial(decode_layer, layers, states, x, positions, slots))
+        kinds = per_layer_counts(layers, partial(decode_layer, layers, states, x, Decode(positions, slots, config)))
         print(f"   per layer: {kinds}; {n} in all")
     for length in args.prefill_len:
         config, layers, states = build(2)

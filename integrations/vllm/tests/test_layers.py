@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from bst_vllm.config import BSTServingConfig
-from bst_vllm.layers import BSTLayerMath, Prefill, rms_norm
+from bst_vllm.layers import BSTLayerMath, Decode, Prefill, rms_norm
 from safetensors.torch import load_file
 
 
@@ -59,8 +59,9 @@ class Stack:
 
     def step(self, ids, positions, slots):
         h = self.embed(ids)
+        batch = Decode(torch.as_tensor(positions), torch.as_tensor(slots), self.config)
         for layer, states in zip(self.layers, self.states):
-            h = layer.decode(h, torch.as_tensor(positions), states, torch.as_tensor(slots))
+            h = layer.decode(h, batch, states)
         return h
 
     def logits(self, h):
