@@ -144,15 +144,23 @@ def s4d_step_constants(log_dt, a_log_real, a_imag, b, c, d, dtype: torch.dtype):
     return a_bar, torch.stack(b_bar, -1), 2 * c.to(dtype), d.to(dtype)
 
 
+def s4d_pair_step_constants(a_bar, b_bar, c2, skip):
+    """[`s4d_step_constants`] as [`s4d_step`] reads them: ``Re Abar`` per pair, ``(-Im Abar, Im Abar)``, ``Bbar``,
+    ``2 C`` conjugated and flattened over the pairs, ``D``."""
+    a_re, a_im = a_bar.unbind(-1)
+    conj = torch.tensor([1.0, -1.0], dtype=c2.dtype, device=c2.device)
+    return a_re[..., None], torch.stack([-a_im, a_im], -1), b_bar, (c2 * conj).flatten(-2), skip
+
+
 def s4d_step(z_t: torch.Tensor, state: torch.Tensor, constants):
-    """One token ``z_t`` `(B, Ds)` from a real ``state``: ``y_t`` `(B, C, Ds)` and the new state."""
-    a_bar, b_bar, c2, skip = constants
-    x = pair_mul(complex_pair(a_bar), complex_pair(state))
-    b = complex_pair(b_bar)
-    x = x[0] + b[0] * z_t.unsqueeze(-1), x[1] + b[1] * z_t.unsqueeze(-1)
-    c = complex_pair(c2)
-    y = torch.einsum("chn,bhn->bch", c[0], x[0]) - torch.einsum("chn,bhn->bch", c[1], x[1])
-    return y + skip * z_t.unsqueeze(1), torch.stack(x, -1)
+    """One token ``z_t`` `(B, Ds)` from a real ``state`` `(B, Ds, N/2, 2)` with [`s4d_pair_step_constants`]: ``y_t``
+    `(B, C, Ds)` and the new state. ``Abar x`` is ``x * (re, re) + swap(x) * (-im, im)`` on the stored pairs; the
+    read-out ``Re(2 C x)`` is one product with ``2 C`` conjugated, summed over the pairs."""
+    a_re, a_rot, b_bar, c_conj, skip = constants
+    x = torch.addcmul(state * a_re, state.flip(-1), a_rot)
+    x = torch.addcmul(x, b_bar, z_t.view(*z_t.shape, 1, 1))
+    y = (x.view(x.shape[0], 1, x.shape[1], -1) * c_conj).sum(-1)
+    return torch.addcmul(y, skip, z_t.unsqueeze(1)), x
 
 
 @functools.lru_cache(maxsize=256)

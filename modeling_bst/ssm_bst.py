@@ -22,6 +22,7 @@ from .functional_bst import (
     s4d_chunked_forward,
     s4d_discretize,
     s4d_final_state,
+    s4d_pair_step_constants,
     s4d_step,
     s4d_step_constants,
     s4d_vandermonde,
@@ -313,11 +314,11 @@ class S4DKernel(LongConv):
         return torch.zeros(batch_size, self.channels, self.n_modes, dtype=dtype.to_complex(), device=device)
 
     def step_constants(self):
-        """[`s4d_step_constants`] ``(Abar, Bbar, 2 C, D)``: complex, real in real arithmetic."""
+        """[`s4d_step_constants`] ``(Abar, Bbar, 2 C, D)``, complex; in real arithmetic [`s4d_pair_step_constants`]."""
         with _no_autocast(self.log_dt.device.type):
             a_bar, b_bar, c2, skip = s4d_step_constants(*self.params(), compute_dtype(self.log_dt))
             if use_real_arithmetic():
-                return a_bar, b_bar, c2, skip
+                return s4d_pair_step_constants(a_bar, b_bar, c2, skip)
             return tuple(torch.complex(t[..., 0], t[..., 1]) for t in (a_bar, b_bar, c2)) + (skip,)
 
     def step(self, z_t: torch.Tensor, state: torch.Tensor, constants=None, seen: int | None = None):

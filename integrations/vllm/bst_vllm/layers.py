@@ -267,10 +267,7 @@ class S4D:
         self.params = ssm.log_dt, ssm.A_log_real, ssm.A_imag, ssm.B, ssm.C, ssm.D
         self.dtype = compute_dtype(ssm.log_dt)
         self.discrete = fb.s4d_discretize(*self.params[:4], self.dtype)
-        a_bar, b_bar, c2, skip = fb.s4d_step_constants(*self.params, self.dtype)
-        a_re, a_im = a_bar.unbind(-1)
-        conj = torch.tensor([1.0, -1.0], dtype=self.dtype, device=c2.device)
-        self.step_pairs = a_re[..., None], torch.stack([-a_im, a_im], -1), b_bar, (c2 * conj).flatten(-2), skip
+        self.step_pairs = fb.s4d_pair_step_constants(*fb.s4d_step_constants(*self.params, self.dtype))
         self._tables = {}
 
     def tables(self, chunk: int, num_chunks: int):
@@ -309,15 +306,8 @@ class S4D:
 
     def step(self, z: torch.Tensor, state: torch.Tensor):
         """One token of many requests: ``z`` `(B, Ds)`, ``state`` `(B, Ds, N2, 2)` -> ``y`` `(B, C, Ds)` and the new
-        state. ``fb.s4d_step``'s maths on the `(..., N2, 2)` pairs as they are stored (no split into real and
-        imaginary tensors): ``Abar x`` is ``x * (re, re) + swap(x) * (-im, im)``, the read-out ``Re(2 C x)`` one
-        product with ``2 C`` conjugated, summed over the pairs."""
-        a_re, a_rot, b_bar, c_conj, skip = self.step_pairs
-        z = z.to(self.dtype)
-        x = torch.addcmul(state.to(self.dtype) * a_re, state.flip(-1).to(self.dtype), a_rot)
-        x = torch.addcmul(x, b_bar, z.view(*z.shape, 1, 1))  # (B, Ds, N2, 2)
-        y = (x.view(x.shape[0], 1, x.shape[1], -1) * c_conj).sum(-1)  # (B, C, Ds)
-        return torch.addcmul(y, skip, z.unsqueeze(1)), x
+        state ([`fb.s4d_step`] on the pairs as they are stored)."""
+        return fb.s4d_step(z.to(self.dtype), state.to(self.dtype), self.step_pairs)
 
 
 class PerFilterS4D:
