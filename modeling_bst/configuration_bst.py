@@ -47,10 +47,7 @@ def _checked(requirement, condition, default):
 
 POSITIVE = ("a positive integer", lambda v: v > 0)
 RATE = ("in [0, 1)", lambda v: 0 <= v < 1)
-LAYER_NAMES = (
-    f"a list of {tuple(LAYER_TYPE_NAMES.values())} (or {LAYER_TYPES})",
-    lambda v: all(t in LAYER_KINDS for t in v),
-)
+LAYER_NAMES = (f"a list of layer types {tuple(LAYER_KINDS)}", lambda v: all(t in LAYER_KINDS for t in v))
 
 
 def _indices_of(layer_types, kind) -> list[int]:
@@ -62,7 +59,7 @@ def _error(message) -> BSTConfigError:
 
 
 def _from_indices(n: int, indices: dict) -> list[str]:
-    """``layer_types`` of ``n`` layers from the index fields ``indices`` (kind -> layers); the other layers are blocks."""
+    """``layer_types`` of ``n`` layers from the index fields ``indices`` (kind -> layers), the others blocks."""
     built = ["block"] * n
     for kind, layers in indices.items():
         field = LAYER_INDEX_FIELDS[kind]
@@ -85,10 +82,7 @@ def _index_field(kind):
     field = LAYER_INDEX_FIELDS[kind]
 
     def refuse(self, value):
-        raise _error(
-            f"{field} is read from layer_types: assign config.layer_types (a list of {self.num_hidden_layers} layer "
-            f"types) or pass {field}= when making the config (BSTConfig(...), from_pretrained(..., {field}=...))."
-        )
+        raise _error(f"{field} is read from layer_types: assign config.layer_types, or make a config with {field}=.")
 
     return property(lambda self: _indices_of(self.layer_types, kind), refuse, doc=f"The layers of kind {kind!r}.")
 
@@ -167,20 +161,19 @@ class BSTConfig(PreTrainedConfig):
     gss_layer_indices = _index_field("gss")
 
     def __post_init__(self, **kwargs):
-        indices = {kind: kwargs.pop(field, None) for kind, field in LAYER_INDEX_FIELDS.items()}
-        if self.layer_types is None and indices["bst"] is None:
-            indices["bst"] = [0, 7, 9]
-        indices = {kind: value for kind, value in indices.items() if value is not None}
+        given = {kind: kwargs.pop(field, None) for kind, field in LAYER_INDEX_FIELDS.items()}
+        indices = {kind: layers for kind, layers in given.items() if layers is not None}
         if self.layer_types is None:
-            self.layer_types = _from_indices(self.num_hidden_layers, indices)
+            self.layer_types = _from_indices(self.num_hidden_layers, {"bst": [0, 7, 9]} | indices)
         elif indices:  # given both: they must agree
             self.validate_layer_type()
             built = _from_indices(self.num_hidden_layers, indices)
-            for kind, field in LAYER_INDEX_FIELDS.items():
-                if kind in indices and _indices_of(built, kind) != (at := _indices_of(self.layer_types, kind)):
+            for kind in indices:
+                if (at := _indices_of(self.layer_types, kind)) != _indices_of(built, kind):
+                    field, name = LAYER_INDEX_FIELDS[kind], LAYER_TYPE_NAMES[kind]
                     raise _error(
                         f"{field}={list(indices[kind])} disagrees with layer_types={list(self.layer_types)}; give one "
-                        f"of them (layer_types lists {LAYER_TYPE_NAMES[kind]!r} at {at})."
+                        f"of them (layer_types lists {name!r} at {at})."
                     )
         super().__post_init__(**kwargs)
         # Entries already present (a loaded config.json; on the Hub "org/name--module.Class") are kept.
