@@ -8,17 +8,7 @@ import torch
 import torch.utils._pytree as pytree
 from transformers.cache_utils import STATIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin
 
-from .utils_bst import (
-    UNKNOWN,
-    assign,
-    gather_rows,
-    host_mirror,
-    keep_address,
-    ring_from_sequence,
-    tracing,
-    where_rows,
-    write_rows,
-)
+from .utils_bst import gather_rows, tracing
 
 
 # Positions a recording cache can take back (``crop``): assisted decoding verifies at most this many drafted tokens.
@@ -42,6 +32,42 @@ LAYER_STATES = {
 def cache_signature(config) -> tuple:
     """The structural fields a cache depends on: a cache only fits models with the same signature."""
     return tuple(tuple(v) if isinstance(v, list) else v for v in (getattr(config, n, None) for n in SIGNATURE_FIELDS))
+
+
+def _locked(t: torch.Tensor) -> bool:
+    """Whether torch refuses to write ``t`` in place: made under ``torch.inference_mode``, used outside it."""
+    return not tracing() and t.is_inference() and not torch.is_inference_mode_enabled()
+
+
+def keep_address(*tensors: torch.Tensor | None):
+    """Mark CUDA states as static addresses for ``torch.compile``'s CUDA graphs (unguarded: a new one re-records)."""
+    if tracing():
+        return
+    for t in tensors:
+        if t is not None and t.is_cuda and not t.requires_grad:
+            from torch._dynamo import mark_static_address  # only CUDA decoding needs dynamo
+
+            mark_static_address(t, guard=False)
+
+
+def assign(owner, attr: str, new: torch.Tensor | None):
+    """``owner.attr = new``: copied into the old tensor where that is safe, else the attribute takes ``new``."""
+    old = getattr(owner, attr, None)
+    if (
+        new is not None
+        and old is not None
+        and new is not old
+        and not torch.is_grad_enabled()
+        and (old.shape, old.dtype, old.device) == (new.shape, new.dtype, new.device)
+        and old.is_contiguous()
+        and not old.requires_grad
+        and not _locked(old)
+        and (tracing() or new.untyped_storage().data_ptr() != old.untyped_storage().data_ptr())
+    ):
+        old.copy_(new)
+        return
+    setattr(owner, attr, new)
+    keep_address(new)
 
 
 class BSTLayerCache(CacheLayerMixin):
@@ -70,7 +96,7 @@ class BSTLayerCache(CacheLayerMixin):
         self.pending, self.pending_offset = None, 0
         self.positions = self.doc_start = self.seen = None
         self.is_initialized = False
-        self._seen_tokens, self._common_position, self._docs_on_grid = 0, None, True
+        self.host = {}  # host copies of row-state values ([`host_value`])
         self.record_past = False
         self._undo: deque = deque(maxlen=MAX_ROLLBACK)  # per recorded position, newest last: what its step overwrote
 
@@ -121,7 +147,10 @@ class BSTLayerCache(CacheLayerMixin):
     def set(self, rows: torch.Tensor | None = None, **states):
         """New states (in ``rows`` only: bool `(B,)`; None: all rows), written over the old ones ([`assign`])."""
         for name, new in states.items():
-            assign(self, name, where_rows(rows, new, getattr(self, name)))
+            old = getattr(self, name)
+            if rows is not None and old is not None:
+                new = torch.where(rows.reshape((-1,) + (1,) * (new.dim() - 1)), new.to(old.dtype), old)
+            assign(self, name, new.contiguous())  # contiguous: a compiled step is specialised on strides
 
     def set_ssm(self, state: torch.Tensor, pending: torch.Tensor | None = None, offset: int = 0, contiguous=True):
         """The new SSM state, with a chunked step's ``pending`` outputs (``contiguous`` False: keep a view)."""
@@ -136,22 +165,30 @@ class BSTLayerCache(CacheLayerMixin):
         return None if self.pending is None or self.pending_offset >= size else (self.pending, self.pending_offset)
 
     def fill_ring(self, ring: tuple, k, v, lengths, size: int, offset: torch.Tensor | None = None):
-        """Ring ``ring`` (names) from ``k``/``v`` `(B, T, H, d)` of ``lengths`` tokens (``offset``: continuing it)."""
-        new_k, pos = ring_from_sequence(k, lengths, size, offset)
-        new_v, _ = ring_from_sequence(v, lengths, size, offset)
-        old_k, old_v, old_pos = (getattr(self, name) for name in ring)
-        if offset is not None and old_pos is not None:
-            keep = pos < 0
-            new_k = torch.where(keep[..., None, None], old_k, new_k)
-            new_v = torch.where(keep[..., None, None], old_v, new_v)
-            pos = torch.where(keep, old_pos, pos)
-        self.set(**dict(zip(ring, (new_k, new_v, pos))))
+        """Ring ``ring`` (names) of ``size`` slots from the last real positions of ``k``/``v`` `(B, T, H, d)`, each
+        at slot position % ``size`` (``lengths`` `(B,)` real tokens; ``offset``: the position of ``k[:, 0]``,
+        continuing the ring, whose older entries stay where no new one lands)."""
+        pos = lengths[:, None] - size + torch.arange(size, device=k.device)[None]  # (B, R), relative to k
+        valid = pos >= 0
+        absolute = pos if offset is None else pos + offset[:, None]
+        slots = absolute.remainder(size)
+        new_pos = torch.full_like(pos, -1).scatter(1, slots, torch.where(valid, absolute, -1))
+        keep = new_pos < 0 if offset is not None and getattr(self, ring[2]) is not None else None
+        states = {ring[2]: new_pos if keep is None else torch.where(keep, getattr(self, ring[2]), new_pos)}
+        for name, x in zip(ring, (k, v)):
+            x = gather_rows(x, pos.clamp(min=0)) * valid[..., None, None].to(x.dtype)
+            x = torch.zeros_like(x).scatter(1, slots[..., None, None].expand(x.shape), x)
+            states[name] = x if keep is None else torch.where(keep[..., None, None], getattr(self, name), x)
+        self.set(**states)
 
     def write_ring(self, ring: tuple, rows, slot, positions, k_t, v_t):
         """One token per row at ``positions`` `(B,)` (``slot`` = positions % R) into ring ``ring``; returns it."""
         for name, value in zip(ring, (k_t, v_t, positions)):
-            buffer = getattr(self, name)
-            setattr(self, name, write_rows(buffer, rows, slot, value.to(buffer.dtype)))
+            buffer, value = getattr(self, name), value.to(getattr(self, name).dtype)
+            if (torch.is_grad_enabled() and (buffer.requires_grad or value.requires_grad)) or _locked(buffer):
+                setattr(self, name, buffer.index_put((rows, slot), value))  # out of place: gradients flow
+            else:
+                buffer.index_put_((rows, slot), value)
         return tuple(getattr(self, name) for name in ring)
 
     def window(self, positions: torch.Tensor, count: int):
@@ -204,49 +241,64 @@ class BSTLayerCache(CacheLayerMixin):
             assign(self, "doc_start", torch.where(rows, self.positions, self.doc_start))
             common = self.common_position  # derived here if unknown
             if common is None or common % self.block_len:
-                self._docs_on_grid = False  # a row may now start a document off the block grid
+                self.host["docs_on_grid"] = False  # a row may now start a document off the block grid
 
     @property
     def is_empty(self) -> bool:
         return self.positions is None
 
-    @host_mirror("seen", 0, RuntimeError("seen_tokens is not known while tracing: read the tensor `seen`."))
+    def host_value(self, name: str, derive, empty, traced):
+        """A row-state value kept on the host (the model picks its path without reading tensors): ``empty`` before
+        the first forward; unknown after an unflatten or a traced step, then ``traced`` (raised if an exception) under
+        tracing, else ``derive()``d from the tensors and kept."""
+        if name not in self.host:
+            if self.positions is None:
+                return empty
+            if tracing():
+                if isinstance(traced, Exception):
+                    raise traced
+                return traced
+            self.host[name] = derive()
+        return self.host[name]
+
+    @property
     def seen_tokens(self) -> int:
-        return int(self.seen)
+        error = RuntimeError("seen_tokens is not known while tracing: read the tensor `seen`.")
+        return self.host_value("seen_tokens", lambda: int(self.seen), 0, error)
 
-    @host_mirror("positions", None, None)  # under tracing a continued chunk takes the stepwise form
-    def common_position(self) -> int | None:
-        same = bool((self.positions == self.positions[0]).all())
-        return int(self.positions[0]) if same else None
+    @property
+    def common_position(self) -> int | None:  # under tracing a continued chunk takes the stepwise form
+        p = self.positions
+        return self.host_value("common_position", lambda: int(p[0]) if bool((p == p[0]).all()) else None, None, None)
 
-    @host_mirror("doc_start", True, False)
+    @property
     def docs_on_grid(self) -> bool:
-        return bool((self.doc_start.remainder(self.block_len) == 0).all())
+        w = self.block_len
+        return self.host_value("docs_on_grid", lambda: bool((self.doc_start.remainder(w) == 0).all()), True, False)
 
     def set_rows(self, positions, doc_start, seen, known: bool):
         self.positions, self.doc_start, self.seen = positions, doc_start, seen
         keep_address(positions, doc_start, seen)
         self.is_initialized = True
         if not known:
-            self._seen_tokens = self._common_position = self._docs_on_grid = UNKNOWN
+            self.host = {}
 
     def start(self, lengths: torch.Tensor, seq_len: int, common_position: int | None):
         """The row state after a first forward over ``seq_len`` columns with ``lengths`` `(B,)` real tokens."""
         seen = torch.full((), seq_len, dtype=torch.long, device=lengths.device)
         self.set_rows(lengths.clone(), torch.zeros_like(lengths), seen, known=True)
-        self._seen_tokens, self._docs_on_grid, self._common_position = seq_len, True, common_position
+        self.host = {"seen_tokens": seq_len, "docs_on_grid": True, "common_position": common_position}
 
     def advance(self, seq_len: int):
         """``seq_len`` positions more in every row (under tracing the changing mirrors become unknown)."""
         assign(self, "positions", self.positions + seq_len)
         assign(self, "seen", self.seen + seq_len)
-        if tracing():
-            self._seen_tokens = self._common_position = UNKNOWN
+        if tracing():  # unknown: derived on the next eager read (a traced step reads no host value)
+            self.host = {}
             return
-        if self._seen_tokens is not UNKNOWN:
-            self._seen_tokens += seq_len
-        if self._common_position not in (UNKNOWN, None):
-            self._common_position += seq_len
+        for name in ("seen_tokens", "common_position"):
+            if self.host.get(name) is not None:
+                self.host[name] += seq_len
 
     def _apply(self, fn):
         self._undo.clear()  # records are per row

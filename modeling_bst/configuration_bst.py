@@ -3,8 +3,7 @@ SSM kernels) and the baselines of the paper's Table 1 (Slide, Transformer-XL, Bl
 ``docs/paper-mapping.md`` maps each field onto the paper."""
 
 import math
-from dataclasses import fields
-from typing import Literal, get_args, get_origin
+from typing import Literal
 
 from huggingface_hub import errors
 from huggingface_hub.dataclasses import strict, validated_field
@@ -30,8 +29,12 @@ AUTO_MAP = {
 }
 
 
+def _default_logit_scale(vocab_size) -> float:
+    return 1.0 / math.sqrt(vocab_size)
+
+
 class BSTConfigError(errors.StrictDataclassError, ValueError):
-    """An invalid [`BSTConfig`] value; the message names the field."""
+    """An invalid [`BSTConfig`] layer record; the message names the field."""
 
 
 def _checked(requirement, condition, default):
@@ -44,6 +47,7 @@ def _checked(requirement, condition, default):
 
 POSITIVE = ("a positive integer", lambda v: v > 0)
 RATE = ("in [0, 1)", lambda v: 0 <= v < 1)
+LAYER_NAMES = (f"a list of layer types {tuple(LAYER_KINDS)}", lambda v: all(t in LAYER_KINDS for t in v))
 
 
 def _indices_of(layer_types, kind) -> list[int]:
@@ -54,9 +58,8 @@ def _error(message) -> BSTConfigError:
     return BSTConfigError(f"BSTConfig.{message}")
 
 
-def _layer_types(n, layer_types, indices) -> list[str]:
-    """``layer_types`` (names or kinds) checked against the index fields ``indices`` (kind -> layers), or built from
-    them when None, for ``n`` layers."""
+def _from_indices(n: int, indices: dict) -> list[str]:
+    """``layer_types`` of ``n`` layers from the index fields ``indices`` (kind -> layers), the others blocks."""
     built = ["block"] * n
     for kind, layers in indices.items():
         field = LAYER_INDEX_FIELDS[kind]
@@ -71,54 +74,19 @@ def _layer_types(n, layer_types, indices) -> list[str]:
             raise _error(f"{field}: layers {clash} are in both {other} and {field}; a layer has one type.")
         for i in layers:
             built[i] = kind
-    if layer_types is None:
-        return [LAYER_TYPE_NAMES[kind] for kind in built]
-    if not isinstance(layer_types, (list, tuple)) or not all(t in LAYER_KINDS for t in layer_types):
-        names = tuple(LAYER_TYPE_NAMES.values())
-        raise _error(f"layer_types entries must be in {names} (or {LAYER_TYPES}), got {layer_types!r}.")
-    if len(layer_types) != n:
-        raise _error(f"layer_types must have num_hidden_layers={n} entries, got {list(layer_types)}.")
-    for kind, layers in indices.items():
-        if sorted(layers) != (at := _indices_of(layer_types, kind)):
-            raise _error(
-                f"{LAYER_INDEX_FIELDS[kind]}={list(layers)} disagrees with layer_types={list(layer_types)}; give one "
-                f"of them (layer_types lists {LAYER_TYPE_NAMES[kind]!r} at {at})."
-            )
-    return [LAYER_TYPE_NAMES[LAYER_KINDS[t]] for t in layer_types]
+    return [LAYER_TYPE_NAMES[kind] for kind in built]
 
 
-def _default_logit_scale(vocab_size) -> float:
-    return 1.0 / math.sqrt(vocab_size)
+def _index_field(kind):
+    """The index field of ``kind``: read from ``layer_types``; set only when the config is made."""
+    field = LAYER_INDEX_FIELDS[kind]
+
+    def refuse(self, value):
+        raise _error(f"{field} is read from layer_types: assign config.layer_types, or make a config with {field}=.")
+
+    return property(lambda self: _indices_of(self.layer_types, kind), refuse, doc=f"The layers of kind {kind!r}.")
 
 
-def _errors_name_the_field(cls):
-    """Raise ``@strict``'s validation errors as [`BSTConfigError`], naming the field."""
-    strict_setattr, strict_validate = cls.__setattr__, cls.validate
-    annotations = {f.name: f.type for f in fields(cls)}
-
-    def __setattr__(self, name, value):
-        try:
-            strict_setattr(self, name, value)
-        except errors.StrictDataclassFieldValidationError as e:
-            cause, annotation = e.__cause__, annotations[name]
-            if isinstance(cause, TypeError):
-                literal = get_origin(annotation) is Literal
-                expected = f"one of {get_args(annotation)}" if literal else getattr(annotation, "__name__", annotation)
-                cause = f"must be {expected}, got {value!r}."
-            raise _error(f"{name} {cause}") from e.__cause__
-
-    def validate(self):
-        try:
-            strict_validate(self)
-        except errors.StrictDataclassClassValidationError as e:
-            raise BSTConfigError(str(e.__cause__)) from e.__cause__
-
-    validate.__is_defined_by_strict_decorator__ = True  # a subclass may be ``@strict`` again
-    cls.__setattr__, cls.validate = __setattr__, validate
-    return cls
-
-
-@_errors_name_the_field
 @strict
 class BSTConfig(PreTrainedConfig):
     r"""Configuration for [`BSTModel`], [`BSTForCausalLM`] and [`BSTForSequenceClassification`]: ``layer_types`` is the
@@ -126,14 +94,14 @@ class BSTConfig(PreTrainedConfig):
 
     model_type = "bst"
     keys_to_ignore_at_inference = ["past_key_values"]
-    layer_fields = LAYER_FIELDS  # set together by ``update_layers`` (a class attribute, not a field)
+    layer_fields = LAYER_FIELDS  # what ``from_dict`` applies before construction (a class attribute, not a field)
 
     vocab_size: int = _checked(*POSITIVE, 32000)  # tied input and output embeddings
     hidden_size: int = _checked(*POSITIVE, 1024)  # D
     num_hidden_layers: int = _checked(*POSITIVE, 12)
     # per layer "bst_block" (Slide), "bst_context" (SSM + context cross-attention), "bst_recurrent" (Block-Recurrent)
     # or "bst_gss" (Gated State Space); the kinds "block", "bst", "recurrent", "gss" are read as these
-    layer_types: list[str] | tuple[str, ...] | None = None
+    layer_types: list[str] | tuple[str, ...] | None = _checked(*LAYER_NAMES, None)
     num_attention_heads: int = _checked(*POSITIVE, 8)  # H, for self-, cross- and context attention
     head_dim: int = _checked(*POSITIVE, 128)  # d_h (H * d_h need not be D)
     intermediate_size: int = _checked(*POSITIVE, 4096)  # ReLU MLP width
@@ -188,52 +156,41 @@ class BSTConfig(PreTrainedConfig):
     eos_token_id: int | list[int] | None = None
 
     # The index fields, read from ``layer_types`` (a new list on every read).
-    bst_layer_indices = property(lambda self: _indices_of(self.layer_types, "bst"))
-    recurrent_layer_indices = property(lambda self: _indices_of(self.layer_types, "recurrent"))
-    gss_layer_indices = property(lambda self: _indices_of(self.layer_types, "gss"))
+    bst_layer_indices = _index_field("bst")
+    recurrent_layer_indices = _index_field("recurrent")
+    gss_layer_indices = _index_field("gss")
 
     def __post_init__(self, **kwargs):
-        indices = {kind: kwargs.pop(field, None) for kind, field in LAYER_INDEX_FIELDS.items()}
-        if self.layer_types is None and indices["bst"] is None:
-            indices["bst"] = [0, 7, 9]
-        indices = {kind: value for kind, value in indices.items() if value is not None}
-        self.layer_types = _layer_types(self.num_hidden_layers, self.layer_types, indices)
+        given = {kind: kwargs.pop(field, None) for kind, field in LAYER_INDEX_FIELDS.items()}
+        indices = {kind: layers for kind, layers in given.items() if layers is not None}
+        if self.layer_types is None:
+            self.layer_types = _from_indices(self.num_hidden_layers, {"bst": [0, 7, 9]} | indices)
+        elif indices:  # given both: they must agree
+            self.validate_layer_type()
+            built = _from_indices(self.num_hidden_layers, indices)
+            for kind in indices:
+                if (at := _indices_of(self.layer_types, kind)) != _indices_of(built, kind):
+                    field, name = LAYER_INDEX_FIELDS[kind], LAYER_TYPE_NAMES[kind]
+                    raise _error(
+                        f"{field}={list(indices[kind])} disagrees with layer_types={list(self.layer_types)}; give one "
+                        f"of them (layer_types lists {name!r} at {at})."
+                    )
         super().__post_init__(**kwargs)
         # Entries already present (a loaded config.json; on the Hub "org/name--module.Class") are kept.
         self.auto_map = {**AUTO_MAP, **(getattr(self, "auto_map", None) or {})}
 
     def __setattr__(self, name, value):
         # Runs after ``@strict`` has checked the value's type and range.
+        made = self.__dict__.get("_post_init_done")
+        if name == "layer_types" and value is None and made:  # None selects the index fields when made only
+            raise _error("layer_types must be a list of layer types, got None.")
+        if name == "layer_types" and value is not None:  # the names, also for the bare kinds
+            value = [LAYER_TYPE_NAMES[LAYER_KINDS[t]] for t in value]
         if name == "logit_scale" and value is None:
             value = _default_logit_scale(self.vocab_size)
-        if self.__dict__.get("_post_init_done"):
-            if name in LAYER_FIELDS:
-                return self.update_layers(**{name: value})
-            if name == "vocab_size" and self.logit_scale == _default_logit_scale(self.vocab_size):
-                super().__setattr__("logit_scale", _default_logit_scale(value))
+        if name == "vocab_size" and made and self.logit_scale == _default_logit_scale(self.vocab_size):
+            super().__setattr__("logit_scale", _default_logit_scale(value))
         super().__setattr__(name, value)
-
-    def update_layers(self, **changes):
-        """Set any of ``num_hidden_layers``, ``layer_types`` and the index fields as one change (or none if it raises)."""
-        if unknown := sorted(set(changes) - set(LAYER_FIELDS)):
-            raise TypeError(f"BSTConfig.update_layers takes {LAYER_FIELDS}; got {unknown}.")
-        n, layer_types = changes.get("num_hidden_layers", self.num_hidden_layers), changes.get("layer_types")
-        if type(n) is not int or n <= 0:
-            raise _error(f"num_hidden_layers must be a positive integer, got {n!r}.")
-        if "layer_types" in changes and layer_types is None:
-            raise _error("layer_types must be a list of layer types, got None.")
-        given = {kind: changes[field] for kind, field in LAYER_INDEX_FIELDS.items() if field in changes}
-        if layer_types is None:  # the other kinds keep their layers, placed first: an overlap names the given field
-            given = {kind: getattr(self, f) for kind, f in LAYER_INDEX_FIELDS.items() if kind not in given} | given
-        layer_types = _layer_types(n, layer_types, given)
-        super().__setattr__("num_hidden_layers", n)
-        super().__setattr__("layer_types", layer_types)
-
-    def update(self, config_dict):  # the layer fields as one change
-        layers = {key: value for key, value in config_dict.items() if key in LAYER_FIELDS}
-        super().update({key: value for key, value in config_dict.items() if key not in layers})
-        if layers:
-            self.update_layers(**layers)
 
     def to_dict(self):  # the index fields in place of layer_types
         output = super().to_dict()
@@ -242,16 +199,18 @@ class BSTConfig(PreTrainedConfig):
         return output
 
     @classmethod
-    def from_dict(cls, config_dict, **kwargs):  # the layer fields among the overrides as one change; validated
+    def from_dict(cls, config_dict, **kwargs):
+        """As transformers', but the layer fields among ``kwargs`` (``from_pretrained(path, num_hidden_layers=4,
+        bst_layer_indices=[2])``) replace those of ``config_dict`` before construction, not after (a given
+        ``layer_types`` replaces its index fields): a config is made from its layer fields once."""
         layers = {key: kwargs.pop(key) for key in LAYER_FIELDS if key in kwargs}
-        result = super().from_dict(config_dict, **kwargs)
-        config = result[0] if isinstance(result, tuple) else result
-        config.update(layers)
-        config.validate()
-        return result
+        if "layer_types" in layers:
+            config_dict = {k: v for k, v in config_dict.items() if k not in LAYER_INDEX_FIELDS.values()}
+        return super().from_dict({**config_dict, **layers}, **kwargs)
 
     def layer_kind(self, layer_idx: int) -> str:
         """The kind of layer ``layer_idx``: ``"block"``, ``"bst"``, ``"recurrent"`` or ``"gss"``."""
+        self.validate_layer_type()  # assigned one by one, num_hidden_layers and layer_types may disagree
         return LAYER_KINDS[self.layer_types[layer_idx]]
 
     @property
@@ -282,7 +241,9 @@ class BSTConfig(PreTrainedConfig):
         return self.dropout if self.final_dropout is None else self.final_dropout
 
     def validate_layer_type(self):  # transformers' check knows only its attention kinds
-        _layer_types(self.num_hidden_layers, self.layer_types or (), {})
+        if self.layer_types is None or len(self.layer_types) != self.num_hidden_layers:
+            n, given = self.num_hidden_layers, self.layer_types
+            raise _error(f"layer_types must have num_hidden_layers={n} entries, got {given}.")
 
     def validate_bst(self):
         """The checks that relate fields."""

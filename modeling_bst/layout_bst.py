@@ -149,11 +149,6 @@ class _Chunk:
         self.head = head
         self.columns = columns or 0 < head < seq_len
 
-    @property
-    def positions(self):
-        """Tokens each row has in the cache before the chunk (None: a fresh sequence)."""
-        return None if self.fresh else self.rows.positions
-
     def into_layers(self, hidden: torch.Tensor) -> torch.Tensor:
         """The caller's columns `(B, T, D)` -> what the first layer reads."""
         return hidden if self.columns or not self.fresh else self.layout.to_blocks(hidden)
@@ -172,7 +167,7 @@ class _Chunk:
                 inputs = SequencePass(self.layout.layer_lengths, None, None, layer_cache is not None, n)
                 head = self.layout.to_blocks(head) if self.columns else head
             else:
-                inputs = SequencePass(None, self.positions, self.rows.doc_start, True, n)
+                inputs = SequencePass(None, self.rows.positions, self.rows.doc_start, True, n)
             inputs.ssm_tables = self.ssm_tables
             head, attn, cross = layer.sequence(head, layer_cache, inputs)
             if self.fresh and self.columns:
@@ -203,10 +198,10 @@ class _Chunk:
         """The recurrent form over the columns of ``hidden`` `(B, n, D)`, one token per row at a time."""
         n = hidden.shape[1]
         newest = (self.head if self.fresh else self.rows.seen_tokens) if self.weights else 0  # a host read
-        outs, attns, crosses, undo = [], [], [], []
+        outs, attns, crosses = [], [], []
         for t, plan in enumerate(self.step_plans(n)):
-            if self.record:
-                undo.append(layer_cache.capture(plan.positions))
+            if self.record:  # what the step overwrites, for ``crop``
+                layer_cache._undo.append(layer_cache.capture(plan.positions))
             h, attn, cross = layer.step(hidden[:, t : t + 1], layer_cache, plan)
             outs.append(h)
             if attn is not None:
@@ -214,8 +209,6 @@ class _Chunk:
                 attns.append(F.pad(attn, (0, n - 1 - t)))
             if cross is not None:
                 crosses.append(cross)
-        if self.record:
-            layer_cache._undo.extend(undo)
         attn = torch.cat(attns, 2) if attns else None
         cross = torch.cat(crosses, 2) if crosses else None
         return (outs[0] if n == 1 else torch.cat(outs, 1)), attn, cross

@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from huggingface_hub.errors import StrictDataclassError
 from safetensors.torch import load_file, save_file
 from torch.utils.data import SequentialSampler
 from transformers import (
@@ -322,19 +323,19 @@ def apply_model_overrides(config, overrides: dict, source: str = "--model_overri
         if accepted and not (isinstance(value, accepted) and (bool in accepted or not isinstance(value, bool))):
             names = " or ".join("null" if t is type(None) else t.__name__ for t in accepted)
             raise ValueError(f"{source}: {type(config).__name__}.{name} must be {names}, got {value!r}")
-    # The layer fields (num_hidden_layers, layer_types, the index fields) go in as one change, in any order
-    # (BSTConfig.update_layers): {"num_hidden_layers": 4, "bst_layer_indices": [0, 2]} on a 12-layer preset.
+    # The layer fields (num_hidden_layers, layer_types, the index fields) make a new config, in any order
+    # (BSTConfig.from_dict): {"num_hidden_layers": 4, "bst_layer_indices": [0, 2]} on a 12-layer preset.
     layers = {name: value for name, value in overrides.items() if name in getattr(config, "layer_fields", ())}
     try:
         for name, value in overrides.items():
             if name not in layers:
                 setattr(config, name, value)  # a strict config checks each field's own range here
         if layers:
-            config.update_layers(**layers)
+            config = type(config).from_dict(config.to_dict(), **layers)
         if hasattr(config, "validate_bst"):
             config.validate_bst()
         config.validate()
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, StrictDataclassError) as e:
         raise ValueError(f"{source}: {e}") from None
     return config
 

@@ -27,8 +27,8 @@ def _config(*argv):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"block_len": 0}, "BSTConfig.block_len must be a positive integer, got 0"),
-        ({"context_mode": "xx"}, "BSTConfig.context_mode must be one of ('sh', 'mh', 'mf'), got 'xx'"),
+        ({"block_len": 0}, "field 'block_len':\n    ValueError: must be a positive integer, got 0"),
+        ({"context_mode": "xx"}, "Field 'context_mode' expected one of ('sh', 'mh', 'mf'), got xx"),
         ({"blok_len": 64}, "unknown BSTConfig field(s) 'blok_len' (did you mean 'block_len'?)"),
         ({"dropout": "x"}, "BSTConfig.dropout must be float or int, got 'x'"),
         ({"qk_norm": 1}, "BSTConfig.qk_norm must be bool, got 1"),

@@ -156,8 +156,8 @@ def test_parameter_groups_ssm_own_lr_no_decay(preset, overrides):
 
     import modeling_bst  # noqa: F401
 
-    config = AutoConfig.from_pretrained(T.resolve_preset(preset))
-    config.update(dict(TINY_MODEL, vocab_size=100, **overrides))  # the layer fields as one change
+    # keyword overrides: the layer fields go into the construction (BSTConfig.from_dict), the others are set after
+    config = AutoConfig.from_pretrained(T.resolve_preset(preset), **dict(TINY_MODEL, vocab_size=100, **overrides))
     model = AutoModelForCausalLM.from_config(config)
     groups = {g["name"]: g for g in parameter_groups(model, lr=1e-2, weight_decay=0.1, ssm_lr=1e-3)}
     assert list(groups) == ["decay", "no_decay", "ssm"]

@@ -366,10 +366,10 @@ def classifier_config(overrides: dict, max_length: int, base=None):
     if base is None:
         fields = classifier_fields(overrides, max_length, BSTConfig().num_hidden_layers)
         return BSTConfig(**{**fields, **TASK_FIELDS, "num_labels": NUM_CLASSES})
-    for name, value in {**classifier_fields(overrides, max_length), **TASK_FIELDS}.items():
-        setattr(base, name, value)
-    base.num_labels = NUM_CLASSES
-    return base
+    # from_dict: the layer fields among them make the config (they cannot be assigned to one), the others are set
+    config = type(base).from_dict(base.to_dict(), **classifier_fields(overrides, max_length), **TASK_FIELDS)
+    config.num_labels = NUM_CLASSES
+    return config
 
 
 def task_splits(

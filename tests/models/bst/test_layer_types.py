@@ -1,9 +1,9 @@
 """BSTConfig.layer_types: the one record of the layer types (issue #12; issue #33 item 5; issue #46 point 2).
 
 The index fields (``bst_layer_indices``, ``recurrent_layer_indices``, ``gss_layer_indices``) are keyword arguments and
-config.json keys converted to ``layer_types``, and properties read from it afterwards; assigning a layer field after
-construction is ``update_layers`` of it, which rebuilds ``layer_types`` as construction does. config.json stores the
-index fields instead of ``layer_types`` (the class docstring says why)."""
+config.json keys converted to ``layer_types`` once, at construction, and read-only properties read from it afterwards
+(assigning one raises, naming ``layer_types``); ``from_pretrained``'s keyword overrides of the layer fields go into
+the construction. config.json stores the index fields instead of ``layer_types`` (docs/architecture.md says why)."""
 
 import copy
 import json
@@ -43,15 +43,17 @@ def test_index_fields_are_read_only_views_of_layer_types():
     # a view is a new list: changing it changes nothing
     config.bst_layer_indices.append(2)
     assert config.layer_types == ["bst_gss", "bst_context", "bst_block", "bst_block"]
-    # assigning an index field rebuilds layer_types: exactly its layers get the type, its other layers become blocks
-    config.recurrent_layer_indices = [3]
-    config.bst_layer_indices = [2]
-    assert config.layer_types == ["bst_gss", "bst_block", "bst_context", "bst_recurrent"]
-    config.gss_layer_indices, config.recurrent_layer_indices = [], []
-    config.num_hidden_layers = 3  # drops a block layer
-    assert config.layer_types == ["bst_block", "bst_block", "bst_context"]
-    config.num_hidden_layers = 5  # new layers are blocks
-    assert config.layer_types == ["bst_block", "bst_block", "bst_context", "bst_block", "bst_block"]
+    # assigning an index field is refused, naming layer_types; the config is unchanged
+    for field in INDEX_FIELDS:
+        with pytest.raises(BSTConfigError, match=f"BSTConfig.{field} is read from layer_types: assign config.layer_"):
+            setattr(config, field, [3])
+    assert config.layer_types == ["bst_gss", "bst_context", "bst_block", "bst_block"]
+    # num_hidden_layers and layer_types are two fields, assigned one by one: validate() (and a model reading the
+    # layer types) checks that they agree
+    config.num_hidden_layers = 5
+    with pytest.raises(StrictDataclassError, match="layer_types must have num_hidden_layers=5 entries"):
+        config.validate()
+    config.layer_types = ["bst_block", "bst_block", "bst_context", "bst_block", "bst_block"]
     assert config.layer_kind(2) == "bst" and config.layer_kind(4) == "block"
     config.validate()
 
@@ -75,7 +77,10 @@ def test_a_model_built_from_layer_types_equals_one_built_from_index_fields():
 @pytest.mark.parametrize(
     "fields, message",
     [
-        (dict(layer_types=["bst_context", "attention", "bst_block"]), "layer_types entries must be in"),
+        (
+            dict(layer_types=["bst_context", "attention", "bst_block"]),
+            "field 'layer_types':\n    ValueError: must be a",
+        ),
         (dict(layer_types=["bst_context", "bst_block"]), "layer_types must have num_hidden_layers=3 entries"),
         (
             dict(layer_types=["bst_context", "bst_block", "bst_block"], bst_layer_indices=[1]),
@@ -92,7 +97,7 @@ def test_a_model_built_from_layer_types_equals_one_built_from_index_fields():
     ids=["unknown-type", "length", "disagreement", "disagreement-empty", "overlap", "range", "type"],
 )
 def test_bad_layer_types_raise_naming_the_field(fields, message, tmp_path):
-    with pytest.raises(BSTConfigError, match=message):
+    with pytest.raises(StrictDataclassError, match=message):
         tiny_config(**fields)
     # the same fields in a config.json
     data = {**tiny_config().to_dict(), **fields}
@@ -100,7 +105,7 @@ def test_bad_layer_types_raise_naming_the_field(fields, message, tmp_path):
         for field in set(INDEX_FIELDS) - set(fields):
             del data[field]
     (tmp_path / "config.json").write_text(json.dumps(data))
-    with pytest.raises(BSTConfigError, match=message):
+    with pytest.raises(StrictDataclassError, match=message):
         BSTConfig.from_pretrained(tmp_path)
 
 
@@ -114,53 +119,49 @@ def test_index_fields_agreeing_with_layer_types_are_accepted():
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(bst_layer_indices=[1]), r"layers \[1\] are in both recurrent_layer_indices and bst_layer_indices"),
+        (dict(bst_layer_indices=[1]), r"layers \[1\] are in both bst_layer_indices and recurrent_layer_indices"),
         (dict(gss_layer_indices=[3]), r"gss_layer_indices entries must be in \[0, num_hidden_layers=3\)"),
-        (dict(gss_layer_indices=None), "gss_layer_indices must be a list of layer indices"),
         (
             dict(num_hidden_layers=2),
             r"bst_layer_indices entries must be in \[0, num_hidden_layers=2\), got out-of-range \[2\]",
         ),
-        (dict(layer_types=None), "layer_types must be a list of layer types"),
         (dict(layer_types=["bst_context"]), "layer_types must have num_hidden_layers=3 entries"),
-        (dict(num_hidden_layers=0), "num_hidden_layers must be a positive integer"),
+        (dict(num_hidden_layers=0), "field 'num_hidden_layers':\n    ValueError: must be a positive integer"),
     ],
-    ids=["overlap", "range", "none", "cut", "types-none", "types-length", "layers-zero"],
+    ids=["overlap", "range", "cut", "types-length", "layers-zero"],
 )
-def test_an_assignment_that_would_break_the_record_raises_and_changes_nothing(change, message):
+def test_layer_overrides_that_would_break_the_record_raise_naming_the_field(change, message, tmp_path):
+    """``from_pretrained``'s keyword overrides of the layer fields make the config with them, as construction does
+    (the saved index fields of the other kinds kept), and ``--model_overrides`` the same."""
     config = tiny_config(bst_layer_indices=[0, 2], recurrent_layer_indices=[1])
-    before = copy.deepcopy(config)
-    ((name, value),) = change.items()
-    with pytest.raises(BSTConfigError, match=message):
-        setattr(config, name, value)
-    with pytest.raises(BSTConfigError, match=message):
-        config.update_layers(**change)
-    assert config == before
+    config.save_pretrained(tmp_path)
+    with pytest.raises(StrictDataclassError, match=message):
+        BSTConfig.from_pretrained(tmp_path, **change)
+    with pytest.raises(ValueError, match=message):
+        T.apply_model_overrides(config, change)
 
 
-def test_update_layers_applies_several_fields_as_one_change_in_any_order(tmp_path):
+def test_layer_overrides_apply_several_fields_as_one_change_in_any_order(tmp_path):
     config = BSTConfig.from_pretrained(ROOT / "training" / "presets" / "bst-sh-s4.json")  # 12 layers, BST [0, 7, 9]
-    with pytest.raises(BSTConfigError, match=r"bst_layer_indices entries must be in \[0, num_hidden_layers=4\)"):
-        copy.deepcopy(config).num_hidden_layers = 4  # one by one, the first assignment already fails
+    config.save_pretrained(tmp_path)
     for fields in (
         dict(num_hidden_layers=4, gss_layer_indices=[0], bst_layer_indices=[2]),
         dict(bst_layer_indices=[2], gss_layer_indices=[0], num_hidden_layers=4),
         dict(num_hidden_layers=4, layer_types=["bst_gss", "bst_block", "bst_context", "bst_block"]),
+        dict(layer_types=["gss", "block", "bst", "block"], num_hidden_layers=4),
     ):
-        changed = copy.deepcopy(config)
-        changed.update_layers(**fields)
-        assert changed.layer_types == ["bst_gss", "bst_block", "bst_context", "bst_block"], fields
-        # from_pretrained keyword overrides and update() take the same path
-        config.save_pretrained(tmp_path)
-        assert BSTConfig.from_pretrained(tmp_path, **fields).layer_types == changed.layer_types
-        updated = copy.deepcopy(config)
-        updated.update(fields)
-        assert updated.layer_types == changed.layer_types
-        assert T.apply_model_overrides(config, fields).layer_types == changed.layer_types  # --model_overrides
+        loaded = BSTConfig.from_pretrained(tmp_path, **fields)
+        assert loaded.layer_types == ["bst_gss", "bst_block", "bst_context", "bst_block"], fields
+        assert AutoConfig.from_pretrained(tmp_path, **fields).layer_types == loaded.layer_types
+        assert T.apply_model_overrides(config, fields).layer_types == loaded.layer_types  # --model_overrides
+        assert loaded.block_len == config.block_len and loaded.num_hidden_layers == 4
+    # an index field alone keeps the saved layers of the other kinds
+    assert BSTConfig.from_pretrained(tmp_path, gss_layer_indices=[1]).layer_types.count("bst_context") == 3
     with pytest.raises(BSTConfigError, match="disagrees with layer_types"):
-        config.update_layers(layer_types=["bst_context"] * 12, gss_layer_indices=[1])
-    with pytest.raises(TypeError, match="update_layers takes"):
-        config.update_layers(block_len=4)
+        BSTConfig.from_pretrained(tmp_path, layer_types=["bst_context"] * 12, gss_layer_indices=[1])
+    # config.update (transformers' setattr per key) refuses an index field, naming layer_types
+    with pytest.raises(BSTConfigError, match="read from layer_types"):
+        copy.deepcopy(config).update({"bst_layer_indices": [1]})
 
 
 def test_config_json_stores_the_index_fields_and_any_reader_accepts_it(tmp_path):

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import SEQ_LEN, TINY_DEFAULTS, VARIANTS, make_model, seed_all, tiny_config
+from huggingface_hub.errors import StrictDataclassError
 from reference import block_self_attention_reference, t5_bucket_reference
 from transformers import (
     AutoConfig,
@@ -780,16 +781,16 @@ def _field_of(case):
 def test_invalid_config_raises_naming_the_field(case, tmp_path):
     overrides = INVALID_CONFIGS[case]
     field = _field_of(case)
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(StrictDataclassError, match=field):  # @strict's errors and BSTConfigError
         tiny_config(**overrides)
     # The same values written into a config.json fail the same way when loaded.
     tiny_config().save_pretrained(tmp_path)
     data = json.loads((tmp_path / "config.json").read_text())
     data.update(overrides)
     (tmp_path / "config.json").write_text(json.dumps(data))
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(StrictDataclassError, match=field):
         BSTConfig.from_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(StrictDataclassError, match=field):
         AutoConfig.from_pretrained(tmp_path)
 
 
