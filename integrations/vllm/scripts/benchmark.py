@@ -51,6 +51,7 @@ VOCAB = 4096
 BLOCK_LEN = 128
 MAX_LEN = 8192
 MODELS = ("bst", "llama", "mamba2", "nemotronh", "swa")
+QUADRATIC = ("llama", "nemotronh")  # full-attention prefill
 # Mamba2 mixers of the peers: expand 2 (inner width 512), heads of 64, state 128, one group, kernel 4.
 MAMBA = dict(expand=2, n_groups=1, conv_kernel=4)
 MAMBA_HEADS, MAMBA_HEAD_DIM, MAMBA_STATE = 8, 64, 128
@@ -187,8 +188,8 @@ def tree_rss(pid: int) -> int:
         return 0
 
 
-def run_one(kind: str, folder: Path, prompt_lens, concurrency, output_len) -> list[dict]:
-    """One engine for ``kind``; returns a row per (prompt length, concurrency)."""
+def run_one(kind: str, folder: Path, prompt_lens, concurrency, output_len, max_cell_tokens=None) -> list[dict]:
+    """One engine for ``kind``; returns a row per (prompt length, concurrency) it runs ([`skipped`])."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -221,6 +222,8 @@ def run_one(kind: str, folder: Path, prompt_lens, concurrency, output_len) -> li
     rows = []
     for length in prompt_lens:
         for c in concurrency:
+            if skipped(kind, length, c, max_cell_tokens):
+                continue
             prompts = [
                 TokensPrompt(prompt_token_ids=torch.randint(1, VOCAB, (length,), generator=g).tolist())
                 for _ in range(c)
@@ -330,10 +333,18 @@ def export_plugin(rev: str, into: Path) -> Path:
     return into / "integrations" / "vllm"
 
 
+def skipped(kind: str, length: int, concurrency: int, max_cell_tokens: int | None) -> bool:
+    """Whether ``--max-cell-tokens`` skips a cell: a model whose prefill grows quadratically with the prompt (full
+    attention: ``llama``, ``nemotronh``) over more than that many prompt tokens (on 2 cores 16 x 32k takes hours)."""
+    return max_cell_tokens is not None and kind in QUADRATIC and length * concurrency > max_cell_tokens
+
+
 def run_engine(kind: str, folder: Path, args, pythonpath: Path | None = None) -> list[dict]:
     """One engine in a child process (``--run``): its rows, with vLLM's "Maximum concurrency" from its log."""
     command = [sys.executable, __file__, "--run", kind, "--folder", str(folder), "--output-len", str(args.output_len)]
     command += ["--prompt-lens", *map(str, args.prompt_lens), "--concurrency", *map(str, args.concurrency)]
+    if args.max_cell_tokens:
+        command += ["--max-cell-tokens", str(args.max_cell_tokens)]
     env = dict(os.environ)
     if pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), env.get("PYTHONPATH", "")])
@@ -361,6 +372,9 @@ def main(argv=None) -> int:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--table", type=Path, help="also write the Markdown table here")
     parser.add_argument(
+        "--max-cell-tokens", type=int, metavar="N", help="skip llama / nemotronh cells of more than N prompt tokens"
+    )
+    parser.add_argument(
         "--prefix-ttft", type=int, metavar="N", help="time to first token of a repeated N-token prompt"
     )
     parser.add_argument("--run", choices=[*MODELS, "prefix-on", "prefix-off"], help=argparse.SUPPRESS)
@@ -376,7 +390,9 @@ def main(argv=None) -> int:
             args.table.write_text(text)
         return 0
     if args.run:
-        rows = run_one(args.run, args.folder, args.prompt_lens, args.concurrency, args.output_len)
+        rows = run_one(
+            args.run, args.folder, args.prompt_lens, args.concurrency, args.output_len, args.max_cell_tokens
+        )
         print(json.dumps(rows))
         return 0
     rows = []
