@@ -50,6 +50,9 @@ SIZE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, head_di
 VOCAB = 4096
 BLOCK_LEN = 128
 MAX_LEN = 8192
+# Rotary tables of the Llama / Mistral peers: vLLM sizes them by max_position_embeddings (a longer prompt indexes past
+# them), so they cover the longest default prompt and its new tokens.
+ROPE_LEN = 32768 + 512
 MODELS = ("bst", "llama", "mamba2", "nemotronh", "swa")
 QUADRATIC = ("llama", "nemotronh")  # full-attention prefill
 # Mamba2 mixers of the peers: expand 2 (inner width 512), heads of 64, state 128, one group, kernel 4.
@@ -92,7 +95,7 @@ def write_hf(folder: Path, family: str, **fields):
     write_tokenizer(folder)
 
 
-ATTENTION = dict(num_key_value_heads=SIZE["num_attention_heads"], max_position_embeddings=MAX_LEN, **SIZE)
+ATTENTION = dict(num_key_value_heads=SIZE["num_attention_heads"], max_position_embeddings=ROPE_LEN, **SIZE)
 MAMBA2 = dict(hidden_size=SIZE["hidden_size"], num_heads=MAMBA_HEADS, head_dim=MAMBA_HEAD_DIM, state_size=MAMBA_STATE)
 NEMOTRONH = dict(
     hidden_size=SIZE["hidden_size"],
