@@ -71,7 +71,7 @@ def assign(owner, attr: str, new: torch.Tensor | None):
 
 
 class BSTLayerCache(CacheLayerMixin):
-    """One BST layer's recurrent-mode state (see the module docstring); a subclass per layer type."""
+    """One BST layer's recurrent-mode state (docs/architecture.md, "The cache"); a subclass per layer type."""
 
     is_croppable = True
     supports_early_init = False
@@ -101,7 +101,7 @@ class BSTLayerCache(CacheLayerMixin):
         self._undo: deque = deque(maxlen=MAX_ROLLBACK)  # per recorded position, newest last: what its step overwrote
 
     def configure(self, config, signature: tuple, rows: "BSTLayerCache"):
-        """Take the structure of a model with ``config`` and ``signature`` (once); raises for another model."""
+        """Take the structure of a model with ``config`` and ``signature`` (once; checked in [`own_layers`])."""
         self.rows = rows
         if self.signature is None:
             self.signature, self.block_len = signature, config.block_len
@@ -109,8 +109,6 @@ class BSTLayerCache(CacheLayerMixin):
                 self.names += ("ctx_k", "ctx_v", "mf_last") if config.context_mode == "mf" else CONTEXT_RING
                 for name in self.names:
                     setattr(self, name, getattr(self, name, None))
-        elif self.signature != signature:
-            raise ValueError("The cache was made for a different model configuration.")
 
     def lazy_initialization(self, key_states=None, value_states=None) -> None:
         """Nothing to do: the model layer fills the state on its first forward."""
@@ -295,9 +293,8 @@ class BSTLayerCache(CacheLayerMixin):
             keep_address(getattr(self, name))
         if self.pending is not None:
             self.pending = fn(self.pending)
-        if self.positions is not None:
-            self.positions, self.doc_start, self.seen = fn(self.positions), fn(self.doc_start), self.seen
-            keep_address(self.positions, self.doc_start)
+        if self.positions is not None:  # the host values stay true (or on the safe side)
+            self.set_rows(fn(self.positions), fn(self.doc_start), self.seen, known=True)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -334,8 +331,7 @@ BSTContextLayerCache = LAYER_CACHE_TYPES["bst_context"]
 
 
 def own_layers(cache: Cache, config) -> Cache:
-    """Check that ``cache`` holds this model's layers (a fresh layer of another copy of this code is replaced) and
-    give each its structure; returns ``cache``."""
+    """``cache``, checked to hold this model's layers (fresh ones of another copy of this code replaced), configured."""
     if not isinstance(cache, Cache):
         raise TypeError(f"The cache must be a BSTCache or DynamicCache(config=...), got {type(cache).__name__}.")
     if not cache.layers and getattr(cache, "layer_class_to_replicate", None) is not None:  # DynamicCache()
@@ -344,21 +340,22 @@ def own_layers(cache: Cache, config) -> Cache:
         if not isinstance(layer, BSTLayerCache) and type(layer)._layer_type == kind and not layer.is_initialized:
             cache.layers[i] = LAYER_CACHE_TYPES[kind](max_cache_len=0 if layer.is_compileable else None)
             cache.layers[i].record_past = getattr(layer, "record_past", False)
+    signature = cache_signature(config)
+    if any(isinstance(layer, BSTLayerCache) and layer.signature not in (None, signature) for layer in cache.layers):
+        raise ValueError("The cache was made for a different model configuration.")
     if [isinstance(layer, BSTLayerCache) and layer._layer_type for layer in cache.layers] != list(config.layer_types):
         kinds = [f"{type(layer).__module__}.{type(layer).__name__}" for layer in cache.layers]
         raise TypeError(
             f"The cache must hold one BST cache layer per model layer ({list(config.layer_types)}, of {__name__}); "
             f"got {type(cache).__name__} with layers {kinds}. Pass BSTCache(model.config) or DynamicCache(config=...)."
         )
-    signature = cache_signature(config)
     for layer in cache.layers:
         layer.configure(config, signature, cache.layers[0])
     return cache
 
 
 class BSTCache(Cache):
-    """Recurrent-mode generation state of a BST model: a transformers [`Cache`] of one [`BSTLayerCache`] per layer,
-    for the model of ``config`` only (``batch_size`` is accepted for compatibility; the first forward sets the rows)."""
+    """Recurrent-mode generation state of a BST model: a [`Cache`] of one [`BSTLayerCache`] per layer of ``config``."""
 
     def __init__(self, config, batch_size: int | None = None):
         super().__init__(layers=[LAYER_CACHE_TYPES[kind]() for kind in config.layer_types])
