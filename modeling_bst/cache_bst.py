@@ -50,12 +50,11 @@ def keep_address(*tensors: torch.Tensor | None):
             mark_static_address(t, guard=False)
 
 
-def assign(owner, attr: str, new: torch.Tensor | None):
+def assign(owner, attr: str, new: torch.Tensor):
     """``owner.attr = new``: copied into the old tensor where that is safe, else the attribute takes ``new``."""
     old = getattr(owner, attr, None)
     if (
-        new is not None
-        and old is not None
+        old is not None
         and new is not old
         and not torch.is_grad_enabled()
         and (old.shape, old.dtype, old.device) == (new.shape, new.dtype, new.device)

@@ -160,8 +160,7 @@ class BSTConfig(PreTrainedConfig):
     gss_layer_indices = _index_field("gss")
 
     def __post_init__(self, **kwargs):
-        given = {kind: kwargs.pop(field, None) for kind, field in LAYER_INDEX_FIELDS.items()}
-        indices = {kind: layers for kind, layers in given.items() if layers is not None}
+        indices = {kind: v for kind, field in LAYER_INDEX_FIELDS.items() if (v := kwargs.pop(field, None)) is not None}
         if self.layer_types is None:
             self.layer_types = _from_indices(self.num_hidden_layers, {"bst": [0, 7, 9]} | indices)
         elif indices:  # given both: they must agree
