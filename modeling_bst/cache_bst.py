@@ -1,8 +1,8 @@
-"""Bounded recurrent-mode cache of the Block-State Transformer: one transformers cache layer per layer type, the
-states each holds and the row state in its first layer (docs/architecture.md, "The cache")."""
+"""Bounded recurrent-mode cache of the Block-State Transformer: one transformers cache layer per layer type."""
 
-import json
+import ast
 from collections import deque
+from types import SimpleNamespace
 
 import torch
 import torch.utils._pytree as pytree
@@ -20,12 +20,12 @@ CONTEXT_RING = ("ctx_k", "ctx_v", "ctx_pos")
 
 SIGNATURE_FIELDS = """num_hidden_layers hidden_size num_attention_heads head_dim block_len context_mode ssm_kind ssm_channels
 ssm_state_size num_context_states layer_types num_recurrent_states mf_independent_filters max_position_embeddings""".split()
-# The states a layer of each type holds (a BST layer adds its context states in ``configure``).
+# Per layer type: its cache layer's class name and the states it holds (a BST layer adds its context in ``configure``).
 LAYER_STATES = {
-    "bst_block": ATTENTION_RING,
-    "bst_context": (*ATTENTION_RING, "ssm_state"),
-    "bst_recurrent": (*ATTENTION_RING, "rec_state", "rec_k", "rec_v"),
-    "bst_gss": ("ssm_state",),
+    "bst_block": ("BlockLayerCache", ATTENTION_RING),
+    "bst_context": ("BSTContextLayerCache", (*ATTENTION_RING, "ssm_state")),
+    "bst_recurrent": ("RecurrentLayerCache", (*ATTENTION_RING, "rec_state", "rec_k", "rec_v")),
+    "bst_gss": ("GSSLayerCache", ("ssm_state",)),
 }
 
 
@@ -50,12 +50,11 @@ def keep_address(*tensors: torch.Tensor | None):
             mark_static_address(t, guard=False)
 
 
-def assign(owner, attr: str, new: torch.Tensor | None):
+def assign(owner, attr: str, new: torch.Tensor):
     """``owner.attr = new``: copied into the old tensor where that is safe, else the attribute takes ``new``."""
     old = getattr(owner, attr, None)
     if (
-        new is not None
-        and old is not None
+        old is not None
         and new is not old
         and not torch.is_grad_enabled()
         and (old.shape, old.dtype, old.device) == (new.shape, new.dtype, new.device)
@@ -71,7 +70,7 @@ def assign(owner, attr: str, new: torch.Tensor | None):
 
 
 class BSTLayerCache(CacheLayerMixin):
-    """One BST layer's recurrent-mode state (see the module docstring); a subclass per layer type."""
+    """One BST layer's recurrent-mode state (docs/architecture.md, "The cache"); a subclass per layer type."""
 
     is_croppable = True
     supports_early_init = False
@@ -85,7 +84,7 @@ class BSTLayerCache(CacheLayerMixin):
     def __init__(self, max_cache_len: int | None = None, **kwargs):
         super().__init__()
         self.is_compileable = max_cache_len is not None  # a state has no length to size: only "static"
-        self.signature = self.block_len = self.layer_idx = None
+        self.signature = self.block_len = None
         self.names, self.rows = self.NAMES, self  # ``rows``: the layer holding the row state ([`configure`])
         self.reset()
 
@@ -100,20 +99,15 @@ class BSTLayerCache(CacheLayerMixin):
         self.record_past = False
         self._undo: deque = deque(maxlen=MAX_ROLLBACK)  # per recorded position, newest last: what its step overwrote
 
-    def configure(self, config, layer_idx: int, signature: tuple, rows: "BSTLayerCache"):
-        """Take the structure of layer ``layer_idx`` of a model with ``config`` (once); raises for another model."""
+    def configure(self, config, signature: tuple, rows: "BSTLayerCache"):
+        """Take the structure of a model with ``config`` and ``signature`` (once; checked in [`own_layers`])."""
         self.rows = rows
-        if self.signature is not None:
-            if self.signature != signature:
-                raise ValueError(f"The cache was made for a different model configuration (layer {layer_idx}).")
-            return
-        if config.layer_types[layer_idx] != self._layer_type:
-            raise ValueError(f"The cache's layer {layer_idx} is {self._layer_type!r}, the model's is not.")
-        self.signature, self.block_len, self.layer_idx = signature, config.block_len, layer_idx
-        if self._layer_type == "bst_context":
-            self.names = self.NAMES + (("ctx_k", "ctx_v", "mf_last") if config.context_mode == "mf" else CONTEXT_RING)
-            for name in self.names:
-                setattr(self, name, getattr(self, name, None))
+        if self.signature is None:
+            self.signature, self.block_len = signature, config.block_len
+            if self._layer_type == "bst_context":
+                self.names += ("ctx_k", "ctx_v", "mf_last") if config.context_mode == "mf" else CONTEXT_RING
+                for name in self.names:
+                    setattr(self, name, getattr(self, name, None))
 
     def lazy_initialization(self, key_states=None, value_states=None) -> None:
         """Nothing to do: the model layer fills the state on its first forward."""
@@ -134,11 +128,6 @@ class BSTLayerCache(CacheLayerMixin):
     @property
     def batch_size(self) -> int:
         return -1 if self.rows.positions is None else int(self.rows.positions.shape[0])
-
-    def offload(self):  # bounded state: nothing worth moving off the device
-        pass
-
-    prefetch = offload
 
     def tensors(self) -> list:
         """``[(name, tensor)]`` of every batched state tensor held."""
@@ -165,9 +154,7 @@ class BSTLayerCache(CacheLayerMixin):
         return None if self.pending is None or self.pending_offset >= size else (self.pending, self.pending_offset)
 
     def fill_ring(self, ring: tuple, k, v, lengths, size: int, offset: torch.Tensor | None = None):
-        """Ring ``ring`` (names) of ``size`` slots from the last real positions of ``k``/``v`` `(B, T, H, d)`, each
-        at slot position % ``size`` (``lengths`` `(B,)` real tokens; ``offset``: the position of ``k[:, 0]``,
-        continuing the ring, whose older entries stay where no new one lands)."""
+        """Ring ``ring`` of ``size`` slots from the last ``lengths`` `(B,)` positions of ``k``/``v`` `(B, T, H, d)`."""
         pos = lengths[:, None] - size + torch.arange(size, device=k.device)[None]  # (B, R), relative to k
         valid = pos >= 0
         absolute = pos if offset is None else pos + offset[:, None]
@@ -248,9 +235,7 @@ class BSTLayerCache(CacheLayerMixin):
         return self.positions is None
 
     def host_value(self, name: str, derive, empty, traced):
-        """A row-state value kept on the host (the model picks its path without reading tensors): ``empty`` before
-        the first forward; unknown after an unflatten or a traced step, then ``traced`` (raised if an exception) under
-        tracing, else ``derive()``d from the tensors and kept."""
+        """A row-state value kept on the host: ``empty``, ``traced`` (raised if an exception) or ``derive()``d."""
         if name not in self.host:
             if self.positions is None:
                 return empty
@@ -307,9 +292,8 @@ class BSTLayerCache(CacheLayerMixin):
             keep_address(getattr(self, name))
         if self.pending is not None:
             self.pending = fn(self.pending)
-        if self.positions is not None:
-            self.positions, self.doc_start, self.seen = fn(self.positions), fn(self.doc_start), self.seen
-            keep_address(self.positions, self.doc_start)
+        if self.positions is not None:  # the host values stay true (or on the safe side)
+            self.set_rows(fn(self.positions), fn(self.doc_start), self.seen, known=True)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -339,47 +323,42 @@ class BSTLayerCache(CacheLayerMixin):
 
 
 LAYER_CACHE_TYPES = {  # registered in transformers' layer maps by ``__init_subclass__``
-    kind: type(name, (BSTLayerCache,), {"_layer_type": kind, "NAMES": LAYER_STATES[kind], "__module__": __name__})
-    for kind, name in zip(
-        LAYER_STATES, ("BlockLayerCache", "BSTContextLayerCache", "RecurrentLayerCache", "GSSLayerCache")
-    )
+    kind: type(name, (BSTLayerCache,), {"_layer_type": kind, "NAMES": names, "__module__": __name__})
+    for kind, (name, names) in LAYER_STATES.items()
 }
 BSTContextLayerCache = LAYER_CACHE_TYPES["bst_context"]
 
 
 def own_layers(cache: Cache, config) -> Cache:
-    """Check that ``cache`` holds this model's layers (a fresh layer of another copy of this code is replaced) and
-    give each its structure; returns ``cache``."""
+    """``cache``, checked to hold this model's layers (fresh ones of another copy of this code replaced), configured."""
     if not isinstance(cache, Cache):
         raise TypeError(f"The cache must be a BSTCache or DynamicCache(config=...), got {type(cache).__name__}.")
-    if not cache.layers and getattr(cache, "layer_class_to_replicate", None) is not None:
-        cache.layers = [LAYER_CACHE_TYPES[kind]() for kind in config.layer_types]
-        cache.layer_class_to_replicate = None
+    if not cache.layers and getattr(cache, "layer_class_to_replicate", None) is not None:  # DynamicCache()
+        cache.layers, cache.layer_class_to_replicate = [LAYER_CACHE_TYPES[kind]() for kind in config.layer_types], None
     for i, (layer, kind) in enumerate(zip(cache.layers, config.layer_types)):
         if not isinstance(layer, BSTLayerCache) and type(layer)._layer_type == kind and not layer.is_initialized:
-            own = LAYER_CACHE_TYPES[kind]()
-            own.record_past, own.is_compileable = getattr(layer, "record_past", False), layer.is_compileable
-            cache.layers[i] = own
-    if len(cache.layers) != config.num_hidden_layers or not all(isinstance(x, BSTLayerCache) for x in cache.layers):
+            cache.layers[i] = LAYER_CACHE_TYPES[kind](max_cache_len=0 if layer.is_compileable else None)
+            cache.layers[i].record_past = getattr(layer, "record_past", False)
+    signature = cache_signature(config)
+    if any(isinstance(layer, BSTLayerCache) and layer.signature not in (None, signature) for layer in cache.layers):
+        raise ValueError("The cache was made for a different model configuration.")
+    if [isinstance(layer, BSTLayerCache) and layer._layer_type for layer in cache.layers] != list(config.layer_types):
         kinds = [f"{type(layer).__module__}.{type(layer).__name__}" for layer in cache.layers]
         raise TypeError(
             f"The cache must hold one BST cache layer per model layer ({list(config.layer_types)}, of {__name__}); "
             f"got {type(cache).__name__} with layers {kinds}. Pass BSTCache(model.config) or DynamicCache(config=...)."
         )
-    signature = cache_signature(config)
-    for i, layer in enumerate(cache.layers):
-        layer.configure(config, i, signature, cache.layers[0])
+    for layer in cache.layers:
+        layer.configure(config, signature, cache.layers[0])
     return cache
 
 
 class BSTCache(Cache):
-    """Recurrent-mode generation state of a BST model: a transformers [`Cache`] of one [`BSTLayerCache`] per layer,
-    for the model of ``config`` only (``batch_size`` is accepted for compatibility; the first forward sets the rows)."""
+    """Recurrent-mode generation state of a BST model: a [`Cache`] of one [`BSTLayerCache`] per layer of ``config``."""
 
-    def __init__(self, config=None, batch_size: int | None = None, layers: list | None = None):
-        super().__init__(layers=layers if layers is not None else [LAYER_CACHE_TYPES[k]() for k in config.layer_types])
-        if config is not None:
-            own_layers(self, config)
+    def __init__(self, config, batch_size: int | None = None):
+        super().__init__(layers=[LAYER_CACHE_TYPES[kind]() for kind in config.layer_types])
+        own_layers(self, config)
 
     def reset_rows(self, rows: torch.Tensor) -> "BSTCache":
         """Start a new document in the rows where ``rows`` (bool `(B,)`) is True, keeping the other rows' state."""
@@ -396,31 +375,22 @@ class BSTCache(Cache):
         return self
 
 
-def _flatten(cache, keys=False):  # leaves: the row state, then each layer's states; context: the structure
+def _flatten(cache, keys=False):  # leaves: the row state, then each layer's states; context: the model's signature
     rows = cache.layers[0]
     leaves = [("positions", rows.positions), ("doc_start", rows.doc_start), ("seen_tokens", rows.seen)]
     leaves += [(f"layers.{i}.{n}", getattr(layer, n)) for i, layer in enumerate(cache.layers) for n in layer.names]
-    context = ((rows.signature, rows.block_len), tuple((layer._layer_type, layer.names) for layer in cache.layers))
-    return [(pytree.MappingKey(name), t) if keys else t for name, t in leaves], context
+    return [(pytree.MappingKey(name), t) if keys else t for name, t in leaves], rows.signature
 
 
-def _unflatten(values, context) -> BSTCache:
-    (signature, block_len), spec = context
-    values = iter(values)
-    positions, doc_start, seen = next(values), next(values), next(values)
-    layers = [LAYER_CACHE_TYPES[kind]() for kind, _ in spec]
-    for i, (layer, (_, names)) in enumerate(zip(layers, spec)):
-        layer.names, layer.signature, layer.block_len, layer.layer_idx = names, signature, block_len, i
-        layer.rows = layers[0]
-        for name in names:
+def _unflatten(values, signature) -> BSTCache:
+    cache, values = BSTCache(SimpleNamespace(**dict(zip(SIGNATURE_FIELDS, signature)))), iter(values)
+    rows = [next(values) for _ in range(3)]  # positions, doc_start, seen
+    for layer in cache.layers:
+        for name in layer.names:
             setattr(layer, name, next(values))
-    if positions is not None:
-        layers[0].set_rows(positions, doc_start, seen, known=False)
-    return BSTCache(layers=layers)
-
-
-def _tuples(x):
-    return tuple(_tuples(v) for v in x) if isinstance(x, list) else x
+    if rows[0] is not None:
+        cache.layers[0].set_rows(*rows, known=False)
+    return cache
 
 
 pytree.register_pytree_node(  # for torch.export / torch.compile of decode steps
@@ -428,8 +398,8 @@ pytree.register_pytree_node(  # for torch.export / torch.compile of decode steps
     _flatten,
     _unflatten,
     serialized_type_name=f"{__name__}.BSTCache",
-    to_dumpable_context=json.dumps,
-    from_dumpable_context=lambda dumped: _tuples(json.loads(dumped)),
+    to_dumpable_context=repr,  # tuples, strings, numbers, booleans and None: read back equal
+    from_dumpable_context=ast.literal_eval,
     flatten_with_keys_fn=lambda cache: _flatten(cache, keys=True),
 )
 

@@ -1,6 +1,5 @@
 """Configuration of the Block-State Transformer (BST) family: BST (SH / MH / MF context states over S4 or "unstruct"
-SSM kernels) and the baselines of the paper's Table 1 (Slide, Transformer-XL, Block-Recurrent, GSS-Hybrid).
-``docs/paper-mapping.md`` maps each field onto the paper."""
+SSM kernels) and the paper's Table 1 baselines; ``docs/paper-mapping.md`` maps each field onto the paper."""
 
 import math
 from typing import Literal
@@ -12,8 +11,8 @@ from transformers import PreTrainedConfig
 
 # The kinds of layer (``BSTConfig.layer_kind``) and their names in ``layer_types``, also their cache layers' names in
 # transformers' process-wide registry (hence the prefix). The bare kinds are accepted as input.
-LAYER_TYPES = ("block", "bst", "recurrent", "gss")
 LAYER_TYPE_NAMES = {"block": "bst_block", "bst": "bst_context", "recurrent": "bst_recurrent", "gss": "bst_gss"}
+LAYER_TYPES = tuple(LAYER_TYPE_NAMES)
 LAYER_KINDS = {**{kind: kind for kind in LAYER_TYPES}, **{name: kind for kind, name in LAYER_TYPE_NAMES.items()}}
 # The index fields: keyword arguments and config.json keys, each listing the layers of one kind.
 LAYER_INDEX_FIELDS = {"bst": "bst_layer_indices", "recurrent": "recurrent_layer_indices", "gss": "gss_layer_indices"}
@@ -161,19 +160,17 @@ class BSTConfig(PreTrainedConfig):
     gss_layer_indices = _index_field("gss")
 
     def __post_init__(self, **kwargs):
-        given = {kind: kwargs.pop(field, None) for kind, field in LAYER_INDEX_FIELDS.items()}
-        indices = {kind: layers for kind, layers in given.items() if layers is not None}
+        indices = {kind: v for kind, field in LAYER_INDEX_FIELDS.items() if (v := kwargs.pop(field, None)) is not None}
         if self.layer_types is None:
             self.layer_types = _from_indices(self.num_hidden_layers, {"bst": [0, 7, 9]} | indices)
         elif indices:  # given both: they must agree
             self.validate_layer_type()
-            built = _from_indices(self.num_hidden_layers, indices)
-            for kind in indices:
-                if (at := _indices_of(self.layer_types, kind)) != _indices_of(built, kind):
-                    field, name = LAYER_INDEX_FIELDS[kind], LAYER_TYPE_NAMES[kind]
+            _from_indices(self.num_hidden_layers, indices)  # the index fields' own checks
+            for kind, layers in indices.items():
+                if (at := _indices_of(self.layer_types, kind)) != sorted(layers):
                     raise _error(
-                        f"{field}={list(indices[kind])} disagrees with layer_types={list(self.layer_types)}; give one "
-                        f"of them (layer_types lists {name!r} at {at})."
+                        f"{LAYER_INDEX_FIELDS[kind]}={list(layers)} disagrees with layer_types={list(self.layer_types)}"
+                        f"; give one of them (layer_types lists {LAYER_TYPE_NAMES[kind]!r} at {at})."
                     )
         super().__post_init__(**kwargs)
         # Entries already present (a loaded config.json; on the Hub "org/name--module.Class") are kept.
@@ -200,9 +197,7 @@ class BSTConfig(PreTrainedConfig):
 
     @classmethod
     def from_dict(cls, config_dict, **kwargs):
-        """As transformers', but the layer fields among ``kwargs`` (``from_pretrained(path, num_hidden_layers=4,
-        bst_layer_indices=[2])``) replace those of ``config_dict`` before construction, not after (a given
-        ``layer_types`` replaces its index fields): a config is made from its layer fields once."""
+        """As transformers', but the layer fields among ``kwargs`` make the config (docs/architecture.md)."""
         layers = {key: kwargs.pop(key) for key in LAYER_FIELDS if key in kwargs}
         if "layer_types" in layers:
             config_dict = {k: v for k, v in config_dict.items() if k not in LAYER_INDEX_FIELDS.values()}

@@ -52,8 +52,7 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def memoised(store: dict, slot, key: tuple, params, compute, max_bytes: int | None = None):
-    """``compute()``, reused from ``store[slot]`` while ``key`` and the values of the tensors ``params`` are unchanged
-    (values over ``max_bytes`` are not kept); only where no gradient has to flow to ``params``."""
+    """``compute()``, reused from ``store[slot]`` while ``key`` and the values of the tensors ``params`` are equal."""
     params = list(params)
     memo = store.get(slot)
     if (
@@ -67,15 +66,14 @@ def memoised(store: dict, slot, key: tuple, params, compute, max_bytes: int | No
     ):
         return memo["value"]
     value = compute()
-    size = sum(t.numel() * t.element_size() for t in (value if isinstance(value, tuple) else (value,)))
-    if max_bytes is None or size <= max_bytes:
+    sizes = (t.numel() * t.element_size() for t in (value if isinstance(value, tuple) else (value,)))  # lazy
+    if max_bytes is None or sum(sizes) <= max_bytes:
         store[slot] = {"key": key, "params": [p.detach().clone() for p in params], "value": value}
     return value
 
 
 def step_memo(store: dict | None, slot, key: tuple, params, compute, max_bytes: int | None = None):
-    """[`memoised`] in a decoding run's memo ``store`` (docs/architecture.md, "Memos and code paths"): on an accelerator keyed on
-    each parameter's storage and version counter; without a store, with gradients or under tracing, computed."""
+    """[`memoised`] in a decoding run's memo ``store`` (docs/architecture.md, "Memos and code paths")."""
     params = list(params)
     if store is None or not params or tracing() or (torch.is_grad_enabled() and any(p.requires_grad for p in params)):
         return compute()
@@ -89,14 +87,10 @@ CONSTANT_MEMO_ENTRIES = 16  # entries a module's [`constant_memo`] keeps
 
 
 def constant_memo(module, key: tuple, compute):
-    """``compute()`` for tensors that depend on no parameter, once per ``key`` (naming device and dtype), kept on
-    ``module``; under tracing computed in the graph."""
+    """``compute()`` for tensors that depend on no parameter, once per ``key`` (naming device and dtype) [`memoised`]."""
     if tracing():
         return compute()
     store = module.__dict__.setdefault("_constant_memo", {})
-    value = store.get(key)
-    if value is None:
-        if len(store) >= CONSTANT_MEMO_ENTRIES:
-            store.clear()
-        value = store[key] = compute()
-    return value
+    if key not in store and len(store) >= CONSTANT_MEMO_ENTRIES:
+        store.clear()
+    return memoised(store, key, (), (), compute)
