@@ -407,6 +407,7 @@ class BSTLayerMath(nn.Module):
         self.mode = config.context_mode
         self._constants = None
         self._decode_bias = None
+        self._canvas_bias = None
         self._mf_initial = None
         self._stacked = None
         if kind == "gss":
@@ -695,16 +696,16 @@ class BSTLayerMath(nn.Module):
         queries = batch.canvas(q).view(batch.num, nb, w, *q.shape[1:]).transpose(2, 3)  # (P, nb, H, W, d)
         keys = keys.unfold(1, 2 * w, w).transpose(-1, -2)  # (P, nb, H, 2W, d): blocks m - 1 and m
         values = values.unfold(1, 2 * w, w).transpose(-1, -2)
-        c = torch.arange(2 * w, device=q.device)
-        bias = self.self_bias(c[None] - w - j[:, None]).to(q.dtype)  # (H, W, 2W): key c - W - query r
         # One mask for every block whose previous block exists: all but a sequence's first block, the first canvas
         # block of a new request's chunk, whose previous-block keys are masked (its own mask, P blocks).
-        missing = ((batch.first_block == 0)[:, None] & (c < w))[:, None, None, None]  # (P, 1, 1, 1, 2W)
-        first = torch.where(missing, fb.masked_fill_value(q.dtype), bias)  # (P, 1, H, W, 2W)
+        bias, first_bias, seen, first_seen = self.canvas_bias()
+        new = (batch.first_block == 0)[:, None, None, None, None]  # (P, 1, 1, 1, 1)
+        first = torch.where(new, first_bias, bias)  # (P, 1, H, W, 2W)
+        first_seen = True if first_seen is True else torch.where(new, first_seen, seen)
         out = torch.cat(
             [
-                attend(queries[:, :1], keys[:, :1], values[:, :1], first),
-                attend(queries[:, 1:], keys[:, 1:], values[:, 1:], bias),
+                attend(queries[:, :1], keys[:, :1], values[:, :1], first, first_seen),
+                attend(queries[:, 1:], keys[:, 1:], values[:, 1:], bias, seen),
             ],
             1,
         )  # (P, nb, H, W, d)
@@ -718,6 +719,20 @@ class BSTLayerMath(nn.Module):
         attn_k.index_copy_(0, slots, torch.where(new, k[take], old_k))
         attn_v.index_copy_(0, slots, torch.where(new, v[take], old_v))
         return out
+
+    def canvas_bias(self):
+        """The prefill canvas's self-attention masks, computed once (serving never changes the weights): the scaled
+        T5 bias of a block's W queries over the 2W keys of the block before and its own `(H, W, 2W)` (key c at
+        relative position c - W - query r), the same with the block before masked (a sequence's first block), and
+        which queries see a key under each (True: all)."""
+        if self._canvas_bias is None:
+            w, device = self.block_len, self.self_attn.scale.device
+            j, c = torch.arange(w, device=device), torch.arange(2 * w, device=device)
+            bias = self.self_bias(c[None] - w - j[:, None])
+            first = torch.where(c < w, fb.masked_fill_value(bias.dtype), bias)
+            seen = [(m > fb.masked_fill_value(m.dtype)).any(-1, keepdim=True) for m in (bias, first)]
+            self._canvas_bias = bias, first, *(True if bool(s.all()) else s for s in seen)
+        return self._canvas_bias
 
     def _context_packed(self, x, xn, qc, batch: Prefill, state):
         """The SSM, context states and cross-attention of a BST layer over the packed chunks: `(N, H d_h)`."""
