@@ -692,23 +692,27 @@ class BSTLayerMath(nn.Module):
         cols = batch.first_col[:, None] + j
         keys[rows, cols] = torch.where(exists, old_k[rows, ring_pos % ring], 0)
         values[rows, cols] = torch.where(exists, old_v[rows, ring_pos % ring], 0)
-        nb = batch.num_blocks
-        queries = batch.canvas(q).view(batch.num, nb, w, *q.shape[1:]).transpose(2, 3)  # (P, nb, H, W, d)
-        keys = keys.unfold(1, 2 * w, w).transpose(-1, -2)  # (P, nb, H, 2W, d): blocks m - 1 and m
-        values = values.unfold(1, 2 * w, w).transpose(-1, -2)
-        # One mask for every block whose previous block exists: all but a sequence's first block, the first canvas
-        # block of a new request's chunk, whose previous-block keys are masked (its own mask, P blocks).
+        # Queries in sub-blocks of S = W / g tokens: sub-block u (canvas columns u S ..) sees the W + S key columns
+        # from u S (a query sees at most W keys before it, or W up to itself): the W + S keys of the window, against
+        # 2W for a whole block's queries, through one relative-position bias shared by all sub-blocks.
+        sub, g = self.canvas_sub_block()
+        n = batch.num_blocks * g
+        queries = batch.canvas(q).view(batch.num, n, sub, *q.shape[1:]).transpose(2, 3)  # (P, n, H, S, d)
+        keys = keys.unfold(1, w + sub, sub).transpose(-1, -2)  # (P, n, H, W + S, d)
+        values = values.unfold(1, w + sub, sub).transpose(-1, -2)
+        # The first block's g sub-blocks of a new request's chunk (its first block is the sequence's) mask the keys
+        # before the sequence (their own masks, P g sub-blocks); every other sub-block shares one mask.
         bias, first_bias, seen, first_seen = self.canvas_bias()
         new = (batch.first_block == 0)[:, None, None, None, None]  # (P, 1, 1, 1, 1)
-        first = torch.where(new, first_bias, bias)  # (P, 1, H, W, 2W)
+        first = torch.where(new, first_bias, bias)  # (P, g, H, S, W + S)
         first_seen = True if first_seen is True else torch.where(new, first_seen, seen)
         out = torch.cat(
             [
-                attend(queries[:, :1], keys[:, :1], values[:, :1], first, first_seen),
-                attend(queries[:, 1:], keys[:, 1:], values[:, 1:], bias, seen),
+                attend(queries[:, :g], keys[:, :g], values[:, :g], first, first_seen),
+                attend(queries[:, g:], keys[:, g:], values[:, g:], bias, seen),
             ],
             1,
-        )  # (P, nb, H, W, d)
+        )  # (P, n, H, S, d)
         out = out.transpose(2, 3).flatten(1, 2)[batch.req, batch.col]
         # The ring keeps the last R tokens: slot s holds the latest position = s (mod R) up to the chunk's end.
         s = torch.arange(ring, device=q.device)
@@ -720,16 +724,24 @@ class BSTLayerMath(nn.Module):
         attn_v.index_copy_(0, slots, torch.where(new, v[take], old_v))
         return out
 
+    def canvas_sub_block(self) -> tuple[int, int]:
+        """The prefill canvas's query sub-blocks: ``(S, g)``, g = 4 sub-blocks of S = W / 4 tokens per block (one
+        when 4 does not divide W)."""
+        g = 4 if self.block_len % 4 == 0 else 1
+        return self.block_len // g, g
+
     def canvas_bias(self):
-        """The prefill canvas's self-attention masks, computed once (serving never changes the weights): the scaled
-        T5 bias of a block's W queries over the 2W keys of the block before and its own `(H, W, 2W)` (key c at
-        relative position c - W - query r), the same with the block before masked (a sequence's first block), and
-        which queries see a key under each (True: all)."""
+        """The prefill canvas's self-attention masks ([`canvas_sub_block`]), computed once (serving never changes the
+        weights): the scaled T5 bias of a sub-block's S queries over its W + S keys `(H, S, W + S)` (key c at
+        relative position c - W - query r), the g masks of the first block's sub-blocks in a sequence's first block
+        (keys before the sequence masked) `(g, H, S, W + S)`, and which queries see a key under each (True: all)."""
         if self._canvas_bias is None:
-            w, device = self.block_len, self.self_attn.scale.device
-            j, c = torch.arange(w, device=device), torch.arange(2 * w, device=device)
-            bias = self.self_bias(c[None] - w - j[:, None])
-            first = torch.where(c < w, fb.masked_fill_value(bias.dtype), bias)
+            (sub, g), w, device = self.canvas_sub_block(), self.block_len, self.self_attn.scale.device
+            r, c = torch.arange(sub, device=device), torch.arange(w + sub, device=device)
+            bias = self.self_bias(c[None] - w - r[:, None])
+            # Sub-block u of block 0: key c is at position u S + c - W.
+            before = (torch.arange(g, device=device)[:, None] * sub + c < w)[:, None, None]  # (g, 1, 1, W + S)
+            first = torch.where(before, fb.masked_fill_value(bias.dtype), bias)
             seen = [(m > fb.masked_fill_value(m.dtype)).any(-1, keepdim=True) for m in (bias, first)]
             self._canvas_bias = bias, first, *(True if bool(s.all()) else s for s in seen)
         return self._canvas_bias
