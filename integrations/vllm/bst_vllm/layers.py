@@ -179,6 +179,7 @@ class Prefill:
         self.col = first_col[self.req] + self.offset  # canvas column of every packed token
         self.last = p0 + lengths - 1  # position of each chunk's last token
         self.num_blocks = -(-(block_len - 1 + max_len) // block_len)  # canvas blocks (enough for every chunk)
+        self._row_cache = {}
 
     @classmethod
     def from_query_starts(cls, query_start_loc, positions, slots, block_len: int):
@@ -211,24 +212,50 @@ class Prefill:
             out.append((bounds[a], bounds[b], cls.from_query_starts(starts, tokens, slots[a:b], block_len)))
         return out
 
+    def _rows(self, layout) -> torch.Tensor:
+        """The row of every packed token in ``layout`` flattened `(P * width,)`: "token" ([`by_token`]), "left"
+        ([`left_aligned`]) or ("canvas", before) ([`canvas`]); computed once per step."""
+        if layout not in self._row_cache:
+            if layout == "token":
+                cols = self.offset
+            elif layout == "left":
+                cols = self.max_len - self.lengths[self.req] + self.offset
+            else:
+                cols = layout[1] + self.col
+            self._row_cache[layout] = self.req * self._width(layout) + cols
+        return self._row_cache[layout]
+
+    def _width(self, layout) -> int:
+        return self.max_len if layout in ("token", "left") else layout[1] + self.num_blocks * self.block_len
+
+    def _lay_out(self, x: torch.Tensor, layout) -> torch.Tensor:
+        """Packed ``x`` `(N, ...)` -> `(P, width, ...)` in ``layout``, zeros where no token is: one row gather from
+        ``x`` behind a zero row (a gather of whole rows is several times faster than the scatter on the CPU)."""
+        key = ("source", layout)
+        if key not in self._row_cache:
+            source = torch.zeros(self.num * self._width(layout), dtype=torch.long, device=x.device)
+            source[self._rows(layout)] = torch.arange(1, self.num_tokens + 1, device=x.device)
+            self._row_cache[key] = source
+        rows = torch.cat([x.new_zeros(1, *x.shape[1:]), x]).index_select(0, self._row_cache[key])
+        return rows.view(self.num, -1, *x.shape[1:])
+
     def by_token(self, x: torch.Tensor) -> torch.Tensor:
         """Packed ``x`` `(N, ...)` -> `(P, max_len, ...)`, token t of request i at ``[i, t]``, zeros after."""
-        out = x.new_zeros(self.num, self.max_len, *x.shape[1:])
-        out[self.req, self.offset] = x
-        return out
+        return self._lay_out(x, "token")
 
     def left_aligned(self, x: torch.Tensor) -> torch.Tensor:
         """Packed ``x`` `(N, ...)` -> `(P, max_len, ...)`, each chunk ending at the last column, zeros before."""
-        out = x.new_zeros(self.num, self.max_len, *x.shape[1:])
-        out[self.req, self.max_len - self.lengths[self.req] + self.offset] = x
-        return out
+        return self._lay_out(x, "left")
 
     def canvas(self, x: torch.Tensor, before: int = 0) -> torch.Tensor:
         """Packed ``x`` `(N, ...)` -> the block canvas `(P, before + num_blocks * W, ...)`, token at ``before +
         col``, zeros elsewhere."""
-        out = x.new_zeros(self.num, before + self.num_blocks * self.block_len, *x.shape[1:])
-        out[self.req, before + self.col] = x
-        return out
+        return self._lay_out(x, ("canvas", before))
+
+    def tokens(self, y: torch.Tensor, layout="token") -> torch.Tensor:
+        """The packed tokens `(N, ...)` of ``y`` `(P, width, ...)` in ``layout`` ("token": [`by_token`]'s,
+        ("canvas", 0): [`canvas`]'s)."""
+        return y.reshape(-1, *y.shape[2:]).index_select(0, self._rows(layout))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, seen=None) -> torch.Tensor:
@@ -302,7 +329,7 @@ class S4D:
         final = fb.s4d_final_state(batch.left_aligned(z), dt_a, b_bar)  # (P, Ds, N2, 2)
         decay = fb.pair_powers(dt_a, batch.lengths)  # (Ds, N2, P)
         carried = fb.pair_mul((decay[0].permute(2, 0, 1), decay[1].permute(2, 0, 1)), fb.complex_pair(state))
-        return y[batch.req, batch.offset], final + torch.stack(carried, -1)
+        return batch.tokens(y), final + torch.stack(carried, -1)
 
     def step(self, z: torch.Tensor, state: torch.Tensor):
         """One token of many requests: ``z`` `(B, Ds)`, ``state`` `(B, Ds, N2, 2)` -> ``y`` `(B, C, Ds)` and the new
@@ -376,7 +403,7 @@ class Unstruct:
         k = F.pad(self.taps, (0, u.shape[-1] - length))
         y = fb.spectrum_conv(u, fb.causal_spectrum(k))[..., length:]  # (P, C, Ds, max_len)
         keep = (batch.lengths[:, None] + torch.arange(length, device=u.device))[:, None].expand(-1, u.shape[1], -1)
-        return y.permute(0, 3, 1, 2)[batch.req, batch.offset], u.gather(-1, keep)
+        return batch.tokens(y.permute(0, 3, 1, 2)), u.gather(-1, keep)
 
     def step(self, z: torch.Tensor, history: torch.Tensor):
         """One token of many requests: ``z`` `(B, Ds)`, ``history`` `(B, Ds, L)` -> `(B, C, Ds)` and the history
@@ -713,7 +740,7 @@ class BSTLayerMath(nn.Module):
             ],
             1,
         )  # (P, n, H, S, d)
-        out = out.transpose(2, 3).flatten(1, 2)[batch.req, batch.col]
+        out = batch.tokens(out.transpose(2, 3).reshape(batch.num, -1, *q.shape[1:]), ("canvas", 0))
         # The ring keeps the last R tokens: slot s holds the latest position = s (mod R) up to the chunk's end.
         s = torch.arange(ring, device=q.device)
         last = batch.last[:, None]
@@ -769,7 +796,7 @@ class BSTLayerMath(nn.Module):
             end = torch.div(batch.last + 1, w, rounding_mode="floor") * w - 1
             at_end = ys[batch.rows, (end - batch.first_block * w).clamp(min=0)]
             mf_last.index_copy_(0, slots, torch.where((end >= batch.p0)[:, None, None], at_end.to(last.dtype), last))
-            return out.transpose(2, 3).flatten(1, 2)[batch.req, batch.col].flatten(1)
+            return batch.tokens(out.transpose(2, 3).reshape(batch.num, -1, *qc.shape[1:]), ("canvas", 0)).flatten(1)
         ck, cv = self.lift_tokens(y)  # (N, H, d)
         ctx_k, ctx_v = self.part(state, "ctx_k"), self.part(state, "ctx_v")
         # Context canvas aligned with the queries; the first block's tokens before the chunk from the state.
@@ -786,7 +813,7 @@ class BSTLayerMath(nn.Module):
         cols = (torch.div(batch.last, w, rounding_mode="floor") - batch.first_block)[:, None] * w + j
         ctx_k.index_copy_(0, slots, keys[rows[:, None], cols])
         ctx_v.index_copy_(0, slots, values[rows[:, None], cols])
-        return out.transpose(2, 3).flatten(1, 2)[batch.req, batch.col].flatten(1)
+        return batch.tokens(out.transpose(2, 3).reshape(batch.num, -1, *qc.shape[1:]), ("canvas", 0)).flatten(1)
 
     # -- one request's chunk --------------------------------------------------------------------------------------
     def forward_chunk(self, x: torch.Tensor, p0: int, state: tuple[torch.Tensor, ...], query_block: int = 256):
