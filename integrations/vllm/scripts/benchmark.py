@@ -92,7 +92,11 @@ def write_hf(folder: Path, family: str, **fields):
     write_tokenizer(folder)
 
 
-ATTENTION = dict(num_key_value_heads=SIZE["num_attention_heads"], max_position_embeddings=MAX_LEN, **SIZE)
+# Llama and the sliding-window Mistral rotate by position: vLLM's cos / sin cache has max_position_embeddings rows,
+# and a position beyond it fails in the compiled kernel ("index out of bounds"), so they get room for the longest
+# prompts the script runs (64k positions).
+ROPE_LEN = 65536
+ATTENTION = dict(num_key_value_heads=SIZE["num_attention_heads"], max_position_embeddings=ROPE_LEN, **SIZE)
 MAMBA2 = dict(hidden_size=SIZE["hidden_size"], num_heads=MAMBA_HEADS, head_dim=MAMBA_HEAD_DIM, state_size=MAMBA_STATE)
 NEMOTRONH = dict(
     hidden_size=SIZE["hidden_size"],
