@@ -179,6 +179,7 @@ class Prefill:
         self.col = first_col[self.req] + self.offset  # canvas column of every packed token
         self.last = p0 + lengths - 1  # position of each chunk's last token
         self.num_blocks = -(-(block_len - 1 + max_len) // block_len)  # canvas blocks (enough for every chunk)
+        self._row_cache = {}
 
     @classmethod
     def from_query_starts(cls, query_start_loc, positions, slots, block_len: int):
@@ -211,24 +212,53 @@ class Prefill:
             out.append((bounds[a], bounds[b], cls.from_query_starts(starts, tokens, slots[a:b], block_len)))
         return out
 
+    def _rows(self, layout) -> torch.Tensor:
+        """The row of every packed token in ``layout`` flattened `(P * width,)`: "token" ([`by_token`]), "left"
+        ([`left_aligned`]) or ("canvas", before) ([`canvas`]); computed once per step."""
+        if layout not in self._row_cache:
+            if layout == "token":
+                cols = self.offset
+            elif layout == "left":
+                cols = self.max_len - self.lengths[self.req] + self.offset
+            else:
+                cols = layout[1] + self.col
+            self._row_cache[layout] = self.req * self._width(layout) + cols
+        return self._row_cache[layout]
+
+    def _width(self, layout) -> int:
+        return self.max_len if layout in ("token", "left") else layout[1] + self.num_blocks * self.block_len
+
+    def _lay_out(self, x: torch.Tensor, layout) -> torch.Tensor:
+        """Packed ``x`` `(N, ...)` -> `(P, width, ...)` in ``layout``, zeros where no token is: one row gather from
+        ``x`` (a gather of whole rows is several times faster than the scatter on the CPU), then the rows without a
+        token zeroed."""
+        key = ("source", layout)
+        if key not in self._row_cache:
+            rows = self._rows(layout)
+            source = torch.zeros(self.num * self._width(layout), dtype=torch.long, device=x.device)
+            source[rows] = torch.arange(self.num_tokens, device=x.device)
+            empty = torch.ones_like(source, dtype=torch.bool).index_fill_(0, rows, False)
+            self._row_cache[key] = source, empty.nonzero().squeeze(1)
+        source, empty = self._row_cache[key]
+        return x.index_select(0, source).index_fill_(0, empty, 0).view(self.num, -1, *x.shape[1:])
+
     def by_token(self, x: torch.Tensor) -> torch.Tensor:
         """Packed ``x`` `(N, ...)` -> `(P, max_len, ...)`, token t of request i at ``[i, t]``, zeros after."""
-        out = x.new_zeros(self.num, self.max_len, *x.shape[1:])
-        out[self.req, self.offset] = x
-        return out
+        return self._lay_out(x, "token")
 
     def left_aligned(self, x: torch.Tensor) -> torch.Tensor:
         """Packed ``x`` `(N, ...)` -> `(P, max_len, ...)`, each chunk ending at the last column, zeros before."""
-        out = x.new_zeros(self.num, self.max_len, *x.shape[1:])
-        out[self.req, self.max_len - self.lengths[self.req] + self.offset] = x
-        return out
+        return self._lay_out(x, "left")
 
     def canvas(self, x: torch.Tensor, before: int = 0) -> torch.Tensor:
         """Packed ``x`` `(N, ...)` -> the block canvas `(P, before + num_blocks * W, ...)`, token at ``before +
         col``, zeros elsewhere."""
-        out = x.new_zeros(self.num, before + self.num_blocks * self.block_len, *x.shape[1:])
-        out[self.req, before + self.col] = x
-        return out
+        return self._lay_out(x, ("canvas", before))
+
+    def tokens(self, y: torch.Tensor, layout="token") -> torch.Tensor:
+        """The packed tokens `(N, ...)` of ``y`` `(P, width, ...)` in ``layout`` ("token": [`by_token`]'s,
+        ("canvas", 0): [`canvas`]'s)."""
+        return y.reshape(-1, *y.shape[2:]).index_select(0, self._rows(layout))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, seen=None) -> torch.Tensor:
@@ -302,7 +332,7 @@ class S4D:
         final = fb.s4d_final_state(batch.left_aligned(z), dt_a, b_bar)  # (P, Ds, N2, 2)
         decay = fb.pair_powers(dt_a, batch.lengths)  # (Ds, N2, P)
         carried = fb.pair_mul((decay[0].permute(2, 0, 1), decay[1].permute(2, 0, 1)), fb.complex_pair(state))
-        return y[batch.req, batch.offset], final + torch.stack(carried, -1)
+        return batch.tokens(y), final + torch.stack(carried, -1)
 
     def step(self, z: torch.Tensor, state: torch.Tensor):
         """One token of many requests: ``z`` `(B, Ds)`, ``state`` `(B, Ds, N2, 2)` -> ``y`` `(B, C, Ds)` and the new
@@ -376,7 +406,7 @@ class Unstruct:
         k = F.pad(self.taps, (0, u.shape[-1] - length))
         y = fb.spectrum_conv(u, fb.causal_spectrum(k))[..., length:]  # (P, C, Ds, max_len)
         keep = (batch.lengths[:, None] + torch.arange(length, device=u.device))[:, None].expand(-1, u.shape[1], -1)
-        return y.permute(0, 3, 1, 2)[batch.req, batch.offset], u.gather(-1, keep)
+        return batch.tokens(y.permute(0, 3, 1, 2)), u.gather(-1, keep)
 
     def step(self, z: torch.Tensor, history: torch.Tensor):
         """One token of many requests: ``z`` `(B, Ds)`, ``history`` `(B, Ds, L)` -> `(B, C, Ds)` and the history
@@ -407,6 +437,7 @@ class BSTLayerMath(nn.Module):
         self.mode = config.context_mode
         self._constants = None
         self._decode_bias = None
+        self._canvas_bias = None
         self._mf_initial = None
         self._stacked = None
         if kind == "gss":
@@ -691,24 +722,28 @@ class BSTLayerMath(nn.Module):
         cols = batch.first_col[:, None] + j
         keys[rows, cols] = torch.where(exists, old_k[rows, ring_pos % ring], 0)
         values[rows, cols] = torch.where(exists, old_v[rows, ring_pos % ring], 0)
-        nb = batch.num_blocks
-        queries = batch.canvas(q).view(batch.num, nb, w, *q.shape[1:]).transpose(2, 3)  # (P, nb, H, W, d)
-        keys = keys.unfold(1, 2 * w, w).transpose(-1, -2)  # (P, nb, H, 2W, d): blocks m - 1 and m
-        values = values.unfold(1, 2 * w, w).transpose(-1, -2)
-        c = torch.arange(2 * w, device=q.device)
-        bias = self.self_bias(c[None] - w - j[:, None]).to(q.dtype)  # (H, W, 2W): key c - W - query r
-        # One mask for every block whose previous block exists: all but a sequence's first block, the first canvas
-        # block of a new request's chunk, whose previous-block keys are masked (its own mask, P blocks).
-        missing = ((batch.first_block == 0)[:, None] & (c < w))[:, None, None, None]  # (P, 1, 1, 1, 2W)
-        first = torch.where(missing, fb.masked_fill_value(q.dtype), bias)  # (P, 1, H, W, 2W)
+        # Queries in sub-blocks of S = W / g tokens: sub-block u (canvas columns u S ..) sees the W + S key columns
+        # from u S (a query sees at most W keys before it, or W up to itself): the W + S keys of the window, against
+        # 2W for a whole block's queries, through one relative-position bias shared by all sub-blocks.
+        sub, g = self.canvas_sub_block()
+        n = batch.num_blocks * g
+        queries = batch.canvas(q).view(batch.num, n, sub, *q.shape[1:]).transpose(2, 3)  # (P, n, H, S, d)
+        keys = keys.unfold(1, w + sub, sub).transpose(-1, -2)  # (P, n, H, W + S, d)
+        values = values.unfold(1, w + sub, sub).transpose(-1, -2)
+        # The first block's g sub-blocks of a new request's chunk (its first block is the sequence's) mask the keys
+        # before the sequence (their own masks, P g sub-blocks); every other sub-block shares one mask.
+        bias, first_bias, seen, first_seen = self.canvas_bias()
+        new = (batch.first_block == 0)[:, None, None, None, None]  # (P, 1, 1, 1, 1)
+        first = torch.where(new, first_bias, bias)  # (P, g, H, S, W + S)
+        first_seen = True if first_seen is True else torch.where(new, first_seen, seen)
         out = torch.cat(
             [
-                attend(queries[:, :1], keys[:, :1], values[:, :1], first),
-                attend(queries[:, 1:], keys[:, 1:], values[:, 1:], bias),
+                attend(queries[:, :g], keys[:, :g], values[:, :g], first, first_seen),
+                attend(queries[:, g:], keys[:, g:], values[:, g:], bias, seen),
             ],
             1,
-        )  # (P, nb, H, W, d)
-        out = out.transpose(2, 3).flatten(1, 2)[batch.req, batch.col]
+        )  # (P, n, H, S, d)
+        out = batch.tokens(out.transpose(2, 3).reshape(batch.num, -1, *q.shape[1:]), ("canvas", 0))
         # The ring keeps the last R tokens: slot s holds the latest position = s (mod R) up to the chunk's end.
         s = torch.arange(ring, device=q.device)
         last = batch.last[:, None]
@@ -718,6 +753,28 @@ class BSTLayerMath(nn.Module):
         attn_k.index_copy_(0, slots, torch.where(new, k[take], old_k))
         attn_v.index_copy_(0, slots, torch.where(new, v[take], old_v))
         return out
+
+    def canvas_sub_block(self) -> tuple[int, int]:
+        """The prefill canvas's query sub-blocks: ``(S, g)``, g = 4 sub-blocks of S = W / 4 tokens per block (one
+        when 4 does not divide W)."""
+        g = 4 if self.block_len % 4 == 0 else 1
+        return self.block_len // g, g
+
+    def canvas_bias(self):
+        """The prefill canvas's self-attention masks ([`canvas_sub_block`]), computed once (serving never changes the
+        weights): the scaled T5 bias of a sub-block's S queries over its W + S keys `(H, S, W + S)` (key c at
+        relative position c - W - query r), the g masks of the first block's sub-blocks in a sequence's first block
+        (keys before the sequence masked) `(g, H, S, W + S)`, and which queries see a key under each (True: all)."""
+        if self._canvas_bias is None:
+            (sub, g), w, device = self.canvas_sub_block(), self.block_len, self.self_attn.scale.device
+            r, c = torch.arange(sub, device=device), torch.arange(w + sub, device=device)
+            bias = self.self_bias(c[None] - w - r[:, None])
+            # Sub-block u of block 0: key c is at position u S + c - W.
+            before = (torch.arange(g, device=device)[:, None] * sub + c < w)[:, None, None]  # (g, 1, 1, W + S)
+            first = torch.where(before, fb.masked_fill_value(bias.dtype), bias)
+            seen = [(m > fb.masked_fill_value(m.dtype)).any(-1, keepdim=True) for m in (bias, first)]
+            self._canvas_bias = bias, first, *(True if bool(s.all()) else s for s in seen)
+        return self._canvas_bias
 
     def _context_packed(self, x, xn, qc, batch: Prefill, state):
         """The SSM, context states and cross-attention of a BST layer over the packed chunks: `(N, H d_h)`."""
@@ -742,7 +799,7 @@ class BSTLayerMath(nn.Module):
             end = torch.div(batch.last + 1, w, rounding_mode="floor") * w - 1
             at_end = ys[batch.rows, (end - batch.first_block * w).clamp(min=0)]
             mf_last.index_copy_(0, slots, torch.where((end >= batch.p0)[:, None, None], at_end.to(last.dtype), last))
-            return out.transpose(2, 3).flatten(1, 2)[batch.req, batch.col].flatten(1)
+            return batch.tokens(out.transpose(2, 3).reshape(batch.num, -1, *qc.shape[1:]), ("canvas", 0)).flatten(1)
         ck, cv = self.lift_tokens(y)  # (N, H, d)
         ctx_k, ctx_v = self.part(state, "ctx_k"), self.part(state, "ctx_v")
         # Context canvas aligned with the queries; the first block's tokens before the chunk from the state.
@@ -759,7 +816,7 @@ class BSTLayerMath(nn.Module):
         cols = (torch.div(batch.last, w, rounding_mode="floor") - batch.first_block)[:, None] * w + j
         ctx_k.index_copy_(0, slots, keys[rows[:, None], cols])
         ctx_v.index_copy_(0, slots, values[rows[:, None], cols])
-        return out.transpose(2, 3).flatten(1, 2)[batch.req, batch.col].flatten(1)
+        return batch.tokens(out.transpose(2, 3).reshape(batch.num, -1, *qc.shape[1:]), ("canvas", 0)).flatten(1)
 
     # -- one request's chunk --------------------------------------------------------------------------------------
     def forward_chunk(self, x: torch.Tensor, p0: int, state: tuple[torch.Tensor, ...], query_block: int = 256):
