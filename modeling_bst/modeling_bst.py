@@ -31,7 +31,7 @@ from .functional_bst import (
     t5_relative_bucket,
     window_valid,
 )
-from .layout_bst import SequencePass, StepPlan, _Chunk, _Documents
+from .layout_bst import StepPlan, _Chunk, _Documents
 from .ssm_bst import ChunkTables, S4DKernel, UnstructFilter
 from .utils_bst import constant_memo, gather_rows, host_can_branch, maybe_any, on_accelerator, step_memo, tracing
 
@@ -173,11 +173,11 @@ class BSTRecurrentState(nn.Module):
         z = self.o_proj(torch.cat([r_self.flatten(-2), r_cross.flatten(-2)], -1))
         return gated_state_update(state, z, self.gate_bias)
 
-    def forward(self, k, v, previous, lengths=None, layer_cache=None, positions=None, doc_start=None, fill=False):
+    def forward(self, k, v, previous, layer_cache, chunk: _Chunk):
         """The state keys/values `(B, nb, S, H, d_h)` each block reads, from the tokens' `(B, T, H, d_h)`, in a loop."""
         (bsz, seq_len), w = k.shape[:2], self.config.block_len
         if previous is not None:
-            fresh = (positions == doc_start)[:, None, None]
+            fresh = (chunk.positions == chunk.doc_start)[:, None, None]
             state = torch.where(fresh, self.initial_state.to(k.dtype), layer_cache.rec_state.to(k.dtype))
         else:  # a fresh sequence: an empty block before the first
             state = self.initial_state.to(k.dtype).expand(bsz, -1, -1)
@@ -191,10 +191,10 @@ class BSTRecurrentState(nn.Module):
             read.append(self.keys_values(states[-1]))  # read by the block's tokens and by the update
             two = slice(start, start + 2 * w)
             states.append(self.update(states[-1], keys[:, two], values[:, two], valid[:, two], read[-1]))
-        if fill:  # the state after each row's real tokens
-            lens = lengths if lengths is not None else torch.full((bsz,), seq_len, device=k.device)
+        if chunk.fill_cache:  # the state after each row's real tokens
             with torch.no_grad():
-                self.store(layer_cache, None, torch.stack(states, 1)[torch.arange(bsz, device=k.device), lens // w])
+                last = torch.stack(states, 1)[torch.arange(bsz, device=k.device), chunk.row_lengths // w]
+                self.store(layer_cache, None, last)
         return tuple(torch.stack(x, 1) for x in zip(*read))
 
 
@@ -235,12 +235,11 @@ class BSTBlockSelfAttention(nn.Module):
         """T5 bias for relative positions `(...)` -> `(..., H)`."""
         return self.relative_bias(self.buckets(relative_position))
 
-    def forward(self, q, k, v, lengths=None, layer_cache=None, positions=None, weights=False):
-        """`(B, T, H, d_h)` each -> `(B, T, H * d_h)`, and with ``weights`` = n the first n queries' `(B, H, n, K)`."""
+    def forward(self, q, k, v, previous=None, lengths=None, weights: int = 0):
+        """`(B, T, H, d_h)` each (``previous``: the cached block's keys, values, held) -> `(B, T, H * d_h)`, and with
+        ``weights`` = n the first n queries' `(B, H, n, K)`."""
         bsz, seq_len, heads, hd = q.shape
         drop = self.config.attention_dropout if self.training else 0.0
-        continued = layer_cache is not None and positions is not None and not self.config.bidirectional
-        previous = layer_cache.window(positions, self.block_len) if continued else None  # keys, values, held
         if weights:
             out, probs = self.dense(q, k, v, previous, lengths, weights, drop)
         else:
@@ -462,8 +461,8 @@ class BSTLayer(GradientCheckpointingLayer):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, hidden_states: torch.Tensor, layer_cache: BSTLayerCache | None = None, chunk=None):
-        if chunk is None:
-            return self.sequence(hidden_states, layer_cache, SequencePass())[0]
+        if chunk is None:  # one fresh sequence of whole blocks
+            chunk = _Chunk(None, None, hidden_states.shape[:2], self.config, hidden_states.device, False)
         out = chunk.run(self, layer_cache, hidden_states)
         return out if chunk.weights else out[0]
 
@@ -487,30 +486,26 @@ class BSTDecoderLayer(BSTLayer):
         self.post_attention_norm = BSTRMSNorm(d, config.rms_norm_eps)
         self.mlp = BSTMLP(config)
 
-    def sequence(self, hidden_states, layer_cache, inputs: SequencePass):
+    def sequence(self, hidden_states, layer_cache, chunk: _Chunk):
         xn = self.dropout(self.input_norm(hidden_states))  # meliad's dropout on the norm
         q, k, v = self.self_attn.project(xn)  # (B, T, H, d_h)
-        a_self, self_w = self.self_attn(q, k, v, inputs.lengths, layer_cache, inputs.positions, inputs.weights)
-        second, positions = None, inputs.positions
+        positions, weights = chunk.positions, chunk.head if chunk.weights else 0
+        previous = None if positions is None else layer_cache.window(positions, self.config.block_len)
+        a_self, self_w = self.self_attn(q, k, v, previous, chunk.lengths, weights)
+        second = None
         if self.layer_type == "bst":  # step 3: SSM -> context states -> cross-attention
             x = self.dropout(hidden_states) if self.config.ssm_input == "raw" else xn
             keys, values, mask, zero_first = self.context(
-                self.ssm, x, layer_cache, positions, inputs.doc_start, inputs.lengths, inputs.fill_cache,
-                tables=inputs.ssm_tables,
+                self.ssm, x, layer_cache, positions, chunk.doc_start, chunk.lengths, chunk.fill_cache,
+                tables=chunk.ssm_tables,
             )  # fmt: skip
-            second = self.cross_attn(xn, keys, values, mask, zero_first, inputs.weights)
+            second = self.cross_attn(xn, keys, values, mask, zero_first, weights)
         elif self.layer_type == "recurrent":  # step 3: the recurrent state's keys/values per block -> cross-attention
-            continued = layer_cache is not None and positions is not None
-            previous = layer_cache.window(positions, self.config.block_len) if continued else None
-            keys, values = self.recurrent(
-                k, v, previous, inputs.lengths, layer_cache, positions, inputs.doc_start, inputs.fill_cache
-            )
-            second = self.cross_attn(xn, keys, values, weights=inputs.weights)
-        if inputs.fill_cache:  # the keys/values of each row's real tokens
-            lens = (
-                inputs.lengths if inputs.lengths is not None else torch.full(k.shape[:1], k.shape[1], device=k.device)
-            )
-            layer_cache.fill_ring(ATTENTION_RING, k.detach(), v.detach(), lens, self.self_attn.ring, positions)
+            keys, values = self.recurrent(k, v, previous, layer_cache, chunk)
+            second = self.cross_attn(xn, keys, values, weights=weights)
+        if chunk.fill_cache:  # the keys/values of each row's real tokens
+            ring = self.self_attn.ring
+            layer_cache.fill_ring(ATTENTION_RING, k.detach(), v.detach(), chunk.row_lengths, ring, positions)
         return self.output(hidden_states, a_self, self_w, second, self.dropout)
 
     def step(self, hidden_states, layer_cache, plan: StepPlan):
@@ -563,17 +558,15 @@ class BSTGSSLayer(BSTLayer):
     def output(self, hidden_states, y, v):
         return hidden_states + self.dropout(self.o_proj(self.y_proj(y.to(v.dtype)) * v)), None, None
 
-    def sequence(self, hidden_states, layer_cache, inputs: SequencePass):
+    def sequence(self, hidden_states, layer_cache, chunk: _Chunk):
         u, v = self.gates(hidden_states)
-        bsz, seq_len, _ = u.shape
-        lens = inputs.lengths
-        state0 = layer_cache.ssm_state if layer_cache is not None and inputs.positions is not None else None
+        seq_len, lens = u.shape[1], chunk.lengths
+        state0 = None if chunk.positions is None else layer_cache.ssm_state
         if lens is not None and self.config.bidirectional:
             u = u * (torch.arange(seq_len, device=u.device)[None] < lens[:, None]).to(u.dtype)[..., None]
         y = self.ssm(u, state0)[:, :, 0]  # (B, T, Ds)
-        if inputs.fill_cache:  # the state after each row's real tokens: the input right-aligned
-            lens = lens if lens is not None else torch.full((bsz,), seq_len, device=u.device)
-            idx = torch.arange(seq_len, device=u.device)[None] - (seq_len - lens[:, None])
+        if chunk.fill_cache:  # the state after each row's real tokens: the input right-aligned
+            idx = torch.arange(seq_len, device=u.device)[None] - (seq_len - chunk.row_lengths[:, None])
             u_right = gather_rows(u, idx.clamp(min=0)) * (idx >= 0).to(u.dtype)[..., None]
             layer_cache.set_ssm(self.ssm.final_state(u_right.detach(), state0).detach())
         return self.output(hidden_states, y, v)
