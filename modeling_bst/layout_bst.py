@@ -130,14 +130,6 @@ class _Chunk:
             hidden = gather_rows(hidden, self.column_index) * self.mask[..., None].to(hidden.dtype)
         return hidden
 
-    def into_layers(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The caller's columns `(B, T, D)` -> what the first layer reads."""
-        return hidden if self.columns or not self.fresh else self.to_blocks(hidden)
-
-    def out_of_layers(self, hidden: torch.Tensor) -> torch.Tensor:
-        """What the last layer returns -> the caller's columns `(B, T, D)` (zero at padding)."""
-        return hidden if self.columns or not self.fresh else self.from_blocks(hidden)
-
     def run(self, layer, layer_cache, hidden):
         """One layer over the chunk -> hidden states, the self- and second attention weights (None without)."""
         head, tail = (hidden[:, : self.head], hidden[:, self.head :]) if self.columns else (hidden, hidden)  # one used
