@@ -1,49 +1,10 @@
 """How one forward's input reaches the layers: block layout, full-sequence part and steps, packed documents."""
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from .cache_bst import MAX_ROLLBACK
 from .utils_bst import gather_rows, host_can_branch
-
-
-class _Layout:
-    """A padded batch in the caller's columns <-> rows from their first real token, right-padded to a multiple of W."""
-
-    def __init__(self, attention_mask, shape, block_len: int, device, check: bool):
-        bsz, seq_len = shape
-        self.seq_len = seq_len
-        self.padded_len = -(-seq_len // block_len) * block_len
-        self.mask = None
-        if attention_mask is None:
-            self.lengths = torch.full((bsz,), seq_len, dtype=torch.long, device=device)
-        else:
-            mask = attention_mask[:, -seq_len:].bool()
-            if check and not bool(mask.any(-1).all()):
-                raise ValueError("attention_mask has a row without any real token.")
-            self.mask = mask
-            self.lengths = mask.sum(-1)
-            # Real tokens first, in order: aligned index j of row b holds column order[b, j].
-            self.order = torch.argsort((~mask).to(torch.uint8), dim=-1, stable=True)
-            # Aligned index of every column (valid where mask).
-            self.column_index = (mask.long().cumsum(-1) - 1).clamp(min=0)
-            self.real = torch.arange(seq_len, device=device)[None] < self.lengths[:, None]  # (B, T) aligned
-        self.layer_lengths = self.lengths if (self.mask is not None or self.padded_len != seq_len) else None
-
-    def to_blocks(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Caller's layout `(B, T, D)` -> aligned, right-padded `(B, T_pad, D)`; padding positions are zero."""
-        if self.mask is not None:
-            hidden = gather_rows(hidden, self.order) * self.real[..., None].to(hidden.dtype)
-        return F.pad(hidden, (0, 0, 0, self.padded_len - self.seq_len))
-
-    def from_blocks(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Inverse of [`to_blocks`]: `(B, T_pad, D)` -> `(B, T, D)`; padding positions get zero hidden states."""
-        hidden = hidden[:, : self.seq_len]
-        if self.mask is not None:
-            hidden = gather_rows(hidden, self.column_index) * self.mask[..., None].to(hidden.dtype)
-        return hidden
 
 
 def _step_weights_by_column(weights: torch.Tensor, kpos: torch.Tensor, positions: torch.Tensor, newest: int):
@@ -53,18 +14,6 @@ def _step_weights_by_column(weights: torch.Tensor, kpos: torch.Tensor, positions
     out = weights.new_zeros(weights.shape[:-1] + (newest + 1,))
     index = column.clamp(min=0)[:, None, None, :].expand_as(weights)
     return out.scatter_add(-1, index, weights * valid[:, None, None, :].to(weights.dtype))
-
-
-@dataclass
-class SequencePass:
-    """What the full-sequence form of one forward shares across the layers."""
-
-    lengths: torch.Tensor | None = None  # real tokens per row (None: all)
-    positions: torch.Tensor | None = None  # a chunk continuing the cache: its rows' positions (None: fresh)
-    doc_start: torch.Tensor | None = None
-    fill_cache: bool = False  # layers write the cache
-    weights: int = 0  # layers return attention weights of this many leading positions
-    ssm_tables: object = None  # the forward's S4D chunk tables, shared by the layers (``ssm_bst.ChunkTables``)
 
 
 class StepPlan:
@@ -106,7 +55,7 @@ class StepPlan:
 
 class _Chunk:
     """One forward's input as a chunk continuing the cache: the full-sequence form over the first ``head`` columns,
-    one-token steps over the rest (docs/architecture.md, "A forward's layout")."""
+    one-token steps over the rest; what the full-sequence form of every layer reads (docs/architecture.md)."""
 
     def __init__(
         self, cache, attention_mask, shape, config, device, check: bool, memo=None, weights=False, columns=False
@@ -117,11 +66,12 @@ class _Chunk:
         self.rows = None if cache is None else cache.layers[0]
         self.fresh = cache is None or self.rows.is_empty
         self.record = cache is not None and self.rows.record_past
-        self.layout, self.common, self.plans = None, None, None
-        self.ssm_tables = None  # set by the model: its S4D kernels' chunk tables for this forward
+        self.fill_cache = cache is not None  # layers write the cache
+        self.plans = self.ssm_tables = self.mask = None  # ssm_tables: the model's S4D chunk tables for this forward
+        self.positions = self.doc_start = self.lengths = None  # a continued chunk's row state; real tokens per row
         if self.fresh:
             head = seq_len
-            if self.record and seq_len > 1:
+            if self.record and seq_len > 1:  # the last positions run as steps, which ``crop`` can take back
                 head = seq_len - min(seq_len - 1, MAX_ROLLBACK)
                 if attention_mask is not None:
                     real = attention_mask[:, -seq_len:].bool()
@@ -130,12 +80,7 @@ class _Chunk:
                     # and every row's first real token (a left-padded row's head is not all padding)
                     head = max(head, int(real.to(torch.uint8).argmax(-1).max()) + 1)
             mask = None if attention_mask is None else attention_mask[:, -seq_len:][:, :head]
-            self.layout = _Layout(mask, (bsz, head), w, device, check)
-            self.common = head
-            if self.layout.mask is not None:
-                lengths = self.layout.lengths
-                same = host_can_branch(lengths) and bool((lengths == lengths[0]).all())
-                self.common = int(lengths[0]) if same else None
+            self.lay_out(mask, bsz, head, device, check)
         else:
             if seq_len > 1 and attention_mask is not None and host_can_branch(attention_mask):
                 if not bool(attention_mask[:, -seq_len:].all()):
@@ -143,35 +88,56 @@ class _Chunk:
                         "Padding inside a continued sequence cannot be honoured by the recurrent cache: pad the "
                         "first chunk only."
                     )
+            self.positions, self.doc_start = self.rows.positions, self.rows.doc_start
             # A decode step (seq_len 1) reads no host mirror of a position: one traced step serves every position.
             common = self.rows.common_position if seq_len > 1 and seq_len % w == 0 and not self.record else None
             head = seq_len if common is not None and common % w == 0 and self.rows.docs_on_grid else 0
+            if head:  # every row whole
+                self.row_lengths = torch.full((bsz,), seq_len, dtype=torch.long, device=device)
         self.head = head
         self.columns = columns or 0 < head < seq_len
 
-    def into_layers(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The caller's columns `(B, T, D)` -> what the first layer reads."""
-        return hidden if self.columns or not self.fresh else self.layout.to_blocks(hidden)
+    def lay_out(self, attention_mask, bsz: int, head: int, device, check: bool):
+        """The block layout of the first ``head`` columns: rows from their first real token, right-padded to a
+        multiple of W."""
+        self.padded_len = -(-head // self.block_len) * self.block_len
+        self.common = head  # the rows' common length (None: they differ)
+        if attention_mask is None:
+            self.row_lengths = torch.full((bsz,), head, dtype=torch.long, device=device)
+        else:
+            mask = attention_mask.bool()
+            if check and not bool(mask.any(-1).all()):
+                raise ValueError("attention_mask has a row without any real token.")
+            self.mask, self.row_lengths = mask, mask.sum(-1)
+            # Real tokens first, in order: aligned index j of row b holds column order[b, j].
+            self.order = torch.argsort((~mask).to(torch.uint8), dim=-1, stable=True)
+            self.column_index = (mask.long().cumsum(-1) - 1).clamp(min=0)  # aligned index of every column
+            self.real = torch.arange(head, device=device)[None] < self.row_lengths[:, None]  # (B, T) aligned
+            same = host_can_branch(self.row_lengths) and bool((self.row_lengths == self.row_lengths[0]).all())
+            self.common = int(self.row_lengths[0]) if same else None
+        self.lengths = self.row_lengths if (self.mask is not None or self.padded_len != head) else None
 
-    def out_of_layers(self, hidden: torch.Tensor) -> torch.Tensor:
-        """What the last layer returns -> the caller's columns `(B, T, D)` (zero at padding)."""
-        return hidden if self.columns or not self.fresh else self.layout.from_blocks(hidden)
+    def to_blocks(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Caller's layout `(B, T, D)` -> aligned, right-padded `(B, T_pad, D)`; padding positions are zero."""
+        if self.mask is not None:
+            hidden = gather_rows(hidden, self.order) * self.real[..., None].to(hidden.dtype)
+        return F.pad(hidden, (0, 0, 0, self.padded_len - self.head))
+
+    def from_blocks(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Inverse of [`to_blocks`]: `(B, T_pad, D)` -> `(B, T, D)`; padding positions get zero hidden states."""
+        hidden = hidden[:, : self.head]
+        if self.mask is not None:
+            hidden = gather_rows(hidden, self.column_index) * self.mask[..., None].to(hidden.dtype)
+        return hidden
 
     def run(self, layer, layer_cache, hidden):
-        """One layer over the chunk -> hidden states, with ``weights`` the self- and second attention weights."""
+        """One layer over the chunk -> hidden states, the self- and second attention weights (None without)."""
         head, tail = (hidden[:, : self.head], hidden[:, self.head :]) if self.columns else (hidden, hidden)  # one used
         attn = cross = None
         if self.head:
-            n = self.head if self.weights else 0
-            if self.fresh:
-                inputs = SequencePass(self.layout.layer_lengths, None, None, layer_cache is not None, n)
-                head = self.layout.to_blocks(head) if self.columns else head
-            else:
-                inputs = SequencePass(None, self.rows.positions, self.rows.doc_start, True, n)
-            inputs.ssm_tables = self.ssm_tables
-            head, attn, cross = layer.sequence(head, layer_cache, inputs)
-            if self.fresh and self.columns:
-                head = self.layout.from_blocks(head)
+            blocks = self.fresh and self.columns
+            head, attn, cross = layer.sequence(self.to_blocks(head) if blocks else head, layer_cache, self)
+            head = self.from_blocks(head) if blocks else head
         if self.head < self.seq_len:
             tail, tail_attn, tail_cross = self.steps(layer, layer_cache, tail)
             if attn is not None:  # the steps see more keys than the full-sequence part
@@ -185,9 +151,9 @@ class _Chunk:
         """One [`StepPlan`] per step of the tail, shared by every layer."""
         if self.plans is None:
             if self.fresh:
-                start, doc_start = self.layout.lengths, torch.zeros_like(self.layout.lengths)
+                start, doc_start = self.row_lengths, torch.zeros_like(self.row_lengths)
             else:
-                start, doc_start = self.rows.positions, self.rows.doc_start
+                start, doc_start = self.positions, self.doc_start
             self.plans = [
                 StepPlan(start if t == 0 else start + t, doc_start, self.block_len, self.memo, self.weights)
                 for t in range(n)
@@ -218,7 +184,7 @@ class _Chunk:
         if self.rows is None:
             return
         if self.fresh:
-            self.rows.start(self.layout.lengths, self.head, self.common)
+            self.rows.start(self.row_lengths, self.head, self.common)
             if self.head < self.seq_len:
                 self.rows.advance(self.seq_len - self.head)
         else:

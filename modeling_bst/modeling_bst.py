@@ -31,7 +31,7 @@ from .functional_bst import (
     t5_relative_bucket,
     window_valid,
 )
-from .layout_bst import SequencePass, StepPlan, _Chunk, _Documents
+from .layout_bst import StepPlan, _Chunk, _Documents
 from .ssm_bst import ChunkTables, S4DKernel, UnstructFilter
 from .utils_bst import constant_memo, gather_rows, host_can_branch, maybe_any, on_accelerator, step_memo, tracing
 
@@ -64,19 +64,18 @@ def eager_attention_forward(module, query, key, value, attention_mask, dropout=0
         return _contiguous_as(torch.matmul(weights, v).transpose(1, 2), dtype), weights
 
 
-def attention(module, q, k, v, mask, dropout, return_weights: bool = False, absent=None):
-    """Unscaled attention on the model's interface, `(N, H, L, d)` -> `(N, Lq, H, d)` (and weights)."""
+def attention(module, q, k, v, mask, dropout, absent=None):
+    """Unscaled attention on the model's interface, `(N, H, L, d)` -> `(N, Lq, H, d)` and the weights (eager: in the
+    compute dtype; else None)."""
     implementation = module.config._attn_implementation
-    if implementation == "eager" or (not return_weights and mask is not None and learned_mask_path(module, mask)):
-        out, weights = eager_attention_forward(module, q, k, v, mask, dropout, absent)
-    else:
-        if absent is not None:
-            mask = mask.masked_fill(absent, masked_fill_value(mask.dtype))
-        if torch.compiler.is_compiling():  # inductor may hand CPU flash attention a strided key: wrong values
-            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-        out, weights = interface(module, q, k, v, mask, dropout=dropout, scaling=1.0, is_causal=False)
-    return (out, None if weights is None else weights.to(q.dtype)) if return_weights else out
+    if implementation == "eager" or (mask is not None and learned_mask_path(module, mask)):
+        return eager_attention_forward(module, q, k, v, mask, dropout, absent)
+    if absent is not None:
+        mask = mask.masked_fill(absent, masked_fill_value(mask.dtype))
+    if torch.compiler.is_compiling():  # inductor may hand CPU flash attention a strided key: wrong values
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+    return interface(module, q, k, v, mask, dropout=dropout, scaling=1.0, is_causal=False)
 
 
 def _input_shape(input_ids, inputs_embeds) -> tuple[int, int]:
@@ -92,16 +91,12 @@ def query_chunk(config: BSTConfig, q: torch.Tensor) -> int:
     return config.block_len if on_accelerator(q) else config.resolved_attention_query_chunk
 
 
-def _plain(m) -> bool:
-    return not (m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__)
-
-
 def plain_linears(*modules) -> bool:
-    """Whether ``modules`` are plain bias-free ``nn.Linear`` of one dtype and device: their weights may be stacked."""
-    first = modules[0].weight if isinstance(modules[0], nn.Linear) else None
-    return first is not None and all(
-        type(m) is nn.Linear and type(m.weight) is nn.Parameter and m.bias is None and _plain(m)
-        and m.weight.dtype == first.dtype and m.weight.device == first.device
+    """Whether ``modules`` are plain bias-free ``nn.Linear`` (no hooks, one dtype and device): weights may be stacked."""
+    return all(
+        type(m) is nn.Linear and type(m.weight) is nn.Parameter and m.bias is None
+        and not (m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__)
+        and (m.weight.dtype, m.weight.device) == (modules[0].weight.dtype, modules[0].weight.device)
         for m in modules
     )  # fmt: skip
 
@@ -166,18 +161,18 @@ class BSTRecurrentState(nn.Module):
             q, q2 = l2_normalize(q), l2_normalize(q2)
         q = q * self.self_scale.to(q.dtype)[:, None]
         q2 = q2 * self.cross_scale.to(q2.dtype)[:, None]
-        r_self = attention(self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, 0.0)
+        r_self = attention(self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, 0.0)[0]
         mask = additive_mask(token_valid, q2.dtype)[:, None, None, :]
-        r_cross = attention(self, q2.transpose(1, 2), token_k.transpose(1, 2), token_v.transpose(1, 2), mask, 0.0)
+        r_cross = attention(self, q2.transpose(1, 2), token_k.transpose(1, 2), token_v.transpose(1, 2), mask, 0.0)[0]
         r_cross = r_cross * token_valid.any(-1).to(r_cross.dtype)[:, None, None, None]
         z = self.o_proj(torch.cat([r_self.flatten(-2), r_cross.flatten(-2)], -1))
         return gated_state_update(state, z, self.gate_bias)
 
-    def forward(self, k, v, previous, lengths=None, layer_cache=None, positions=None, doc_start=None, fill=False):
+    def forward(self, k, v, previous, layer_cache, chunk: _Chunk):
         """The state keys/values `(B, nb, S, H, d_h)` each block reads, from the tokens' `(B, T, H, d_h)`, in a loop."""
         (bsz, seq_len), w = k.shape[:2], self.config.block_len
         if previous is not None:
-            fresh = (positions == doc_start)[:, None, None]
+            fresh = (chunk.positions == chunk.doc_start)[:, None, None]
             state = torch.where(fresh, self.initial_state.to(k.dtype), layer_cache.rec_state.to(k.dtype))
         else:  # a fresh sequence: an empty block before the first
             state = self.initial_state.to(k.dtype).expand(bsz, -1, -1)
@@ -191,10 +186,10 @@ class BSTRecurrentState(nn.Module):
             read.append(self.keys_values(states[-1]))  # read by the block's tokens and by the update
             two = slice(start, start + 2 * w)
             states.append(self.update(states[-1], keys[:, two], values[:, two], valid[:, two], read[-1]))
-        if fill:  # the state after each row's real tokens
-            lens = lengths if lengths is not None else torch.full((bsz,), seq_len, device=k.device)
+        if chunk.fill_cache:  # the state after each row's real tokens
             with torch.no_grad():
-                self.store(layer_cache, None, torch.stack(states, 1)[torch.arange(bsz, device=k.device), lens // w])
+                last = torch.stack(states, 1)[torch.arange(bsz, device=k.device), chunk.row_lengths // w]
+                self.store(layer_cache, None, last)
         return tuple(torch.stack(x, 1) for x in zip(*read))
 
 
@@ -235,39 +230,13 @@ class BSTBlockSelfAttention(nn.Module):
         """T5 bias for relative positions `(...)` -> `(..., H)`."""
         return self.relative_bias(self.buckets(relative_position))
 
-    def forward(self, q, k, v, lengths=None, layer_cache=None, positions=None, weights=False):
-        """`(B, T, H, d_h)` each -> `(B, T, H * d_h)`, and with ``weights`` = n the first n queries' `(B, H, n, K)`."""
+    def forward(self, q, k, v, previous=None, lengths=None, weights: int = 0):
+        """`(B, T, H, d_h)` each (``previous``: the cached block's keys, values, held) -> `(B, T, H * d_h)`, and with
+        ``weights`` = n the first n queries' `(B, H, n, K)` by key column (K = n, or W + n after a cached block)."""
         bsz, seq_len, heads, hd = q.shape
         drop = self.config.attention_dropout if self.training else 0.0
-        continued = layer_cache is not None and positions is not None and not self.config.bidirectional
-        previous = layer_cache.window(positions, self.block_len) if continued else None  # keys, values, held
-        if weights:
-            out, probs = self.dense(q, k, v, previous, lengths, weights, drop)
-        else:
-            out, probs = self.windowed(q, k, v, previous, lengths, drop), None
+        out, probs = self.windowed(q, k, v, previous, lengths, drop, weights)
         return out.reshape(bsz, seq_len, heads * hd), probs
-
-    def dense(self, q, k, v, previous, lengths, n: int, dropout):
-        """Every query over every key under one mask: the first n queries' output (zeros after) and weights."""
-        seq_len, w = q.shape[1], self.block_len
-        first = 0 if previous is None else -w
-        if previous is not None:
-            k, v = torch.cat([previous[0].to(k.dtype), k], 1), torch.cat([previous[1].to(v.dtype), v], 1)
-        key_pos, q_pos = torch.arange(first, seq_len, device=q.device), torch.arange(seq_len, device=q.device)
-        rel = key_pos[None] - q_pos[:, None]  # (T, K)
-        if self.config.bidirectional:
-            ok = ((torch.div(key_pos, w, rounding_mode="floor")[None] - q_pos[:, None] // w).abs() <= 1)[None]
-            ok = ok if lengths is None else ok & (key_pos < lengths[:, None, None])
-        else:
-            ok = window_valid(rel, w, self.config.attend_self)[None]
-            ok = ok if previous is None else ok & F.pad(previous[2], (0, seq_len), value=True)[:, None, :]
-        bias = (self.bias(rel).to(q.dtype) * self.scale.to(q.dtype)).permute(2, 0, 1)  # (H, T, K)
-        mask = bias[None].masked_fill(~ok[:, None], masked_fill_value(q.dtype))
-        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        probs = eager_attention_forward(self, qt, kt, vt, mask, dropout)[1].to(q.dtype)
-        probs = (probs * ok.any(-1)[:, None, :, None].to(probs.dtype))[:, :, :n, : n - first]  # no key: zeros
-        out = torch.matmul(probs, vt[:, :, : n - first]).transpose(1, 2)
-        return F.pad(out, (0, 0, 0, 0, 0, seq_len - n)), probs
 
     def window_bias(self, chunk: int, span: int, dtype, device) -> torch.Tensor:
         """Additive mask `(H, c, K)` of c queries over ``span`` keys from -W on (docs/architecture.md)."""
@@ -279,11 +248,7 @@ class BSTBlockSelfAttention(nn.Module):
             return self.buckets(distances), None if self.config.bidirectional else outside
 
         buckets, outside = constant_memo(self, ("window", chunk, span, str(device)), build)
-        table = self.relative_bias
-        if type(table) is nn.Embedding and table.max_norm is None and _plain(table):  # scale the table, then look up
-            per_distance = F.embedding(buckets, self.relative_bias.weight * self.scale).to(dtype)  # (n, H)
-        else:
-            per_distance = self.relative_bias(buckets).to(dtype) * self.scale.to(dtype)
+        per_distance = (self.relative_bias(buckets) * self.scale).to(dtype)  # (n, H)
         if outside is not None:
             per_distance = per_distance.masked_fill(outside, masked_fill_value(dtype))
         per_distance = per_distance.t()  # (H, n), n = K + c - 1
@@ -307,12 +272,13 @@ class BSTBlockSelfAttention(nn.Module):
         absent = constant_memo(self, ("absent", seq_len, chunk, span, str(device)), lambda: outside(seq_len))
         return absent.expand(bsz, -1, -1).reshape(-1, 1, 1, span)
 
-    def windowed(self, q, k, v, previous, lengths, dropout):
-        """Queries in windows of c ([`query_chunk`]) over the keys each reaches, in one attention call."""
+    def windowed(self, q, k, v, previous, lengths, dropout, weights: int = 0):
+        """Queries in windows of c ([`query_chunk`]; with ``weights``, one window) over the keys each reaches, in one
+        attention call -> `(B, T, H, d_h)` and the weights [`forward`] returns (or None)."""
         bsz, seq_len, heads, hd = q.shape
         w, bidirectional = self.block_len, self.config.bidirectional
-        chunk = w if bidirectional else query_chunk(self.config, q)
-        span = 3 * w if bidirectional else w + chunk
+        chunk = seq_len if weights else w if bidirectional else query_chunk(self.config, q)
+        span = w + chunk + (w if bidirectional else 0)
         n = bsz * (seq_len // chunk)
         if previous is None:
             pad = (0, 0, 0, 0, w, span - w - chunk)
@@ -323,22 +289,34 @@ class BSTBlockSelfAttention(nn.Module):
         keys, values = (x.unfold(1, span, chunk).permute(0, 1, 2, 4, 3).reshape(n, heads, span, hd) for x in (kp, vp))
         queries = q.reshape(n, chunk, heads, hd).transpose(1, 2)  # (n, H, c, d)
         absent = self.keys_absent(previous, lengths, bsz, seq_len, chunk, span, q.device)
+        if weights and bidirectional:  # one window: each query over its own and the adjacent blocks
+            block = torch.arange(-w, seq_len + w, device=q.device) // w
+            absent = absent | ((block[None] - block[w : w + seq_len, None]).abs() > 1)
         bias = self.window_bias(chunk, span, q.dtype, q.device)  # (H, c, K)
-        if bidirectional or on_accelerator(q) or learned_mask_path(self, bias):
-            out = attention(self, queries, keys, values, bias, dropout, absent=absent)
-            if bidirectional:
-                out = out * (~absent).any(-1)[..., None].to(out.dtype)
-            return self.first_query(out.view(bsz, seq_len, heads, hd), previous)
+        if weights or bidirectional or on_accelerator(q) or learned_mask_path(self, bias):
+            out, probs = attention(self, queries, keys, values, bias, dropout, absent=absent)
+            if bidirectional:  # a query without any key gets zeros
+                keep = (~absent).any(-1).transpose(1, 2)[..., None].to(out.dtype)  # (n, c, 1, 1)
+                out, probs = out * keep, (probs.transpose(1, 2) * keep).transpose(1, 2) if weights else None
+            if weights:  # the first n queries' output from the weights returned (zeros after)
+                probs = self.first_query(probs.to(q.dtype).transpose(1, 2), previous).transpose(1, 2)
+                keys_from = slice(
+                    w if previous is None else 0, w + weights
+                )  # the first token's, or the cached block's
+                probs = probs[:, :, :weights, keys_from]
+                out = torch.matmul(probs, values[:, :, keys_from]).transpose(1, 2)
+                return F.pad(out, (0, 0, 0, 0, 0, seq_len - weights)), probs
+            return self.first_query(out.view(bsz, seq_len, heads, hd), previous), None
         # CPU inference: every window under the shared 4-D bias (SDPA's fused kernel), then block 0's windows again
         # with their absent keys masked
-        out = attention(self, queries, keys, values, bias[None], dropout).view(bsz, seq_len, heads, hd)
+        out = attention(self, queries, keys, values, bias[None], dropout)[0].view(bsz, seq_len, heads, hd)
         first, per_row = w // chunk, seq_len // chunk
 
         def block0(x):
             return x.view(bsz, per_row, *x.shape[1:])[:, :first].reshape(bsz * first, *x.shape[1:])
 
-        head = attention(self, block0(queries), block0(keys), block0(values), bias, dropout, absent=block0(absent))
-        return self.first_query(torch.cat([head.reshape(bsz, w, heads, hd), out[:, w:]], 1), previous)
+        head = attention(self, block0(queries), block0(keys), block0(values), bias, dropout, absent=block0(absent))[0]
+        return self.first_query(torch.cat([head.reshape(bsz, w, heads, hd), out[:, w:]], 1), previous), None
 
     def first_query(self, out, previous):
         """Without ``attend_self`` the first query sees only the cached block: zeros where none of it is held."""
@@ -364,10 +342,8 @@ class BSTBlockSelfAttention(nn.Module):
 
         column, any_key = plan.get(("window", self.ring), window)
         bias = self.step_bias_table(plan.memo, q.dtype)[:, column].transpose(0, 1)[:, :, None, :]  # (B, H, 1, R)
-        out, probs = attention(
-            self, q.transpose(1, 2), ring_k.transpose(1, 2), ring_v.transpose(1, 2), bias, 0.0, True
-        )
-        probs = probs * any_key if plan.weights else None
+        out, probs = attention(self, q.transpose(1, 2), ring_k.transpose(1, 2), ring_v.transpose(1, 2), bias, 0.0)
+        probs = probs.to(q.dtype) * any_key if plan.weights else None
         return (out * any_key).reshape(bsz, 1, heads * hd), probs, (ring_k, ring_v, kpos)
 
     def step_bias_table(self, memo, dtype):
@@ -411,31 +387,35 @@ class BSTCrossAttention(nn.Module):
         kb, vb = (x.reshape(bsz * nb, s, heads, hd).transpose(1, 2) for x in (keys, values))
         chunk = w if weights or mask is None else query_chunk(cfg, q)
         if chunk == w:
-            result = attention(self, qb, kb, vb, mask, drop, weights)
-            out, probs = result if weights else (result, None)
+            out, probs = attention(self, qb, kb, vb, mask, drop)
         else:  # triangular mask: a chunk's queries see the states up to the chunk's end
             parts = [
                 attention(self, qb[:, :, i : i + chunk], kb[:, :, : i + chunk], vb[:, :, : i + chunk],
-                          mask[i : i + chunk, : i + chunk], drop)
+                          mask[i : i + chunk, : i + chunk], drop)[0]
                 for i in range(0, w, chunk)
             ]  # fmt: skip
             out, probs = torch.cat(parts, 1), None
-        if zero_first:
-            out = torch.cat([torch.zeros_like(out[:, :1]), out[:, 1:]], 1)
+        if zero_first:  # each block's first query gets zeros
+            out = F.pad(out[:, 1:], (0, 0, 0, 0, 1, 0))
+            probs = F.pad(probs[:, :, 1:], (0, 0, 1, 0)) if weights else None
         if weights:  # (B nb, H, W, S) -> (B, H, T, S)
-            if zero_first:
-                probs = torch.cat([torch.zeros_like(probs[:, :, :1]), probs[:, :, 1:]], 2)
-            probs = probs.view(bsz, nb, heads, w, s).transpose(1, 2).reshape(bsz, heads, seq_len, s)[:, :, :weights]
-        return out.reshape(bsz, seq_len, heads * hd), probs
+            probs = (
+                probs.to(q.dtype)
+                .view(bsz, nb, heads, w, s)
+                .transpose(1, 2)
+                .reshape(bsz, heads, seq_len, s)[:, :, :weights]
+            )
+        return out.reshape(bsz, seq_len, heads * hd), probs if weights else None
 
     def step(self, xn, keys, values, mask=None, any_valid=None, weights=False):
         """One token `(B, 1, D)` over `(B, S, H, d_h)` states -> `(B, 1, H d_h)` (zeros without ``any_valid``)."""
         q = self.query(xn).transpose(1, 2)  # (B, H, 1, d)
-        out, probs = attention(self, q, keys.transpose(1, 2), values.transpose(1, 2), mask, 0.0, True)
+        out, probs = attention(self, q, keys.transpose(1, 2), values.transpose(1, 2), mask, 0.0)
+        probs = probs.to(q.dtype) if weights else None
         if any_valid is not None:
             keep = any_valid.to(out.dtype)[:, None, None, None]
             out, probs = out * keep, probs * keep if weights else None
-        return out.reshape(xn.shape[0], 1, -1), probs if weights else None
+        return out.reshape(xn.shape[0], 1, -1), probs
 
 
 class BSTMLP(nn.Module):
@@ -462,8 +442,8 @@ class BSTLayer(GradientCheckpointingLayer):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, hidden_states: torch.Tensor, layer_cache: BSTLayerCache | None = None, chunk=None):
-        if chunk is None:
-            return self.sequence(hidden_states, layer_cache, SequencePass())[0]
+        if chunk is None:  # one fresh sequence of whole blocks
+            chunk = _Chunk(None, None, hidden_states.shape[:2], self.config, hidden_states.device, False)
         out = chunk.run(self, layer_cache, hidden_states)
         return out if chunk.weights else out[0]
 
@@ -487,30 +467,26 @@ class BSTDecoderLayer(BSTLayer):
         self.post_attention_norm = BSTRMSNorm(d, config.rms_norm_eps)
         self.mlp = BSTMLP(config)
 
-    def sequence(self, hidden_states, layer_cache, inputs: SequencePass):
+    def sequence(self, hidden_states, layer_cache, chunk: _Chunk):
         xn = self.dropout(self.input_norm(hidden_states))  # meliad's dropout on the norm
         q, k, v = self.self_attn.project(xn)  # (B, T, H, d_h)
-        a_self, self_w = self.self_attn(q, k, v, inputs.lengths, layer_cache, inputs.positions, inputs.weights)
-        second, positions = None, inputs.positions
+        positions, weights = chunk.positions, chunk.head if chunk.weights else 0
+        previous = None if positions is None else layer_cache.window(positions, self.config.block_len)
+        a_self, self_w = self.self_attn(q, k, v, previous, chunk.lengths, weights)
+        second = None
         if self.layer_type == "bst":  # step 3: SSM -> context states -> cross-attention
             x = self.dropout(hidden_states) if self.config.ssm_input == "raw" else xn
             keys, values, mask, zero_first = self.context(
-                self.ssm, x, layer_cache, positions, inputs.doc_start, inputs.lengths, inputs.fill_cache,
-                tables=inputs.ssm_tables,
+                self.ssm, x, layer_cache, positions, chunk.doc_start, chunk.lengths, chunk.fill_cache,
+                tables=chunk.ssm_tables,
             )  # fmt: skip
-            second = self.cross_attn(xn, keys, values, mask, zero_first, inputs.weights)
+            second = self.cross_attn(xn, keys, values, mask, zero_first, weights)
         elif self.layer_type == "recurrent":  # step 3: the recurrent state's keys/values per block -> cross-attention
-            continued = layer_cache is not None and positions is not None
-            previous = layer_cache.window(positions, self.config.block_len) if continued else None
-            keys, values = self.recurrent(
-                k, v, previous, inputs.lengths, layer_cache, positions, inputs.doc_start, inputs.fill_cache
-            )
-            second = self.cross_attn(xn, keys, values, weights=inputs.weights)
-        if inputs.fill_cache:  # the keys/values of each row's real tokens
-            lens = (
-                inputs.lengths if inputs.lengths is not None else torch.full(k.shape[:1], k.shape[1], device=k.device)
-            )
-            layer_cache.fill_ring(ATTENTION_RING, k.detach(), v.detach(), lens, self.self_attn.ring, positions)
+            keys, values = self.recurrent(k, v, previous, layer_cache, chunk)
+            second = self.cross_attn(xn, keys, values, weights=weights)
+        if chunk.fill_cache:  # the keys/values of each row's real tokens
+            ring = self.self_attn.ring
+            layer_cache.fill_ring(ATTENTION_RING, k.detach(), v.detach(), chunk.row_lengths, ring, positions)
         return self.output(hidden_states, a_self, self_w, second, self.dropout)
 
     def step(self, hidden_states, layer_cache, plan: StepPlan):
@@ -563,17 +539,15 @@ class BSTGSSLayer(BSTLayer):
     def output(self, hidden_states, y, v):
         return hidden_states + self.dropout(self.o_proj(self.y_proj(y.to(v.dtype)) * v)), None, None
 
-    def sequence(self, hidden_states, layer_cache, inputs: SequencePass):
+    def sequence(self, hidden_states, layer_cache, chunk: _Chunk):
         u, v = self.gates(hidden_states)
-        bsz, seq_len, _ = u.shape
-        lens = inputs.lengths
-        state0 = layer_cache.ssm_state if layer_cache is not None and inputs.positions is not None else None
+        seq_len, lens = u.shape[1], chunk.lengths
+        state0 = None if chunk.positions is None else layer_cache.ssm_state
         if lens is not None and self.config.bidirectional:
             u = u * (torch.arange(seq_len, device=u.device)[None] < lens[:, None]).to(u.dtype)[..., None]
         y = self.ssm(u, state0)[:, :, 0]  # (B, T, Ds)
-        if inputs.fill_cache:  # the state after each row's real tokens: the input right-aligned
-            lens = lens if lens is not None else torch.full((bsz,), seq_len, device=u.device)
-            idx = torch.arange(seq_len, device=u.device)[None] - (seq_len - lens[:, None])
+        if chunk.fill_cache:  # the state after each row's real tokens: the input right-aligned
+            idx = torch.arange(seq_len, device=u.device)[None] - (seq_len - chunk.row_lengths[:, None])
             u_right = gather_rows(u, idx.clamp(min=0)) * (idx >= 0).to(u.dtype)[..., None]
             layer_cache.set_ssm(self.ssm.final_state(u_right.detach(), state0).detach())
         return self.output(hidden_states, y, v)
@@ -584,23 +558,6 @@ class BSTGSSLayer(BSTLayer):
         y, state = self.ssm.step(u[:, 0], layer_cache.ssm_state, constants)  # y (B, 1, Ds)
         layer_cache.set_ssm(state)
         return self.output(hidden_states, y, v)
-
-
-def load_offloaded_layers_whole(model):
-    """Makes each decoder layer that a ``device_map`` offloaded load all its weights when called."""
-    for name, layer in model.named_modules():
-        hooks = [h for m in layer.modules() if getattr(h := getattr(m, "_hf_hook", None), "offload", False)]
-        if type(layer).__name__ not in model._no_split_modules or not hooks:
-            continue
-        from accelerate.hooks import attach_align_device_hook, remove_hook_from_submodules
-
-        hook = hooks[0]
-        remove_hook_from_submodules(layer)
-        attach_align_device_hook(
-            layer, execution_device=hook.execution_device, offload=True, weights_map=hook.weights_map.dataset,
-            offload_buffers=hook.offload_buffers, module_name=name, skip_keys=hook.skip_keys,
-            preload_module_classes=[type(layer).__name__], tied_params_map=hook.tied_params_map,
-        )  # fmt: skip
 
 
 class BSTPreTrainedModel(PreTrainedModel):
@@ -666,9 +623,23 @@ class BSTPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """[`PreTrainedModel.from_pretrained`]; offloaded layers load whole ([`load_offloaded_layers_whole`])."""
+        """[`PreTrainedModel.from_pretrained`]; each decoder layer a ``device_map`` offloaded loads all its weights
+        when called (accelerate's ``preload_module_classes``, which transformers does not pass)."""
         loaded = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
-        load_offloaded_layers_whole(loaded[0] if isinstance(loaded, tuple) else loaded)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
+        for name, layer in model.named_modules():
+            hooks = [h for m in layer.modules() if getattr(h := getattr(m, "_hf_hook", None), "offload", False)]
+            if type(layer).__name__ not in model._no_split_modules or not hooks:
+                continue
+            from accelerate.hooks import attach_align_device_hook, remove_hook_from_submodules
+
+            hook = hooks[0]
+            remove_hook_from_submodules(layer)
+            attach_align_device_hook(
+                layer, execution_device=hook.execution_device, offload=True, weights_map=hook.weights_map.dataset,
+                offload_buffers=hook.offload_buffers, module_name=name, skip_keys=hook.skip_keys,
+                preload_module_classes=[type(layer).__name__], tied_params_map=hook.tied_params_map,
+            )  # fmt: skip
         return loaded
 
     def resize_token_embeddings(self, *args, **kwargs):
@@ -833,14 +804,15 @@ class BSTModel(BSTPreTrainedModel):
             chunk.ssm_tables = ChunkTables(layer.ssm for layer in self.layers if layer.layer_type == "bst")
         if not cfg.meliad_dropout:  # embedding dropout, on every chunk (a streamed segment continuing a cache too)
             hidden = self.dropout(hidden)
-        hidden = chunk.into_layers(hidden)
+        blocks = chunk.fresh and not chunk.columns  # between layers: the block layout, else the caller's columns
+        hidden = chunk.to_blocks(hidden) if blocks else hidden
         weights = []  # per layer (self-attention, second attention)
         for layer_idx, layer in enumerate(self.layers):
             out = layer(hidden, cache.layers[layer_idx] if cache is not None else None, chunk)
             hidden, *layer_weights = out if output_attentions else (out, None, None)
             weights.append(layer_weights)
         chunk.finish()
-        hidden = self.norm(chunk.out_of_layers(hidden))
+        hidden = self.norm(chunk.from_blocks(hidden) if blocks else hidden)
         for layer_cache in cache.layers if cache is not None and self.training else ():
             layer_cache.detach()
         attentions, cross_attentions = zip(*weights) if output_attentions else (None, None)

@@ -7,8 +7,6 @@ without ``attend_self``, bidirectional with padding, query chunks, eager and SDP
 ``output_attentions`` laid out by key column.
 """
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from conftest import tiny_config
@@ -80,13 +78,9 @@ def reference(attn, q, k, v, previous=None, lengths=None):
     return out, weights
 
 
-def run(attn, q, k, v, previous=None, lengths=None, weights=0, monkeypatch=None):
-    layer_cache = positions = None
-    if previous is not None:
-        layer_cache = SimpleNamespace(window=lambda positions, block_len: previous)  # the cached block
-        positions = torch.zeros(B, dtype=torch.long)
+def run(attn, q, k, v, previous=None, lengths=None, weights=0):
     with torch.no_grad():
-        out, probs = attn(q, k, v, lengths, layer_cache, positions, weights=weights)
+        out, probs = attn(q, k, v, previous, lengths, weights=weights)
     return out.view(q.shape), probs
 
 
@@ -94,12 +88,12 @@ def run(attn, q, k, v, previous=None, lengths=None, weights=0, monkeypatch=None)
 @pytest.mark.parametrize("chunk", [1, 2, W])
 @pytest.mark.parametrize("attend_self", [False, True])
 @pytest.mark.parametrize("held", [None, "all", "partly", "none"])
-def test_causal_form_equals_the_reference(implementation, chunk, attend_self, held, monkeypatch):
+def test_causal_form_equals_the_reference(implementation, chunk, attend_self, held):
     attn = self_attention(implementation, attend_self=attend_self, attention_query_chunk=chunk)
     q, k, v = inputs(attn)
     previous = None if held is None else previous_block(attn, held)
     expected, _ = reference(attn, q, k, v, previous)
-    out, probs = run(attn, q, k, v, previous, monkeypatch=monkeypatch)
+    out, probs = run(attn, q, k, v, previous)
     assert probs is None
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
 
@@ -125,18 +119,18 @@ def test_bidirectional_form_equals_the_reference(implementation, lengths):
         (dict(bidirectional=True), None),
     ],
 )
-def test_weights_by_key_column_equal_the_reference(overrides, held, monkeypatch):
+def test_weights_by_key_column_equal_the_reference(overrides, held):
     """``output_attentions``: the weights `(B, H, T, K)` (K = T, or W + T after a cached block) the output is made
     of, and the same output as without weights."""
     attn = self_attention("eager", attention_query_chunk=2, **overrides)
     q, k, v = inputs(attn)
     previous = None if held is None else previous_block(attn, held)
     expected_out, expected_weights = reference(attn, q, k, v, previous)
-    out, probs = run(attn, q, k, v, previous, weights=T, monkeypatch=monkeypatch)
+    out, probs = run(attn, q, k, v, previous, weights=T)
     assert probs.shape == (B, attn.config.num_attention_heads, T, T + (0 if previous is None else W))
     torch.testing.assert_close(probs, expected_weights, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(out, expected_out, rtol=1e-10, atol=1e-10)
-    without, _ = run(attn, q, k, v, previous, monkeypatch=monkeypatch)
+    without, _ = run(attn, q, k, v, previous)
     torch.testing.assert_close(out, without, rtol=1e-10, atol=1e-10)
 
 
