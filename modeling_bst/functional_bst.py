@@ -69,8 +69,8 @@ def context_valid(key_pos: torch.Tensor, query_pos: torch.Tensor, cross_mask: st
 
 # -- complex numbers as real pairs, S4D (docs/architecture.md, "SSM maths") -------------------------------------------
 def complex_pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(re, im)`` of a complex tensor or of a real one in ``view_as_real`` layout (`(..., 2)`)."""
-    return (x.real, x.imag) if x.is_complex() else (x[..., 0], x[..., 1])
+    """``(re, im)`` of a real tensor in ``view_as_real`` layout (`(..., 2)`)."""
+    return x[..., 0], x[..., 1]
 
 
 def pair_mul(a, b):
@@ -254,7 +254,7 @@ def s4d_chunk_scan(local: torch.Tensor, state: torch.Tensor | None, scan, num_ch
     ds, bsz, n_in = local.shape[0], local.shape[1], local.shape[2]
     modes = local.shape[3] // 2
     if state is not None:
-        state = (torch.view_as_real(state) if state.is_complex() else state).to(local.dtype)  # (B, Ds, N2, 2)
+        state = state.to(local.dtype)  # (B, Ds, N2, 2)
     if not scan:  # one chunk: it starts from the given state
         x0 = state.permute(1, 0, 3, 2) if state is not None else local.new_zeros(ds, bsz, 2, modes)
         return x0.reshape(ds, bsz, 2 * modes)
