@@ -155,11 +155,11 @@ def s4d_pair_step_constants(a_bar, b_bar, c2, skip):
 def s4d_step(z_t: torch.Tensor, state: torch.Tensor, constants):
     """One token ``z_t`` `(B, Ds)` from a real ``state`` `(B, Ds, N/2, 2)` with [`s4d_pair_step_constants`]: ``y_t``
     `(B, C, Ds)` and the new state. ``Abar x`` is ``x * (re, re) + swap(x) * (-im, im)`` on the stored pairs; the
-    read-out ``Re(2 C x)`` is one product with ``2 C`` conjugated, summed over the pairs."""
+    read-out ``Re(2 C x)`` is one product with ``2 C`` conjugated, contracted over the pairs."""
     a_re, a_rot, b_bar, c_conj, skip = constants
     x = torch.addcmul(state * a_re, state.flip(-1), a_rot)
     x = torch.addcmul(x, b_bar, z_t.view(*z_t.shape, 1, 1))
-    y = (x.view(x.shape[0], 1, x.shape[1], -1) * c_conj).sum(-1)
+    y = torch.einsum("bhk,chk->bch", x.view(x.shape[0], x.shape[1], -1), c_conj)  # one bmm
     return torch.addcmul(y, skip, z_t.unsqueeze(1)), x
 
 
