@@ -14,7 +14,6 @@ from transformers import initialization as init
 from .functional_bst import (
     chunk_exponents_layout,
     chunk_groups,
-    complex_pair,
     direct_causal_conv,
     fold_skip,
     s4d_chunk_scan,
@@ -22,7 +21,6 @@ from .functional_bst import (
     s4d_chunked_forward,
     s4d_discretize,
     s4d_final_state,
-    s4d_pair_step_constants,
     s4d_step,
     s4d_step_constants,
     s4d_vandermonde,
@@ -232,7 +230,7 @@ class S4DKernel(LongConv):
             y = self.long_conv(z.transpose(1, 2))  # (B, C, Ds, L)
             if state is not None:
                 dt_a = self.discretize()[0]
-                x0 = complex_pair(state.to(dt_a[0].dtype))
+                x0 = state.to(dt_a[0].dtype).unbind(-1)
                 y = y + s4d_vandermonde(self.C, x0, dt_a, length, offset=1)
             return y.permute(0, 3, 1, 2)  # (B, L, C, Ds)
 
@@ -309,9 +307,9 @@ class S4DKernel(LongConv):
         return torch.zeros(batch_size, self.channels, self.n_modes, 2, dtype=compute_dtype(self.log_dt), device=device)
 
     def step_constants(self):
-        """[`s4d_pair_step_constants`], the constants of [`s4d_step`]."""
+        """[`s4d_step_constants`], the constants of [`s4d_step`]."""
         with _no_autocast(self.log_dt.device.type):
-            return s4d_pair_step_constants(*s4d_step_constants(*self.params(), compute_dtype(self.log_dt)))
+            return s4d_step_constants(*self.params(), compute_dtype(self.log_dt))
 
     def step(self, z_t: torch.Tensor, state: torch.Tensor, constants=None, seen: int | None = None):
         """One token ``z_t`` `(B, Ds)` -> ``y_t`` `(B, C, Ds)` and the new state ([`s4d_step`])."""

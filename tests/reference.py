@@ -10,7 +10,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-from modeling_bst.functional_bst import complex_pair
 from modeling_bst.ssm_bst import _no_autocast, compute_dtype, fft_conv
 
 
@@ -77,7 +76,7 @@ def s4d_recurrence(kernel, z: torch.Tensor, state: torch.Tensor | None = None):
     bsz, length, ds = z.shape
     x = torch.zeros(bsz, ds, a_bar.shape[1], dtype=torch.complex128)
     if state is not None:
-        x = x + torch.complex(*complex_pair(state.detach().double()))
+        x = x + torch.complex(*state.detach().double().unbind(-1))
     ys = []
     for t in range(length):
         x = a_bar[None] * x + b_bar[None] * z[:, t, :, None]
@@ -297,7 +296,7 @@ def complex_chunked_forward(kernel, z: torch.Tensor, chunk: int, state: torch.Te
 
 def complex_state(state: torch.Tensor | None) -> torch.Tensor | None:
     """A model's S4D state (complex modes as real pairs `(B, Ds, N2, 2)`) as complex `(B, Ds, N2)`."""
-    return None if state is None or state.is_complex() else torch.complex(*complex_pair(state))
+    return None if state is None or state.is_complex() else torch.complex(*state.unbind(-1))
 
 
 def complex_chunk_start_states(kernel, z: torch.Tensor, chunk: int, state: torch.Tensor | None = None):
