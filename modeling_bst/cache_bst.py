@@ -197,7 +197,7 @@ class BSTLayerCache(CacheLayerMixin):
             slot = positions.remainder(getattr(self, ring[2]).shape[1])
             record[ring] = (slot, *(getattr(self, name)[rows, slot].clone() for name in ring))
         for name, t in self.tensors():
-            if name == "ssm_state" and not t.is_complex():
+            if name == "ssm_state" and t.dim() == 3:  # an unstruct history (B, Ds, Lmax), not an S4D (B, Ds, N2, 2)
                 record[name] = (t[..., 0].clone(), self.pending, self.pending_offset)
             elif name not in in_rings:
                 record[name] = t.clone()

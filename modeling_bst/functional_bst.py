@@ -68,11 +68,6 @@ def context_valid(key_pos: torch.Tensor, query_pos: torch.Tensor, cross_mask: st
 
 
 # -- complex numbers as real pairs, S4D (docs/architecture.md, "SSM maths") -------------------------------------------
-def complex_pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(re, im)`` of a complex tensor or of a real one in ``view_as_real`` layout (`(..., 2)`)."""
-    return (x.real, x.imag) if x.is_complex() else (x[..., 0], x[..., 1])
-
-
 def pair_mul(a, b):
     """Product of two complex numbers given as ``(re, im)`` pairs."""
     return a[0] * b[0] - a[1] * b[1], a[0] * b[1] + a[1] * b[0]
@@ -97,7 +92,7 @@ def s4d_discretize(log_dt, a_log_real, a_imag, b, dtype: torch.dtype):
     )
     norm = lam[0] ** 2 + lam[1] ** 2
     ratio = (e[0] * lam[0] + e[1] * lam[1]) / norm, (e[1] * lam[0] - e[0] * lam[1]) / norm  # e / Lambda
-    return dt_a, pair_mul(complex_pair(b.to(dtype)), ratio)
+    return dt_a, pair_mul(b.to(dtype).unbind(-1), ratio)
 
 
 def _split_powers(dt_a, length: int, chunk: int, offset: int = 0):
@@ -111,7 +106,7 @@ def _split_powers(dt_a, length: int, chunk: int, offset: int = 0):
 def s4d_vandermonde(c, x, dt_a, length: int, offset: int = 0, chunk: int = 64) -> torch.Tensor:
     """``2 Re sum_n C[c, h, n] x[..., h, n] Abar[h, n] ** (offset + l)`` for ``l < length`` -> `(..., C, Ds, length)`:
     the kernel for ``x = Bbar``, the free response of a state ``x`` `(B, Ds, N2)` for ``offset = 1`` (pairs)."""
-    coeff = pair_mul(complex_pair(c.to(dt_a[0].dtype)), (x[0].unsqueeze(-3), x[1].unsqueeze(-3)))  # (..., C, Ds, N2)
+    coeff = pair_mul(c.to(dt_a[0].dtype).unbind(-1), (x[0].unsqueeze(-3), x[1].unsqueeze(-3)))  # (..., C, Ds, N2)
     _, _, p_in, p_out = _split_powers(dt_a, length, chunk, offset)
     weighted = pair_mul((coeff[0].unsqueeze(-1), coeff[1].unsqueeze(-1)), p_out)  # (..., Ds, N2, a)
     out = torch.einsum("...hna,hnc->...hac", weighted[0], p_in[0]) - torch.einsum(
@@ -131,35 +126,29 @@ def s4d_final_state(z: torch.Tensor, dt_a, b_bar, state: torch.Tensor | None = N
     x = pair_mul((x[0].sum(-1), x[1].sum(-1)), b_bar)  # (B, Ds, N2)
     if state is not None:
         decay = pair_powers(dt_a, torch.tensor([length], device=z.device))
-        carried = pair_mul((decay[0][..., 0], decay[1][..., 0]), complex_pair(state))
+        carried = pair_mul((decay[0][..., 0], decay[1][..., 0]), state.unbind(-1))
         x = x[0] + carried[0], x[1] + carried[1]
     return torch.stack(x, -1)
 
 
 def s4d_step_constants(log_dt, a_log_real, a_imag, b, c, d, dtype: torch.dtype):
-    """What a recurrent step needs: ``(Abar, Bbar, 2 C)`` as real `(..., 2)` tensors and ``D``, in ``dtype``."""
+    """What [`s4d_step`] reads, in ``dtype``: ``Re Abar`` per pair, ``(-Im Abar, Im Abar)``, ``Bbar`` `(Ds, N2, 2)`,
+    ``2 C`` conjugated and flattened over the pairs `(C, Ds, 2 N2)`, ``D``."""
     dt_a, b_bar = s4d_discretize(log_dt, a_log_real, a_imag, b, dtype)
     magnitude = torch.exp(dt_a[0])
-    a_bar = torch.stack([magnitude * torch.cos(dt_a[1]), magnitude * torch.sin(dt_a[1])], -1)
-    return a_bar, torch.stack(b_bar, -1), 2 * c.to(dtype), d.to(dtype)
-
-
-def s4d_pair_step_constants(a_bar, b_bar, c2, skip):
-    """[`s4d_step_constants`] as [`s4d_step`] reads them: ``Re Abar`` per pair, ``(-Im Abar, Im Abar)``, ``Bbar``,
-    ``2 C`` conjugated and flattened over the pairs, ``D``."""
-    a_re, a_im = a_bar.unbind(-1)
-    conj = torch.tensor([1.0, -1.0], dtype=c2.dtype, device=c2.device)
-    return a_re[..., None], torch.stack([-a_im, a_im], -1), b_bar, (c2 * conj).flatten(-2), skip
+    a_re, a_im = magnitude * torch.cos(dt_a[1]), magnitude * torch.sin(dt_a[1])
+    c_conj = (c.to(dtype) * torch.tensor([2.0, -2.0], dtype=dtype, device=c.device)).flatten(-2)
+    return a_re[..., None], torch.stack([-a_im, a_im], -1), torch.stack(b_bar, -1), c_conj, d.to(dtype)
 
 
 def s4d_step(z_t: torch.Tensor, state: torch.Tensor, constants):
-    """One token ``z_t`` `(B, Ds)` from a real ``state`` `(B, Ds, N/2, 2)` with [`s4d_pair_step_constants`]: ``y_t``
+    """One token ``z_t`` `(B, Ds)` from a real ``state`` `(B, Ds, N/2, 2)` with [`s4d_step_constants`]: ``y_t``
     `(B, C, Ds)` and the new state. ``Abar x`` is ``x * (re, re) + swap(x) * (-im, im)`` on the stored pairs; the
-    read-out ``Re(2 C x)`` is one product with ``2 C`` conjugated, summed over the pairs."""
+    read-out ``Re(2 C x)`` is one product with ``2 C`` conjugated, contracted over the pairs."""
     a_re, a_rot, b_bar, c_conj, skip = constants
     x = torch.addcmul(state * a_re, state.flip(-1), a_rot)
     x = torch.addcmul(x, b_bar, z_t.view(*z_t.shape, 1, 1))
-    y = (x.view(x.shape[0], 1, x.shape[1], -1) * c_conj).sum(-1)
+    y = torch.einsum("bhk,chk->bch", x.view(x.shape[0], x.shape[1], -1), c_conj)  # one bmm
     return torch.addcmul(y, skip, z_t.unsqueeze(1)), x
 
 
@@ -254,7 +243,7 @@ def s4d_chunk_scan(local: torch.Tensor, state: torch.Tensor | None, scan, num_ch
     ds, bsz, n_in = local.shape[0], local.shape[1], local.shape[2]
     modes = local.shape[3] // 2
     if state is not None:
-        state = (torch.view_as_real(state) if state.is_complex() else state).to(local.dtype)  # (B, Ds, N2, 2)
+        state = state.to(local.dtype)  # (B, Ds, N2, 2)
     if not scan:  # one chunk: it starts from the given state
         x0 = state.permute(1, 0, 3, 2) if state is not None else local.new_zeros(ds, bsz, 2, modes)
         return x0.reshape(ds, bsz, 2 * modes)

@@ -14,7 +14,6 @@ from transformers import initialization as init
 from .functional_bst import (
     chunk_exponents_layout,
     chunk_groups,
-    complex_pair,
     direct_causal_conv,
     fold_skip,
     s4d_chunk_scan,
@@ -22,7 +21,6 @@ from .functional_bst import (
     s4d_chunked_forward,
     s4d_discretize,
     s4d_final_state,
-    s4d_pair_step_constants,
     s4d_step,
     s4d_step_constants,
     s4d_vandermonde,
@@ -96,7 +94,7 @@ _REAL_ARITHMETIC = [False]
 
 
 class real_arithmetic(Switch):
-    """Context manager: a real S4D state `(B, Ds, N2, 2)` and direct long convolutions (as in ONNX export)."""
+    """Context manager: direct long convolutions, no FFT (as in ONNX export)."""
 
     flag = _REAL_ARITHMETIC
 
@@ -232,7 +230,7 @@ class S4DKernel(LongConv):
             y = self.long_conv(z.transpose(1, 2))  # (B, C, Ds, L)
             if state is not None:
                 dt_a = self.discretize()[0]
-                x0 = complex_pair(state if state.is_complex() else state.to(dt_a[0].dtype))
+                x0 = state.to(dt_a[0].dtype).unbind(-1)
                 y = y + s4d_vandermonde(self.C, x0, dt_a, length, offset=1)
             return y.permute(0, 3, 1, 2)  # (B, L, C, Ds)
 
@@ -282,12 +280,10 @@ class S4DKernel(LongConv):
             return y.reshape(self.out_channels, ds, bsz * length)
 
     def final_state(self, z: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
-        """[`s4d_final_state`] of ``z`` `(B, L, Ds)`: complex `(B, Ds, N2)`, real in real arithmetic or after one."""
+        """[`s4d_final_state`] of ``z`` `(B, L, Ds)`: `(B, Ds, N2, 2)`."""
         with _no_autocast(z.device.type):
             dt_a, d_b = self.discretize()
-            x = s4d_final_state(z.to(compute_dtype(self.log_dt)), dt_a, d_b, state)
-            real = use_real_arithmetic() or (state is not None and not state.is_complex())
-            return x if real else torch.view_as_complex(x)
+            return s4d_final_state(z.to(compute_dtype(self.log_dt)), dt_a, d_b, state)
 
     def block_end_outputs(self, z: torch.Tensor, block_len: int, state: torch.Tensor | None = None, tables=None):
         """The outputs at the last token of every block (causal): `(B, nb*W, Ds)` -> `(B, nb, C, Ds)`."""
@@ -307,33 +303,19 @@ class S4DKernel(LongConv):
             return y.view(ds, bsz, nb, self.out_channels).permute(1, 2, 3, 0)
 
     def empty_state(self, batch_size: int, device) -> torch.Tensor:
-        """The zero state `(B, Ds, N2)` (complex; real `(B, Ds, N2, 2)` in real arithmetic)."""
-        dtype = compute_dtype(self.log_dt)
-        if use_real_arithmetic():
-            return torch.zeros(batch_size, self.channels, self.n_modes, 2, dtype=dtype, device=device)
-        return torch.zeros(batch_size, self.channels, self.n_modes, dtype=dtype.to_complex(), device=device)
+        """The zero state `(B, Ds, N2, 2)`: complex modes as real pairs."""
+        return torch.zeros(batch_size, self.channels, self.n_modes, 2, dtype=compute_dtype(self.log_dt), device=device)
 
     def step_constants(self):
-        """[`s4d_step_constants`] ``(Abar, Bbar, 2 C, D)``, complex; in real arithmetic [`s4d_pair_step_constants`]."""
+        """[`s4d_step_constants`], the constants of [`s4d_step`]."""
         with _no_autocast(self.log_dt.device.type):
-            a_bar, b_bar, c2, skip = s4d_step_constants(*self.params(), compute_dtype(self.log_dt))
-            if use_real_arithmetic():
-                return s4d_pair_step_constants(a_bar, b_bar, c2, skip)
-            return tuple(torch.complex(t[..., 0], t[..., 1]) for t in (a_bar, b_bar, c2)) + (skip,)
+            return s4d_step_constants(*self.params(), compute_dtype(self.log_dt))
 
     def step(self, z_t: torch.Tensor, state: torch.Tensor, constants=None, seen: int | None = None):
-        """One token ``z_t`` `(B, Ds)` -> ``y_t`` `(B, C, Ds)` and the new state (complex products where complex)."""
+        """One token ``z_t`` `(B, Ds)` -> ``y_t`` `(B, C, Ds)` and the new state ([`s4d_step`])."""
         with _no_autocast(z_t.device.type):
             z_t = z_t.to(compute_dtype(self.log_dt))
-            if constants is None or constants[0].is_complex() != state.is_complex():
-                with real_arithmetic(not state.is_complex()):
-                    constants = self.step_constants()
-            if not state.is_complex():
-                return s4d_step(z_t, state, constants)
-            a_bar, b_bar, c2, skip = constants
-            state = a_bar * state + b_bar * z_t.unsqueeze(-1)
-            y = torch.einsum("chn,bhn->bch", c2, state).real
-            return y + skip * z_t.unsqueeze(1), state
+            return s4d_step(z_t, state, constants if constants is not None else self.step_constants())
 
 
 def grouped_chunk_tables(kernels: list, chunk: int, num_chunks: int, conv: bool = True) -> list:

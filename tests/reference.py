@@ -10,7 +10,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-from modeling_bst.functional_bst import complex_pair
 from modeling_bst.ssm_bst import _no_autocast, compute_dtype, fft_conv
 
 
@@ -67,7 +66,8 @@ def s4d_kernel_bruteforce(kernel, length: int) -> torch.Tensor:
 def s4d_recurrence(kernel, z: torch.Tensor, state: torch.Tensor | None = None):
     """Per-token loop ``x_t = Abar x_{t-1} + Bbar z_t``, ``y_t = 2 Re(C x_t) + D z_t`` in float64.
 
-    ``z`` `(B, L, Ds)`, ``state`` `(B, Ds, N2)` complex or None -> ``y`` `(B, L, C, Ds)`, final state `(B, Ds, N2)`.
+    ``z`` `(B, L, Ds)`, ``state`` or None -> ``y`` `(B, L, C, Ds)`, final state; states as the model keeps them,
+    complex modes as real pairs `(B, Ds, N2, 2)` (complex128 within the loop).
     """
     p = s4d_params(kernel)
     a_bar, b_bar = p["a_bar_b_bar"]
@@ -76,13 +76,13 @@ def s4d_recurrence(kernel, z: torch.Tensor, state: torch.Tensor | None = None):
     bsz, length, ds = z.shape
     x = torch.zeros(bsz, ds, a_bar.shape[1], dtype=torch.complex128)
     if state is not None:
-        x = x + state.detach().to(torch.complex128)
+        x = x + torch.complex(*state.detach().double().unbind(-1))
     ys = []
     for t in range(length):
         x = a_bar[None] * x + b_bar[None] * z[:, t, :, None]
         y = 2 * torch.einsum("chn,bhn->bch", c, x).real + d[None] * z[:, t, None, :]
         ys.append(y)
-    return torch.stack(ys, 1), x
+    return torch.stack(ys, 1), torch.view_as_real(x)
 
 
 # -- convolutions --------------------------------------------------------------------------------------------------
@@ -294,14 +294,18 @@ def complex_chunked_forward(kernel, z: torch.Tensor, chunk: int, state: torch.Te
     return y.permute(0, 1, 4, 2, 3).reshape(bsz, nc * chunk, kernel.out_channels, ds)[:, :length]
 
 
+def complex_state(state: torch.Tensor | None) -> torch.Tensor | None:
+    """A model's S4D state (complex modes as real pairs `(B, Ds, N2, 2)`) as complex `(B, Ds, N2)`."""
+    return None if state is None or state.is_complex() else torch.complex(*state.unbind(-1))
+
+
 def complex_chunk_start_states(kernel, z: torch.Tensor, chunk: int, state: torch.Tensor | None = None):
     """The states entering every chunk of ``chunk`` tokens as complex numbers: the given ``state`` (or zero), then
     the chunk-end states of [`block_states`]. ``z`` `(B, nc * chunk, Ds)` (compute dtype) -> `(B, nc, Ds, N2)`."""
     with _no_autocast(z.device.type):
         dt_a, d_b = complex_discretize(kernel)
         bsz, nc = z.shape[0], z.shape[1] // chunk
-        if state is not None and not state.is_complex():
-            state = torch.complex(*complex_pair(state))  # a state in the real form (eager real arithmetic)
+        state = complex_state(state)
         x0 = (state if state is not None else torch.zeros_like(d_b).expand(bsz, -1, -1)).unsqueeze(1)
         if nc > 1:
             x0 = torch.cat([x0, block_states(kernel, z[:, : (nc - 1) * chunk], chunk, dt_a, d_b, state)], 1)
@@ -350,7 +354,7 @@ def complex_block_end_outputs(kernel, z: torch.Tensor, block_len: int, state: to
     with _no_autocast(z.device.type):
         z = z.to(compute_dtype(kernel.log_dt))
         dt_a, d_b = complex_discretize(kernel)
-        x = block_states(kernel, z, block_len, dt_a, d_b, state)
+        x = block_states(kernel, z, block_len, dt_a, d_b, complex_state(state))
         y = 2 * torch.einsum("chn,bkhn->bkch", output_matrix(kernel), x).real
         z_end = z[:, block_len - 1 :: block_len]  # (B, nb, Ds)
         return y + kernel.D.to(z.dtype)[None, None] * z_end.unsqueeze(2)

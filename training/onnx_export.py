@@ -61,8 +61,8 @@ def cache_state_names(cache) -> list[str]:
 
 
 def onnx_prefill(model, input_ids: torch.Tensor):
-    """The PyTorch prefill whose cache an exported decode step continues: logits and the flat state tensors (the SSM
-    states in the real form, [`modeling_bst.ssm_bst.real_arithmetic`])."""
+    """The PyTorch prefill whose cache an exported decode step continues: logits and the flat state tensors (in
+    [`modeling_bst.ssm_bst.real_arithmetic`], as the export runs)."""
     with torch.no_grad(), real_arithmetic():
         out = model(input_ids, use_cache=True)
     return out.logits, pytree.tree_leaves(out.past_key_values), out.past_key_values
@@ -79,8 +79,8 @@ def export_onnx(
       new state (``present.<name>``), to be run once per token starting from prefill's state;
     * ``onnx_state.json``: the state names in input/output order, ``seq_len``, ``batch_size``.
 
-    The SSM kernels run in real arithmetic while exporting ([`modeling_bst.ssm_bst.use_real_arithmetic`]: no complex
-    tensors, a direct convolution instead of the FFT). Returns ``{"files": [...], "seconds": {...}}``.
+    The SSM kernels run in real arithmetic while exporting ([`modeling_bst.ssm_bst.use_real_arithmetic`]: a direct
+    convolution instead of the FFT; S4D states are always real pairs). Returns ``{"files": [...], "seconds": {...}}``.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -35,41 +35,33 @@ def random_state(kernel, rows, seed=1):
     return torch.randn(rows, kernel.channels, kernel.n_modes, 2, generator=g, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("length", [9, 200])  # 200: the complex form runs chunk by chunk (> 2 * chunk_len)
-def test_s4d_real_arithmetic_equals_the_complex_form(length):
+@pytest.mark.parametrize("length", [9, 200])  # 200: the eager form runs chunk by chunk (> 2 * chunk_len)
+def test_s4d_real_arithmetic_equals_the_eager_form(length):
+    """Direct convolutions (real arithmetic) against the eager forms, from a state `(B, Ds, N2, 2)`; the recurrent
+    step continues the outputs and the state."""
     kernel = s4d()
     z = torch.randn(2, length, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    real_state = random_state(kernel, 2)
-    state = torch.view_as_complex(real_state)
+    state = random_state(kernel, 2)
     with torch.no_grad():
         with real_arithmetic():  # the direct convolution
-            direct, direct_state = kernel(z), kernel(z, real_state)
+            assert use_real_arithmetic()
+            direct, direct_state = kernel(z), kernel(z, state)
+            final = kernel.final_state(z, state)
+            ends = kernel.block_end_outputs(z[:, :8], 4, state)
+        assert not use_real_arithmetic()
         torch.testing.assert_close(direct, kernel(z), **TOL)
         torch.testing.assert_close(direct_state, kernel(z, state), **TOL)
-        # A state in the real form continues as the complex one does.
-        torch.testing.assert_close(kernel(z, real_state), kernel(z, state), **TOL)
-        with real_arithmetic():
-            assert use_real_arithmetic()
-            final = kernel.final_state(z, real_state)
-            ends = kernel.block_end_outputs(z[:, :8], 4, real_state)
-        assert not use_real_arithmetic()
-        assert final.dtype == torch.float64 and final.shape == real_state.shape
-        torch.testing.assert_close(final, torch.view_as_real(kernel.final_state(z, state)), **TOL)
+        assert final.dtype == torch.float64 and final.shape == state.shape
+        torch.testing.assert_close(final, kernel.final_state(z, state), **TOL)
         torch.testing.assert_close(ends, kernel.block_end_outputs(z[:, :8], 4, state), **TOL)
         torch.testing.assert_close(
             kernel.block_end_outputs(z[:, :8], 4), complex_block_end_outputs(kernel, z[:, :8], 4), **TOL
         )
-        # Recurrent steps: the state stays in its form, the outputs agree.
-        constants = kernel.step_constants()
-        with real_arithmetic():
-            real_constants = kernel.step_constants()
-        assert constants[0].is_complex() and not real_constants[0].is_complex()
+        x, constants = state, kernel.step_constants()
         for t in range(6):
-            y, state = kernel.step(z[:, t], state, constants)
-            y_real, real_state = kernel.step(z[:, t], real_state, real_constants)
-            assert not real_state.is_complex()
-            torch.testing.assert_close(y_real, y, **TOL)
-            torch.testing.assert_close(real_state, torch.view_as_real(state), **TOL)
+            y, x = kernel.step(z[:, t], x, constants)
+            torch.testing.assert_close(y, direct_state[:, t], **TOL)
+        torch.testing.assert_close(x, kernel.final_state(z[:, :6], state), **TOL)
 
 
 def test_s4d_bidirectional_real_arithmetic_equals_the_fft_form():

@@ -297,7 +297,7 @@ class S4D:
         self.params = ssm.log_dt, ssm.A_log_real, ssm.A_imag, ssm.B, ssm.C, ssm.D
         self.dtype = compute_dtype(ssm.log_dt)
         self.discrete = fb.s4d_discretize(*self.params[:4], self.dtype)
-        self.step_pairs = fb.s4d_pair_step_constants(*fb.s4d_step_constants(*self.params, self.dtype))
+        self.step_pairs = fb.s4d_step_constants(*self.params, self.dtype)
         self._tables = {}
 
     def tables(self, chunk: int, num_chunks: int):
@@ -331,7 +331,7 @@ class S4D:
         dt_a, b_bar = self.discrete
         final = fb.s4d_final_state(batch.left_aligned(z), dt_a, b_bar)  # (P, Ds, N2, 2)
         decay = fb.pair_powers(dt_a, batch.lengths)  # (Ds, N2, P)
-        carried = fb.pair_mul((decay[0].permute(2, 0, 1), decay[1].permute(2, 0, 1)), fb.complex_pair(state))
+        carried = fb.pair_mul((decay[0].permute(2, 0, 1), decay[1].permute(2, 0, 1)), state.unbind(-1))
         return batch.tokens(y), final + torch.stack(carried, -1)
 
     def step(self, z: torch.Tensor, state: torch.Tensor):

@@ -5,7 +5,13 @@ and every gradient), no complex tensor in its forward or backward, few backend o
 import pytest
 import torch
 from conftest import tiny_config
-from reference import complex_block_end_outputs, complex_chunked_forward, s4d_recurrence
+from reference import (
+    complex_block_end_outputs,
+    complex_chunk_start_states,
+    complex_chunked_forward,
+    s4d_recurrence,
+    stacked_states,
+)
 
 from benchmarks.ssm_ops import OpCounter, count, make_kernel
 from modeling_bst.ssm_bst import ChunkTables, PerFilterS4D, S4DKernel, chunk_groups, grouped_chunk_tables
@@ -86,17 +92,16 @@ def test_real_block_end_outputs_equal_complex_form(block_len, num_blocks, with_s
     torch.testing.assert_close(real[0], s4d_recurrence(kernel, z, state)[0][:, block_len - 1 :: block_len], **F64)
 
 
-def test_real_chunked_forward_real_form_state():
-    """A carried state in the real form `(B, Ds, N2, 2)` gives the same chunk-start states as the complex one."""
+def test_real_chunked_forward_chunk_start_states():
+    """The chunk-start states from a carried state `(B, Ds, N2, 2)` equal the complex reference's; the first is the
+    given state, stacked (re, im)."""
     kernel = make_s4d(out_channels=2)
     z = torch.randn(2, 24, 5, dtype=torch.float64)
     state = random_state(kernel)
-    constants = kernel.chunk_tables(4, 6)
-    a = kernel.chunk_start_states(z, 4, state, constants)
-    b = kernel.chunk_start_states(z, 4, torch.view_as_real(state).clone(), constants)
-    torch.testing.assert_close(a, b, **F64)
-    # first chunk: the given state, stacked (re, im)
-    torch.testing.assert_close(a[:, :, 0], torch.cat([state.real, state.imag], -1).transpose(0, 1), **F64)
+    a = kernel.chunk_start_states(z, 4, state, kernel.chunk_tables(4, 6))
+    want = stacked_states(complex_chunk_start_states(kernel, z, 4, state))  # (Ds, B * nc, 2 N2)
+    torch.testing.assert_close(a.reshape(want.shape), want, **F64)
+    torch.testing.assert_close(a[:, :, 0], torch.cat([state[..., 0], state[..., 1]], -1).transpose(0, 1), **F64)
 
 
 @pytest.mark.parametrize("num_chunks", [1, 2, 3, 4, 5, 16, 17, 63, 64, 65, 256])
