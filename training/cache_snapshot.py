@@ -32,6 +32,8 @@ def cache_from_tensors(config, tensors: dict[str, torch.Tensor]) -> BSTCache:
         _, index, name = key.split(".", 2)
         if not 0 <= int(index) < len(cache.layers) or name not in cache.layers[int(index)].names:
             raise ValueError(f"Unexpected tensor {key!r} in a saved BST cache.")
+        if tensor.is_complex():  # an S4D state saved before states were real (re, im) pairs: (B, Ds, N2) complex
+            tensor = torch.view_as_real(tensor)
         # Fresh memory: decoding writes the states in place (loaded storage may be shared or read-only).
         cache.layers[int(index)].set(**{name: tensor.clone()})
     if "positions" in tensors:

@@ -42,3 +42,18 @@ def test_saved_names_round_trip():
         assert loaded.get_seq_length() == 9 and loaded.layers[0].ssm_state.shape[-1] == 2  # (B, Ds, N2, 2)
         got = model(ids[:, 9:], past_key_values=loaded).logits
         torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_a_snapshot_with_a_complex_s4d_state_loads_as_pairs():
+    """Snapshots written before the S4D state became real pairs hold it complex `(B, Ds, N2)`: loaded as pairs."""
+    model = model_with_every_layer_type("sh")
+    ids = torch.randint(0, 61, (2, 12))
+    with torch.no_grad():
+        tensors = cache_to_tensors(model(ids[:, :7], use_cache=True).past_key_values)
+        want = model(ids[:, 7:], past_key_values=cache_from_tensors(model.config, tensors)).logits
+        old = {
+            k: torch.view_as_complex(t) if k.endswith("ssm_state") and t.dim() == 4 else t for k, t in tensors.items()
+        }
+        assert sum(t.is_complex() for t in old.values()) == 2  # the BST and GSS layers' S4D states
+        got = model(ids[:, 7:], past_key_values=cache_from_tensors(model.config, old)).logits
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
