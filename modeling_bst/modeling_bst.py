@@ -300,9 +300,8 @@ class BSTBlockSelfAttention(nn.Module):
                 out, probs = out * keep, (probs.transpose(1, 2) * keep).transpose(1, 2) if weights else None
             if weights:  # the first n queries' output from the weights returned (zeros after)
                 probs = self.first_query(probs.to(q.dtype).transpose(1, 2), previous).transpose(1, 2)
-                keys_from = slice(
-                    w if previous is None else 0, w + weights
-                )  # the first token's, or the cached block's
+                # keys from the first token's (fresh) or from the cached block's (continued)
+                keys_from = slice(w if previous is None else 0, w + weights)
                 probs = probs[:, :, :weights, keys_from]
                 out = torch.matmul(probs, values[:, :, keys_from]).transpose(1, 2)
                 return F.pad(out, (0, 0, 0, 0, 0, seq_len - weights)), probs
