@@ -16,6 +16,17 @@ from .utils_bst import constant_memo, gather_rows, maybe_any, step_memo, tracing
 MH_SEGMENT_LEN = 256  # tokens per segment of MH's segmented S4 path ([`TokenContextStates.segmented_context`])
 
 
+def fill_ssm_state(ssm, z, lengths, state0, layer_cache):
+    """The SSM state after each row's real tokens (``lengths`` `(B,)`; None: all) of ``z`` `(B, T, Ds)` into
+    ``layer_cache`` (rows right-aligned); returns the lengths."""
+    bsz, seq_len, _ = z.shape
+    lens = lengths if lengths is not None else torch.full((bsz,), seq_len, device=z.device)
+    idx = torch.arange(seq_len, device=z.device)[None] - (seq_len - lens[:, None])
+    z_right = gather_rows(z, idx.clamp(min=0)) * (idx >= 0).to(z.dtype)[..., None]
+    layer_cache.set_ssm(ssm.final_state(z_right.detach(), state0).detach())
+    return lens
+
+
 class BSTContextStates(nn.Module):
     """The part of the context-state builders shared by SH/MH/MF: ``z = x_n P_down``, the layer's SSM kernel
     ``ssm`` (passed to every call) and the ``sequence`` / ``step`` contract (docs/architecture.md)."""
@@ -62,15 +73,6 @@ class BSTContextStates(nn.Module):
             z = z * (torch.arange(z.shape[1], device=z.device)[None] < lengths[:, None]).to(z.dtype)[..., None]
         continued = layer_cache is not None and positions is not None
         return z, (layer_cache.ssm_state if continued else None), continued
-
-    def _fill_ssm_state(self, ssm, z, lengths, state0, layer_cache):
-        """The SSM state after each row's real tokens into ``layer_cache`` (rows right-aligned)."""
-        bsz, seq_len, _ = z.shape
-        lens = lengths if lengths is not None else torch.full((bsz,), seq_len, device=z.device)
-        idx = torch.arange(seq_len, device=z.device)[None] - (seq_len - lens[:, None])
-        z_right = gather_rows(z, idx.clamp(min=0)) * (idx >= 0).to(z.dtype)[..., None]
-        layer_cache.set_ssm(ssm.final_state(z_right.detach(), state0).detach())
-        return lens
 
     def _step_ssm(self, ssm, xn, layer_cache, plan, output: bool = True, chunked: bool = False):
         """One SSM step: ``y_t`` `(B, C, Ds)` (None if not ``output``), the cache's state advanced; ``chunked``:
@@ -181,7 +183,7 @@ class TokenContextStates(BSTContextStates):
 
         mask = None if cfg.bidirectional else constant_memo(self, ("cross", ck.dtype, str(z.device)), build)
         if fill_cache:
-            lens = self._fill_ssm_state(ssm, z, lengths, state0, layer_cache)
+            lens = fill_ssm_state(ssm, z, lengths, state0, layer_cache)
             ctx = ctx_k.flatten(1, 2).detach(), ctx_v.flatten(1, 2).detach()
             layer_cache.fill_ring(CONTEXT_RING, *ctx, lens, w, positions if continued else None)
         return ctx_k, ctx_v, mask, not cfg.bidirectional and cfg.cross_mask == "strict"
@@ -248,7 +250,7 @@ class MFContextStates(BSTContextStates):
         rest = self.mf_context(y_end[:, :-1], (bsz, nb - 1), xn.dtype)
         ctx_k, ctx_v = (torch.cat([f[:, None].to(r.dtype), r], 1) for f, r in zip(first, rest))
         if fill_cache:
-            lens = self._fill_ssm_state(ssm, z, lengths, state0, layer_cache)
+            lens = fill_ssm_state(ssm, z, lengths, state0, layer_cache)
             rows, blk = torch.arange(bsz, device=z.device), ((lens - 1) // w).clamp(min=0)
             # mf_last: the output at the last token if it ends a block (needed at the next block start)
             last = y_end[rows, (lens // w - 1).clamp(min=0)].detach()

@@ -22,7 +22,7 @@ from transformers.utils.output_capturing import capture_outputs
 from .attention_bst import BSTRMSNorm
 from .cache_bst import ATTENTION_RING, BSTCache, BSTLayerCache, own_layers
 from .configuration_bst import BSTConfig
-from .context_bst import CONTEXT_BUILDERS, SSM_KERNELS, BSTContextStates
+from .context_bst import CONTEXT_BUILDERS, SSM_KERNELS, BSTContextStates, fill_ssm_state
 from .functional_bst import (
     additive_mask,
     gated_state_update,
@@ -33,7 +33,7 @@ from .functional_bst import (
 )
 from .layout_bst import StepPlan, _Chunk, _Documents
 from .ssm_bst import ChunkTables, S4DKernel, UnstructFilter
-from .utils_bst import constant_memo, gather_rows, host_can_branch, maybe_any, on_accelerator, step_memo, tracing
+from .utils_bst import constant_memo, host_can_branch, maybe_any, on_accelerator, step_memo, tracing
 
 
 logger = logging.get_logger(__name__)
@@ -545,15 +545,13 @@ class BSTGSSLayer(BSTLayer):
         if lens is not None and self.config.bidirectional:
             u = u * (torch.arange(seq_len, device=u.device)[None] < lens[:, None]).to(u.dtype)[..., None]
         y = self.ssm(u, state0)[:, :, 0]  # (B, T, Ds)
-        if chunk.fill_cache:  # the state after each row's real tokens: the input right-aligned
-            idx = torch.arange(seq_len, device=u.device)[None] - (seq_len - chunk.row_lengths[:, None])
-            u_right = gather_rows(u, idx.clamp(min=0)) * (idx >= 0).to(u.dtype)[..., None]
-            layer_cache.set_ssm(self.ssm.final_state(u_right.detach(), state0).detach())
+        if chunk.fill_cache:
+            fill_ssm_state(self.ssm, u, chunk.row_lengths, state0, layer_cache)
         return self.output(hidden_states, y, v)
 
     def step(self, hidden_states, layer_cache, plan: StepPlan):
         u, v = self.gates(hidden_states)
-        constants = step_memo(plan.memo, (id(self), "ssm"), (), self.ssm.parameters(), self.ssm.step_constants)
+        constants = BSTContextStates.step_constants(self.ssm, plan.memo)
         y, state = self.ssm.step(u[:, 0], layer_cache.ssm_state, constants)  # y (B, 1, Ds)
         layer_cache.set_ssm(state)
         return self.output(hidden_states, y, v)
