@@ -5,11 +5,13 @@ checkpoints and the greedy tokens ``generate()`` gives for 8 prompts of 1 to 150
 blocks). Here vLLM serves each checkpoint through the plugin, offline (``LLM``) and through the OpenAI-compatible
 server on 127.0.0.1, and must return exactly those tokens. The engines run with at most 4 sequences, 64 tokens per
 step and 4 state slots, so that long prompts are prefilled in chunks continuing a saved state, steps mix decodes
-with prefill chunks, and later requests take over the state slots of finished ones.
+with prefill chunks, and later requests take over the state slots of finished ones. One server runs with prefix caching
+on (``--enable-prefix-caching``): a repeated prompt must hit the cache and give the same tokens.
 
 Run with ``integrations/vllm/scripts/test.sh`` (it sets ``VLLM_CPU_KVCACHE_SPACE`` and the offline variables).
 """
 
+import contextlib
 import gc
 import json
 import os
@@ -80,12 +82,11 @@ def _post(url: str, body: dict) -> dict:
         return json.loads(response.read())
 
 
-@pytest.fixture(scope="module", params=SERVED)
-def server(request, tmp_path_factory):
-    """``python -m vllm.entrypoints.openai.api_server --model <folder>`` on 127.0.0.1; yields (base url, name).
+@contextlib.contextmanager
+def _serve(name: str, tmp_path_factory, *extra: str):
+    """``python -m vllm.entrypoints.openai.api_server --model <folder> [extra]`` on 127.0.0.1; yields its base url.
 
     No ``--dtype``: the plugin computes in float32 whatever the engine's dtype ("auto" is bfloat16 on the CPU)."""
-    name = request.param
     port = _free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     command = [
@@ -93,7 +94,7 @@ def server(request, tmp_path_factory):
         "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
         "--max-model-len", str(ENGINE["max_model_len"]), "--max-num-seqs", str(ENGINE["max_num_seqs"]),
         "--max-num-batched-tokens", str(ENGINE["max_num_batched_tokens"]),
-        "--num-gpu-blocks-override", str(ENGINE["num_gpu_blocks_override"]),
+        "--num-gpu-blocks-override", str(ENGINE["num_gpu_blocks_override"]), *extra,
     ]  # fmt: skip
     with open(log, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
@@ -112,7 +113,7 @@ def server(request, tmp_path_factory):
             if time.time() > deadline:
                 pytest.fail(f"the server did not start in 600 s:\n{log.read_text()[-4000:]}")
             time.sleep(2)
-        yield base, name
+        yield base
     finally:
         process.terminate()
         try:
@@ -121,28 +122,65 @@ def server(request, tmp_path_factory):
             process.kill()
 
 
+@pytest.fixture(scope="module", params=SERVED)
+def server(request, tmp_path_factory):
+    """A server of each checkpoint in ``SERVED``; yields (base url, name)."""
+    with _serve(request.param, tmp_path_factory) as base:
+        yield base, request.param
+
+
+def _complete(base: str, name: str, prompt: list[int]) -> dict:
+    """One greedy ``/v1/completions`` request of ``EXPECTED["max_new_tokens"]`` tokens: its choice."""
+    body = {
+        "model": str(FIXTURES / name),
+        "prompt": prompt,
+        "max_tokens": EXPECTED["max_new_tokens"],
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    return _post(base + "/v1/completions", body)["choices"][0]
+
+
 def test_server_completions_equal_generate(server):
     """8 concurrent ``/v1/completions`` requests (token-id prompts), greedy: the tokens of ``generate()``."""
     base, name = server
-    model = str(FIXTURES / name)
-
-    def complete(prompt):
-        body = {
-            "model": model,
-            "prompt": prompt,
-            "max_tokens": EXPECTED["max_new_tokens"],
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        }
-        return _post(base + "/v1/completions", body)["choices"][0]
-
     with ThreadPoolExecutor(8) as pool:
-        choices = list(pool.map(complete, EXPECTED["prompts"]))
+        choices = list(pool.map(lambda prompt: _complete(base, name, prompt), EXPECTED["prompts"]))
     want = EXPECTED["models"][name]
     for i, (choice, w) in enumerate(zip(choices, want)):
         assert choice["token_ids"] == w, f"{name}: prompt {i}: server {choice['token_ids']} != generate() {w}"
         assert choice["text"].split() == [f"t{t}" for t in w]  # detokenised by the checkpoint's tokenizer
+
+
+def _prefix_cache_hits(base: str) -> float:
+    """vLLM's prefix-cache hit counter (prompt tokens found in the cache), from the server's ``/metrics``."""
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits")
+    )
+
+
+def test_server_prefix_caching(tmp_path_factory):
+    """``--enable-prefix-caching`` through the server: a repeated 150-token prompt starts from the state cached at its
+    last whole block (144 tokens, counted by vLLM's hit counter) and gives the tokens of ``generate()``, and so do
+    the other prompts sent after it, concurrently."""
+    name = "bst-sh-s4"
+    want = EXPECTED["models"][name]
+    prompts = EXPECTED["prompts"]
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    block_len = json.loads((FIXTURES / name / "config.json").read_text())["block_len"]
+    with _serve(name, tmp_path_factory, "--enable-prefix-caching") as base:
+        first = _complete(base, name, prompts[longest])
+        before = _prefix_cache_hits(base)
+        again = _complete(base, name, prompts[longest])
+        hits = _prefix_cache_hits(base) - before
+        with ThreadPoolExecutor(8) as pool:
+            choices = list(pool.map(lambda prompt: _complete(base, name, prompt), prompts))
+    assert first["token_ids"] == want[longest] and again["token_ids"] == want[longest]
+    assert hits == (len(prompts[longest]) - 1) // block_len * block_len, "tokens the repeat found in the cache"
+    assert [c["token_ids"] for c in choices] == want
 
 
 def test_unsupported_configs_name_the_field():
