@@ -154,11 +154,12 @@ def test_server_completions_equal_generate(server):
 
 
 def _prefix_cache_hits(base: str) -> float:
-    """vLLM's prefix-cache hit counter (prompt tokens found in the cache), from the server's ``/metrics``."""
+    """vLLM's prefix-cache hit counter (prompt tokens found in the cache), from the server's ``/metrics`` (its
+    ``_total`` samples: the ``_created`` ones are timestamps)."""
     with urllib.request.urlopen(base + "/metrics", timeout=30) as response:
         text = response.read().decode()
     return sum(
-        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits")
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits_total")
     )
 
 
